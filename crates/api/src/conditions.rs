@@ -1,0 +1,157 @@
+//! metav1 conditions computed as data: `lastTransitionTime` only moves when the status flips.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+
+/// Condition types used across nestplane.
+pub mod types {
+    /// v1beta2 contract: the control plane serves requests.
+    pub const AVAILABLE: &str = "Available";
+    /// Reconciliation is paused.
+    pub const PAUSED: &str = "Paused";
+    /// A component's replicas answer their health endpoints.
+    pub const READY: &str = "Ready";
+    /// Certificates and kubeconfigs exist and are current.
+    pub const CERTIFICATES_READY: &str = "CertificatesReady";
+    /// The deletion of the object is in progress.
+    pub const DELETING: &str = "Deleting";
+}
+
+/// Condition reasons used across nestplane.
+pub mod reasons {
+    /// Everything is as desired.
+    pub const AS_EXPECTED: &str = "AsExpected";
+    /// A dependency (another component) is not ready yet.
+    pub const WAITING_FOR_DEPENDENCIES: &str = "WaitingForDependencies";
+    /// Processes or workloads are starting.
+    pub const PROVISIONING: &str = "Provisioning";
+    /// The spec cannot be acted on.
+    pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// The requested version is not available (no binaries, unsupported).
+    pub const VERSION_UNAVAILABLE: &str = "VersionUnavailable";
+    /// A referenced object does not exist.
+    pub const REFERENCE_NOT_FOUND: &str = "ReferenceNotFound";
+    /// Paused by annotation or by the Cluster.
+    pub const PAUSED: &str = "Paused";
+    /// Not paused.
+    pub const NOT_PAUSED: &str = "NotPaused";
+    /// Replicas do not answer their health endpoints.
+    pub const UNHEALTHY: &str = "Unhealthy";
+    /// The object is being deleted.
+    pub const DELETING: &str = "Deleting";
+    /// A component is not owned by this control plane yet.
+    pub const WAITING_FOR_OWNER: &str = "WaitingForOwner";
+    /// An error talking to the management cluster or the runtime.
+    pub const RECONCILE_ERROR: &str = "ReconcileError";
+}
+
+/// Build a condition (the transition time is filled in by [`set`]).
+pub fn new(type_: &str, status: bool, reason: &str, message: impl Into<String>) -> Condition {
+    Condition {
+        type_: type_.to_string(),
+        status: if status { "True" } else { "False" }.to_string(),
+        reason: reason.to_string(),
+        message: message.into(),
+        observed_generation: None,
+        last_transition_time: Time(Timestamp::UNIX_EPOCH),
+    }
+}
+
+/// Insert or update `cond` in `conditions`, keeping `lastTransitionTime` unless the status
+/// changed, and setting `observedGeneration`. Conditions stay sorted by type.
+pub fn set(
+    conditions: &mut Vec<Condition>,
+    mut cond: Condition,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
+    cond.observed_generation = generation;
+    match conditions.iter_mut().find(|c| c.type_ == cond.type_) {
+        Some(existing) => {
+            cond.last_transition_time = if existing.status == cond.status {
+                existing.last_transition_time.clone()
+            } else {
+                Time(now)
+            };
+            *existing = cond;
+        }
+        None => {
+            cond.last_transition_time = Time(now);
+            conditions.push(cond);
+            conditions.sort_by(|a, b| a.type_.cmp(&b.type_));
+        }
+    }
+}
+
+/// The condition of `type_`, if present.
+pub fn get<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition> {
+    conditions.iter().find(|c| c.type_ == type_)
+}
+
+/// Whether the condition of `type_` is present and `True`.
+pub fn is_true(conditions: &[Condition], type_: &str) -> bool {
+    get(conditions, type_).is_some_and(|c| c.status == "True")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::from_second(secs).expect("valid timestamp")
+    }
+
+    #[test]
+    fn transition_time_moves_only_on_status_change() {
+        let mut conds = Vec::new();
+        set(
+            &mut conds,
+            new("Ready", false, "Provisioning", "starting"),
+            Some(1),
+            at(100),
+        );
+        assert_eq!(conds[0].last_transition_time.0, at(100));
+        set(
+            &mut conds,
+            new("Ready", false, "WaitingForDependencies", "etcd"),
+            Some(2),
+            at(200),
+        );
+        assert_eq!(
+            conds[0].last_transition_time.0,
+            at(100),
+            "same status keeps the time"
+        );
+        assert_eq!(conds[0].reason, "WaitingForDependencies");
+        assert_eq!(conds[0].observed_generation, Some(2));
+        set(
+            &mut conds,
+            new("Ready", true, "AsExpected", ""),
+            Some(2),
+            at(300),
+        );
+        assert_eq!(conds[0].last_transition_time.0, at(300));
+        assert!(is_true(&conds, "Ready"));
+    }
+
+    #[test]
+    fn conditions_stay_sorted_by_type() {
+        let mut conds = Vec::new();
+        set(
+            &mut conds,
+            new("Paused", false, "NotPaused", ""),
+            None,
+            at(1),
+        );
+        set(
+            &mut conds,
+            new("Available", false, "Provisioning", ""),
+            None,
+            at(1),
+        );
+        let types: Vec<_> = conds.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(types, ["Available", "Paused"]);
+        assert!(!is_true(&conds, "Available"));
+        assert!(get(&conds, "Missing").is_none());
+    }
+}

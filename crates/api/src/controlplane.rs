@@ -1,0 +1,389 @@
+//! `controlplane.cluster.x-k8s.io/v1alpha1`: `NestedControlPlane` and its components.
+
+use k8s_openapi::api::core::v1::{ObjectReference, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// The API group of the control-plane kinds.
+pub const GROUP: &str = "controlplane.cluster.x-k8s.io";
+/// The served (and stored) version.
+pub const VERSION: &str = "v1alpha1";
+
+/// The common specification of every control-plane component (seed 000's
+/// `NestedComponentSpec`: `CommonSpec` + `PatchSpec` + resources + replicas).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedComponentSpec {
+    /// The exact Kubernetes version of the component, e.g. `v1.20.2` (a missing `v` is
+    /// added). Wins over `channel`. When neither is set, the control plane's version is used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// A channel resolving to a version (for example `stable`); ignored when `version` is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub channel: Option<String>,
+    /// Patches applied to the rendered objects of the component.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "crate::schema::preserve_unknown_list")]
+    pub patches: Vec<serde_json::Value>,
+    /// Compute resources of each replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Number of replicas of the component (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 7))]
+    pub replicas: Option<i32>,
+}
+
+/// Status fields shared by every component (seed 000's `CommonStatus`, plus conditions).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ComponentStatus {
+    /// Whether every replica answers its health endpoint.
+    #[serde(default)]
+    pub ready: bool,
+    /// A one-word summary: `Pending`, `WaitingForDependencies`, `Provisioning`, `Ready`,
+    /// `Failed`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+    /// The version the component runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// Replicas that answer their health endpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_replicas: Option<i32>,
+    /// The generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Conditions (`Ready`, `Paused`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+/// How one etcd member is reached.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedEtcdAddress {
+    /// IP address of the member.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<String>,
+    /// Host name of the member.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
+    /// Client port of the member.
+    pub port: i32,
+}
+
+/// etcd of a nested control plane.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "controlplane.cluster.x-k8s.io",
+    version = "v1alpha1",
+    kind = "NestedEtcd",
+    namespaced,
+    status = "NestedEtcdStatus",
+    category = "cluster-api",
+    label("cluster.x-k8s.io/v1beta1", "v1alpha1"),
+    label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    printcolumn(name = "Ready", type_ = "boolean", json_path = ".status.ready"),
+    printcolumn(
+        name = "Replicas",
+        type_ = "integer",
+        json_path = ".status.readyReplicas"
+    ),
+    printcolumn(name = "Version", type_ = "string", json_path = ".status.version"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedEtcdSpec {
+    /// Version, channel, patches, resources, replicas.
+    #[serde(flatten)]
+    pub component: NestedComponentSpec,
+}
+
+/// Observed state of a `NestedEtcd`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedEtcdStatus {
+    /// How to reach each etcd member.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub addresses: Vec<NestedEtcdAddress>,
+    /// Readiness, version, conditions.
+    #[serde(flatten)]
+    pub common: ComponentStatus,
+}
+
+/// kube-apiserver of a nested control plane.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "controlplane.cluster.x-k8s.io",
+    version = "v1alpha1",
+    kind = "NestedAPIServer",
+    plural = "nestedapiservers",
+    namespaced,
+    status = "NestedAPIServerStatus",
+    category = "cluster-api",
+    label("cluster.x-k8s.io/v1beta1", "v1alpha1"),
+    label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    printcolumn(name = "Ready", type_ = "boolean", json_path = ".status.ready"),
+    printcolumn(
+        name = "Replicas",
+        type_ = "integer",
+        json_path = ".status.readyReplicas"
+    ),
+    printcolumn(name = "Version", type_ = "string", json_path = ".status.version"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedAPIServerSpec {
+    /// Version, channel, patches, resources, replicas.
+    #[serde(flatten)]
+    pub component: NestedComponentSpec,
+}
+
+/// Observed state of a `NestedAPIServer`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedAPIServerStatus {
+    /// The Service (or, for the process runtime, the address) exposing the apiserver.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub apiserver_service: Option<ObjectReference>,
+    /// Readiness, version, conditions.
+    #[serde(flatten)]
+    pub common: ComponentStatus,
+}
+
+/// kube-controller-manager of a nested control plane.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "controlplane.cluster.x-k8s.io",
+    version = "v1alpha1",
+    kind = "NestedControllerManager",
+    namespaced,
+    status = "ComponentStatus",
+    category = "cluster-api",
+    label("cluster.x-k8s.io/v1beta1", "v1alpha1"),
+    label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    printcolumn(name = "Ready", type_ = "boolean", json_path = ".status.ready"),
+    printcolumn(
+        name = "Replicas",
+        type_ = "integer",
+        json_path = ".status.readyReplicas"
+    ),
+    printcolumn(name = "Version", type_ = "string", json_path = ".status.version"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedControllerManagerSpec {
+    /// Version, channel, patches, resources, replicas.
+    #[serde(flatten)]
+    pub component: NestedComponentSpec,
+}
+
+/// kube-scheduler of a nested control plane.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "controlplane.cluster.x-k8s.io",
+    version = "v1alpha1",
+    kind = "NestedScheduler",
+    namespaced,
+    status = "ComponentStatus",
+    category = "cluster-api",
+    label("cluster.x-k8s.io/v1beta1", "v1alpha1"),
+    label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    printcolumn(name = "Ready", type_ = "boolean", json_path = ".status.ready"),
+    printcolumn(
+        name = "Replicas",
+        type_ = "integer",
+        json_path = ".status.readyReplicas"
+    ),
+    printcolumn(name = "Version", type_ = "string", json_path = ".status.version"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedSchedulerSpec {
+    /// Version, channel, patches, resources, replicas.
+    #[serde(flatten)]
+    pub component: NestedComponentSpec,
+}
+
+/// Where the tenant's API server is reached (Cluster API's `APIEndpoint`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApiEndpoint {
+    /// Host name or IP address.
+    #[serde(default)]
+    pub host: String,
+    /// Port.
+    #[serde(default)]
+    pub port: i32,
+}
+
+/// A tenant Kubernetes control plane: etcd, kube-apiserver, kube-controller-manager and
+/// kube-scheduler, each described by its own resource.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "controlplane.cluster.x-k8s.io",
+    version = "v1alpha1",
+    kind = "NestedControlPlane",
+    namespaced,
+    status = "NestedControlPlaneStatus",
+    shortname = "ncp",
+    category = "cluster-api",
+    label("cluster.x-k8s.io/v1beta1", "v1alpha1"),
+    label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
+    printcolumn(name = "Ready", type_ = "boolean", json_path = ".status.ready"),
+    printcolumn(
+        name = "Initialized",
+        type_ = "boolean",
+        json_path = ".status.initialized"
+    ),
+    printcolumn(name = "Version", type_ = "string", json_path = ".status.version"),
+    printcolumn(
+        name = "Endpoint",
+        type_ = "string",
+        json_path = ".spec.controlPlaneEndpoint.host"
+    ),
+    printcolumn(
+        name = "Port",
+        type_ = "integer",
+        json_path = ".spec.controlPlaneEndpoint.port",
+        priority = 1
+    ),
+    printcolumn(name = "Replicas", type_ = "integer", json_path = ".status.replicas"),
+    printcolumn(
+        name = "Available",
+        type_ = "integer",
+        json_path = ".status.availableReplicas"
+    ),
+    printcolumn(
+        name = "Reason",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Available\")].reason",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedControlPlaneSpec {
+    /// Reference to the `NestedEtcd` (created with defaults when missing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd: Option<ObjectReference>,
+    /// Reference to the `NestedAPIServer` (created with defaults when missing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub apiserver: Option<ObjectReference>,
+    /// Reference to the `NestedControllerManager` (created with defaults when missing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub controller_manager: Option<ObjectReference>,
+    /// Reference to the `NestedScheduler` (created with defaults when missing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduler: Option<ObjectReference>,
+    /// Kubernetes version of the control plane (`v1.20.2`; a missing `v` is added).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// Desired API server replicas (the Cluster API scale subresource).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 7))]
+    pub replicas: Option<i32>,
+    /// Where the tenant API server is reached. Set by nestplane: the provider owns the
+    /// endpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_plane_endpoint: Option<ApiEndpoint>,
+}
+
+/// `status.initialization` of the v1beta2 contract.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Initialization {
+    /// True once the tenant API server has answered at least once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_plane_initialized: Option<bool>,
+}
+
+/// Observed state of a `NestedControlPlane`: every field of the Cluster API control-plane
+/// contract, v1beta1 and v1beta2.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedControlPlaneStatus {
+    // v1beta1 contract
+    /// The control plane has been reachable at least once.
+    #[serde(default)]
+    pub initialized: bool,
+    /// The tenant API server is ready to receive requests.
+    #[serde(default)]
+    pub ready: bool,
+    /// Non-terminated API server replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i32>,
+    /// Ready API server replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_replicas: Option<i32>,
+    /// API server replicas running the desired template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub updated_replicas: Option<i32>,
+    /// Desired minus ready replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unavailable_replicas: Option<i32>,
+    /// Label selector (string form) of the API server replicas, for the scale subresource.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+    /// The Kubernetes version that actually runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// Always true: tenant control planes have no Nodes.
+    #[serde(default)]
+    pub external_managed_control_plane: bool,
+    /// A terminal problem that needs a person (v1beta1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_reason: Option<String>,
+    /// Details of `failureReason` (v1beta1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_message: Option<String>,
+    // v1beta2 contract
+    /// Initialization progress.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initialization: Option<Initialization>,
+    /// API server replicas available.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub available_replicas: Option<i32>,
+    /// API server replicas up to date.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub up_to_date_replicas: Option<i32>,
+    /// The generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Conditions: `Available`, `Paused`, `EtcdReady`, `APIServerReady`,
+    /// `ControllerManagerReady`, `SchedulerReady`, `CertificatesReady`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}

@@ -1,0 +1,50 @@
+//! The CustomResourceDefinitions nestplane serves, as one multi-document YAML.
+
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::CustomResourceExt;
+
+use crate::controlplane::{
+    NestedAPIServer, NestedControlPlane, NestedControllerManager, NestedEtcd, NestedScheduler,
+};
+
+/// Every CRD, in a stable order.
+pub fn all() -> Vec<CustomResourceDefinition> {
+    vec![
+        NestedControlPlane::crd(),
+        NestedEtcd::crd(),
+        NestedAPIServer::crd(),
+        NestedControllerManager::crd(),
+        NestedScheduler::crd(),
+    ]
+}
+
+/// The file name of a CRD under `config/crd/bases/` (`<group>_<plural>.yaml`).
+pub fn file_name(crd: &CustomResourceDefinition) -> String {
+    format!("{}_{}.yaml", crd.spec.group, crd.spec.names.plural)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contract_labels_scale_and_short_name() {
+        let crds = all();
+        assert_eq!(crds.len(), 5);
+        for crd in &crds {
+            let labels = crd.metadata.labels.clone().unwrap();
+            assert_eq!(labels["cluster.x-k8s.io/v1beta1"], "v1alpha1");
+            assert_eq!(labels["cluster.x-k8s.io/v1beta2"], "v1alpha1");
+            let v = &crd.spec.versions[0];
+            assert!(v.subresources.as_ref().unwrap().status.is_some(), "{} has a status subresource", crd.spec.names.kind);
+        }
+        let ncp = &crds[0];
+        assert_eq!(ncp.spec.names.short_names.as_deref(), Some(&["ncp".to_string()][..]));
+        let scale = ncp.spec.versions[0].subresources.as_ref().unwrap().scale.clone().unwrap();
+        assert_eq!(scale.spec_replicas_path, ".spec.replicas");
+        assert_eq!(scale.status_replicas_path, ".status.replicas");
+        assert_eq!(scale.label_selector_path.as_deref(), Some(".status.selector"));
+        assert_eq!(file_name(ncp), "controlplane.cluster.x-k8s.io_nestedcontrolplanes.yaml");
+    }
+}

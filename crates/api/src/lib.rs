@@ -1,0 +1,13 @@
+//! Custom resource types of nestplane, condition helpers, and well-known names.
+//!
+//! Pure: no IO. Every other crate builds on these types.
+// kube-derive takes one `printcolumn(...)` per column; clippy reads the repeats as duplicates.
+#![allow(clippy::duplicated_attributes)]
+
+pub mod conditions;
+pub mod controlplane;
+pub mod crds;
+pub mod names;
+mod schema;
+
+pub use controlplane::*;

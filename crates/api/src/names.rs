@@ -1,0 +1,204 @@
+//! Well-known names, labels and keys shared by every crate.
+//!
+//! Secret names follow Cluster API's conventions (`<cluster>-ca`, `<cluster>-etcd`,
+//! `<cluster>-proxy`, `<cluster>-sa`, `<cluster>-kubeconfig`); the leaf certificates and the
+//! component kubeconfigs nestplane adds are named `<cluster>-<purpose>`.
+
+/// Label Cluster API uses to find every object of a cluster.
+pub const CLUSTER_NAME_LABEL: &str = "cluster.x-k8s.io/cluster-name";
+/// Annotation that pauses reconciliation (on the control plane or on the Cluster).
+pub const PAUSED_ANNOTATION: &str = "cluster.x-k8s.io/paused";
+/// Secret type of every Cluster API secret.
+pub const CAPI_SECRET_TYPE: &str = "cluster.x-k8s.io/secret";
+/// Label naming the component an object belongs to.
+pub const COMPONENT_LABEL: &str = "controlplane.cluster.x-k8s.io/component";
+/// Label marking objects nestplane created (so cleanup never touches anything else).
+pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
+/// Value of [`MANAGED_BY_LABEL`].
+pub const MANAGED_BY: &str = "nestplane";
+/// Finalizer on `NestedControlPlane` (stops processes and removes data on deletion).
+pub const FINALIZER: &str = "controlplane.cluster.x-k8s.io/nestplane";
+
+/// Key of a certificate in a TLS-style secret.
+pub const TLS_CRT: &str = "tls.crt";
+/// Key of a private key in a TLS-style secret.
+pub const TLS_KEY: &str = "tls.key";
+/// Key of the issuing CA certificate in a leaf-certificate secret.
+pub const CA_CRT: &str = "ca.crt";
+/// Key of a kubeconfig in a kubeconfig secret.
+pub const KUBECONFIG_KEY: &str = "value";
+
+/// Default Kubernetes version of a tenant when neither the control plane nor the component says.
+pub const DEFAULT_KUBERNETES_VERSION: &str = "v1.20.2";
+
+/// The longest cluster name nestplane accepts: every derived name (the longest is
+/// `<cluster>-controller-manager-kubeconfig`, 33 more characters) must stay a valid
+/// 63-character DNS label.
+pub const MAX_CLUSTER_NAME_LEN: usize = 63 - "-controller-manager-kubeconfig".len();
+
+/// Every secret nestplane creates for a cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SecretPurpose {
+    /// `<cluster>-ca`: cluster CA (`tls.crt`, `tls.key`).
+    ClusterCa,
+    /// `<cluster>-etcd`: etcd CA (`tls.crt`, `tls.key`).
+    EtcdCa,
+    /// `<cluster>-proxy`: front-proxy CA (`tls.crt`, `tls.key`).
+    FrontProxyCa,
+    /// `<cluster>-sa`: service-account key pair (`tls.crt` public key, `tls.key` private key).
+    ServiceAccount,
+    /// `<cluster>-kubeconfig`: admin kubeconfig (`value`).
+    AdminKubeconfig,
+    /// `<cluster>-etcd-server`: etcd serving certificate (`tls.crt`, `tls.key`, `ca.crt`).
+    EtcdServer,
+    /// `<cluster>-etcd-peer`: etcd peer certificate (`tls.crt`, `tls.key`, `ca.crt`).
+    EtcdPeer,
+    /// `<cluster>-apiserver-etcd-client`: the apiserver's etcd client certificate.
+    ApiServerEtcdClient,
+    /// `<cluster>-apiserver`: apiserver serving certificate (`tls.crt`, `tls.key`, `ca.crt`).
+    ApiServer,
+    /// `<cluster>-apiserver-kubelet-client`: apiserver → kubelet client certificate.
+    ApiServerKubeletClient,
+    /// `<cluster>-front-proxy-client`: aggregation-layer client certificate.
+    FrontProxyClient,
+    /// `<cluster>-controller-manager-kubeconfig`: kube-controller-manager kubeconfig (`value`).
+    ControllerManagerKubeconfig,
+    /// `<cluster>-scheduler-kubeconfig`: kube-scheduler kubeconfig (`value`).
+    SchedulerKubeconfig,
+    /// `<cluster>-controller-manager-serving`: kube-controller-manager serving certificate.
+    ControllerManagerServing,
+    /// `<cluster>-scheduler-serving`: kube-scheduler serving certificate.
+    SchedulerServing,
+}
+
+impl SecretPurpose {
+    /// All purposes, in creation order.
+    pub const ALL: [SecretPurpose; 15] = [
+        SecretPurpose::ClusterCa,
+        SecretPurpose::EtcdCa,
+        SecretPurpose::FrontProxyCa,
+        SecretPurpose::ServiceAccount,
+        SecretPurpose::AdminKubeconfig,
+        SecretPurpose::EtcdServer,
+        SecretPurpose::EtcdPeer,
+        SecretPurpose::ApiServerEtcdClient,
+        SecretPurpose::ApiServer,
+        SecretPurpose::ApiServerKubeletClient,
+        SecretPurpose::FrontProxyClient,
+        SecretPurpose::ControllerManagerKubeconfig,
+        SecretPurpose::SchedulerKubeconfig,
+        SecretPurpose::ControllerManagerServing,
+        SecretPurpose::SchedulerServing,
+    ];
+
+    /// The suffix appended to the cluster name.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            SecretPurpose::ClusterCa => "ca",
+            SecretPurpose::EtcdCa => "etcd",
+            SecretPurpose::FrontProxyCa => "proxy",
+            SecretPurpose::ServiceAccount => "sa",
+            SecretPurpose::AdminKubeconfig => "kubeconfig",
+            SecretPurpose::EtcdServer => "etcd-server",
+            SecretPurpose::EtcdPeer => "etcd-peer",
+            SecretPurpose::ApiServerEtcdClient => "apiserver-etcd-client",
+            SecretPurpose::ApiServer => "apiserver",
+            SecretPurpose::ApiServerKubeletClient => "apiserver-kubelet-client",
+            SecretPurpose::FrontProxyClient => "front-proxy-client",
+            SecretPurpose::ControllerManagerKubeconfig => "controller-manager-kubeconfig",
+            SecretPurpose::SchedulerKubeconfig => "scheduler-kubeconfig",
+            SecretPurpose::ControllerManagerServing => "controller-manager-serving",
+            SecretPurpose::SchedulerServing => "scheduler-serving",
+        }
+    }
+
+    /// The secret's name for `cluster`.
+    pub fn secret_name(self, cluster: &str) -> String {
+        format!("{cluster}-{}", self.suffix())
+    }
+
+    /// Whether the secret holds a certificate authority (never regenerated once it exists).
+    pub fn is_ca(self) -> bool {
+        matches!(
+            self,
+            SecretPurpose::ClusterCa
+                | SecretPurpose::EtcdCa
+                | SecretPurpose::FrontProxyCa
+                | SecretPurpose::ServiceAccount
+        )
+    }
+}
+
+/// The four control-plane components.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Component {
+    /// etcd.
+    Etcd,
+    /// kube-apiserver.
+    ApiServer,
+    /// kube-controller-manager.
+    ControllerManager,
+    /// kube-scheduler.
+    Scheduler,
+}
+
+impl Component {
+    /// All components in creation order.
+    pub const ALL: [Component; 4] = [
+        Component::Etcd,
+        Component::ApiServer,
+        Component::ControllerManager,
+        Component::Scheduler,
+    ];
+
+    /// Short name used in object names and labels (`etcd`, `apiserver`, …).
+    pub fn short_name(self) -> &'static str {
+        match self {
+            Component::Etcd => "etcd",
+            Component::ApiServer => "apiserver",
+            Component::ControllerManager => "controller-manager",
+            Component::Scheduler => "scheduler",
+        }
+    }
+
+    /// The binary (and container) name.
+    pub fn binary(self) -> &'static str {
+        match self {
+            Component::Etcd => "etcd",
+            Component::ApiServer => "kube-apiserver",
+            Component::ControllerManager => "kube-controller-manager",
+            Component::Scheduler => "kube-scheduler",
+        }
+    }
+
+    /// Name of the workload (StatefulSet / Deployment, or process group): `<cluster>-<short>`.
+    pub fn workload_name(self, cluster: &str) -> String {
+        format!("{cluster}-{}", self.short_name())
+    }
+
+    /// The components this one waits for before it is created.
+    pub fn dependencies(self) -> &'static [Component] {
+        match self {
+            Component::Etcd => &[],
+            Component::ApiServer => &[Component::Etcd],
+            Component::ControllerManager | Component::Scheduler => &[Component::ApiServer],
+        }
+    }
+}
+
+/// Well-known ports (the same for pods and for local processes, which get their own
+/// loopback address per tenant and replica).
+pub mod ports {
+    /// etcd client port.
+    pub const ETCD_CLIENT: i32 = 2379;
+    /// etcd peer port.
+    pub const ETCD_PEER: i32 = 2380;
+    /// etcd metrics / health port (plain HTTP, `/health`).
+    pub const ETCD_METRICS: i32 = 2381;
+    /// kube-apiserver secure port.
+    pub const APISERVER: i32 = 6443;
+    /// kube-controller-manager secure port.
+    pub const CONTROLLER_MANAGER: i32 = 10257;
+    /// kube-scheduler secure port.
+    pub const SCHEDULER: i32 = 10259;
+}
