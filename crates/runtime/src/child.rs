@@ -1,0 +1,184 @@
+//! Child processes that never outlive their parent.
+//!
+//! Every process nestplane starts (management plane or tenant component) is spawned here: its
+//! output goes to a log file, it receives `SIGKILL` when the spawning thread's process dies
+//! (`PR_SET_PDEATHSIG`), and dropping the handle kills and reaps it. So a test that panics or a
+//! `nestplane up` that is killed leaves nothing running.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Seek, SeekFrom};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// What to run.
+#[derive(Clone, Debug, Default)]
+pub struct Spec {
+    /// A short name for messages (`etcd`, `kube-apiserver`, `demo-etcd-0`, …).
+    pub name: String,
+    /// The program to execute.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Extra environment variables.
+    pub env: BTreeMap<String, String>,
+    /// Where stdout and stderr go (appended).
+    pub log: PathBuf,
+    /// Working directory.
+    pub cwd: Option<PathBuf>,
+}
+
+/// Build the `Command` for `spec`, with output appended to the log and the parent-death
+/// signal set.
+pub fn command(spec: &Spec) -> io::Result<Command> {
+    if let Some(dir) = spec.log.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let log = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&spec.log)?;
+    let mut cmd = Command::new(&spec.program);
+    cmd.args(&spec.args)
+        .envs(&spec.env)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
+    if let Some(cwd) = &spec.cwd {
+        cmd.current_dir(cwd);
+    }
+    // SAFETY: prctl and getppid are async-signal-safe; the closure allocates nothing. It makes
+    // the kernel kill the child when the spawning thread's process dies, so no tenant process
+    // or management-plane process outlives a crashed operator or test.
+    #[allow(unsafe_code)]
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The parent may have died between fork and prctl.
+            if libc::getppid() == 1 {
+                return Err(io::Error::other("parent exited before the child started"));
+            }
+            Ok(())
+        });
+    }
+    Ok(cmd)
+}
+
+/// A running child process; dropping it kills and reaps it.
+#[derive(Debug)]
+pub struct Child {
+    name: String,
+    log: PathBuf,
+    child: std::process::Child,
+}
+
+impl Child {
+    /// Start `spec`.
+    pub fn spawn(spec: &Spec) -> io::Result<Child> {
+        let child = command(spec)?.spawn().map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot start {} ({}): {e}",
+                    spec.name,
+                    spec.program.display()
+                ),
+            )
+        })?;
+        Ok(Child {
+            name: spec.name.clone(),
+            log: spec.log.clone(),
+            child,
+        })
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The name given at spawn.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The log file.
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+
+    /// `Some(status)` once the process has exited.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Kill (SIGKILL) and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Ask the process to stop (SIGTERM), wait up to `grace`, then kill it.
+    pub fn stop(&mut self, grace: std::time::Duration) {
+        if self.exited().is_some() {
+            return;
+        }
+        terminate(self.child.id());
+        let deadline = std::time::Instant::now() + grace;
+        while std::time::Instant::now() < deadline {
+            if self.exited().is_some() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        self.kill();
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Send SIGTERM to `pid`.
+pub fn terminate(pid: u32) {
+    if let Ok(pid) = i32::try_from(pid) {
+        // SAFETY: kill(2) with a valid signal number has no memory-safety requirements.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::kill(pid, libc::SIGTERM);
+        }
+    }
+}
+
+/// Send SIGKILL to `pid`.
+pub fn kill_pid(pid: u32) {
+    if let Ok(pid) = i32::try_from(pid) {
+        // SAFETY: kill(2) with a valid signal number has no memory-safety requirements.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+}
+
+/// The last `lines` lines of a log file (for error messages).
+pub fn log_tail(path: &Path, lines: usize) -> String {
+    let Ok(mut f) = File::open(path) else {
+        return format!("(no log at {})", path.display());
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let start = len.saturating_sub(16 * 1024);
+    let _ = f.seek(SeekFrom::Start(start));
+    let mut buf = String::new();
+    let mut bytes = Vec::new();
+    if f.read_to_end(&mut bytes).is_ok() {
+        buf = String::from_utf8_lossy(&bytes).into_owned();
+    }
+    let all: Vec<&str> = buf.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}

@@ -1,0 +1,6 @@
+//! Where tenant components run. The `process` runtime executes the rendered pod templates as
+//! supervised local processes; [`child`] and [`binaries`] are shared with the local
+//! management plane.
+pub mod binaries;
+pub mod child;
+pub mod process;

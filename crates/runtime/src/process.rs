@@ -1,0 +1,803 @@
+//! The `process` runtime: the rendered pod template of each component runs as supervised
+//! local processes.
+//!
+//! Per replica: secret volumes become directories of files (mode 0600), emptyDir volumes
+//! become persistent directories (etcd data survives restarts), `$(VAR)` references in the
+//! arguments are expanded from the container's env (with `POD_NAME` and `POD_IP` set as a
+//! kubelet would), every mount path in the arguments is rewritten to its local directory, and
+//! the container command runs with the binaries for the requested version. Crashed processes
+//! restart with exponential backoff; each replica logs to its own file.
+//!
+//! Each tenant gets its own loopback block `127.a.b.0/24` (replica `i` listens on
+//! `127.a.b.(i+1)` with the components' standard ports), chosen once and stored in the
+//! tenant's state directory, so addresses never clash between tenants and stay the same across
+//! operator restarts.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::Ipv4Addr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Container, PodTemplateSpec};
+use nestplane_api::names::Component;
+use nestplane_render::Rendered;
+use sha2::{Digest, Sha256};
+use tokio::sync::watch;
+
+use crate::binaries::{self, MissingBinary};
+use crate::child;
+
+/// Most replicas a component may have (the size of a tenant's address block that is used).
+pub const MAX_REPLICAS: u8 = 7;
+
+/// Errors of the process runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// A binary for the requested version is missing.
+    #[error(transparent)]
+    MissingBinary(#[from] MissingBinary),
+    /// The rendered template cannot be run as processes.
+    #[error("cannot run {component} as a process: {reason}")]
+    Unsupported {
+        /// Which component.
+        component: String,
+        /// Why.
+        reason: String,
+    },
+    /// A secret the template mounts was not provided.
+    #[error("secret {0} is not available yet")]
+    MissingSecret(String),
+    /// Filesystem trouble.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The IO error.
+        source: std::io::Error,
+    },
+}
+
+impl RuntimeError {
+    /// A short stable label (metrics, condition reasons).
+    pub fn label(&self) -> &'static str {
+        match self {
+            RuntimeError::MissingBinary(_) => "MissingBinary",
+            RuntimeError::Unsupported { .. } => "Unsupported",
+            RuntimeError::MissingSecret(_) => "MissingSecret",
+            RuntimeError::Io { .. } => "Io",
+        }
+    }
+}
+
+fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> RuntimeError {
+    let context = context.into();
+    move |source| RuntimeError::Io { context, source }
+}
+
+/// Identifies a tenant control plane.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TenantKey {
+    /// Namespace of the `NestedControlPlane`.
+    pub namespace: String,
+    /// Name of the `NestedControlPlane`.
+    pub cluster: String,
+}
+
+impl std::fmt::Display for TenantKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.cluster)
+    }
+}
+
+/// Secret contents by secret name, then key.
+pub type SecretData = BTreeMap<String, BTreeMap<String, Vec<u8>>>;
+
+struct Replica {
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+    pid: Arc<Mutex<Option<u32>>>,
+    restarts: Arc<Mutex<u32>>,
+}
+
+struct Group {
+    hash: String,
+    replicas: Vec<Replica>,
+}
+
+/// Supervises the processes of every tenant.
+pub struct ProcessRuntime {
+    state_dir: PathBuf,
+    groups: tokio::sync::Mutex<HashMap<(TenantKey, Component), Group>>,
+    alloc: Mutex<()>,
+    startups: Mutex<HashMap<(TenantKey, Component), Startup>>,
+}
+
+/// When a component's processes were started, and how long they took to become healthy.
+type Startup = (std::time::Instant, Option<Duration>);
+
+impl std::fmt::Debug for ProcessRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessRuntime")
+            .field("state_dir", &self.state_dir)
+            .finish()
+    }
+}
+
+/// What happened in [`ProcessRuntime::ensure`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ensured {
+    /// Already running with this template and these secrets.
+    Unchanged,
+    /// Processes were started or restarted.
+    Started,
+}
+
+impl ProcessRuntime {
+    /// A runtime keeping tenant state under `state_dir/tenants`.
+    pub fn new(state_dir: impl Into<PathBuf>) -> Self {
+        ProcessRuntime {
+            state_dir: state_dir.into(),
+            groups: Default::default(),
+            alloc: Mutex::new(()),
+            startups: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The directory of a tenant.
+    pub fn tenant_dir(&self, key: &TenantKey) -> PathBuf {
+        self.state_dir
+            .join("tenants")
+            .join(&key.namespace)
+            .join(&key.cluster)
+    }
+
+    /// The tenant's replica addresses (`127.a.b.1` … `127.a.b.7`), allocated on first use and
+    /// stable afterwards.
+    pub fn hosts(&self, key: &TenantKey) -> Result<Vec<Ipv4Addr>, RuntimeError> {
+        let _guard = self.alloc.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = self.tenant_dir(key);
+        let file = dir.join("network.json");
+        let block = match std::fs::read_to_string(&file)
+            .ok()
+            .and_then(|s| serde_json::from_str::<[u8; 2]>(&s).ok())
+        {
+            Some(b) => b,
+            None => {
+                let used = self.used_blocks();
+                let b = pick_block(&used).ok_or_else(|| RuntimeError::Io {
+                    context: "allocating a loopback block".into(),
+                    source: std::io::Error::other("no free 127.x.y.0/24 block"),
+                })?;
+                std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+                std::fs::write(&file, serde_json::to_string(&b).unwrap_or_default())
+                    .map_err(io(format!("writing {}", file.display())))?;
+                b
+            }
+        };
+        Ok((1..=MAX_REPLICAS)
+            .map(|i| Ipv4Addr::new(127, block[0], block[1], i))
+            .collect())
+    }
+
+    fn used_blocks(&self) -> Vec<[u8; 2]> {
+        let mut used = Vec::new();
+        let Ok(namespaces) = std::fs::read_dir(self.state_dir.join("tenants")) else {
+            return used;
+        };
+        for ns in namespaces.flatten() {
+            let Ok(clusters) = std::fs::read_dir(ns.path()) else {
+                continue;
+            };
+            for c in clusters.flatten() {
+                if let Some(b) = std::fs::read_to_string(c.path().join("network.json"))
+                    .ok()
+                    .and_then(|s| serde_json::from_str::<[u8; 2]>(&s).ok())
+                {
+                    used.push(b);
+                }
+            }
+        }
+        used
+    }
+
+    /// Run `rendered` (for Kubernetes `version`) with `secrets`; restarts the replicas when the
+    /// template or a mounted secret changed, starts missing replicas, stops extra ones.
+    pub async fn ensure(
+        &self,
+        key: &TenantKey,
+        rendered: &Rendered,
+        version: &str,
+        secrets: &SecretData,
+    ) -> Result<Ensured, RuntimeError> {
+        let hosts = self.hosts(key)?;
+        let component = rendered.component;
+        let container = rendered
+            .pod_template
+            .spec
+            .as_ref()
+            .and_then(|s| s.containers.first())
+            .ok_or_else(|| RuntimeError::Unsupported {
+                component: rendered.workload_name.clone(),
+                reason: "no container".into(),
+            })?;
+        let program = program_for(container, version)?;
+
+        let mut hasher = Sha256::new();
+        hasher.update(nestplane_render::template_hash(rendered));
+        hasher.update(program.display().to_string());
+        for name in mounted_secrets(&rendered.pod_template) {
+            let data = secrets
+                .get(&name)
+                .ok_or_else(|| RuntimeError::MissingSecret(name.clone()))?;
+            hasher.update(name.as_bytes());
+            for (k, v) in data {
+                hasher.update(k.as_bytes());
+                hasher.update(v);
+            }
+        }
+        let hash = format!("{:x}", hasher.finalize());
+
+        let mut groups = self.groups.lock().await;
+        let gk = (key.clone(), component);
+        let replicas = rendered.replicas as usize;
+        if let Some(g) = groups.get(&gk)
+            && g.hash == hash
+            && g.replicas.len() == replicas
+        {
+            return Ok(Ensured::Unchanged);
+        }
+        if let Some(old) = groups.remove(&gk) {
+            stop_group(old).await;
+        }
+        let mut group = Group {
+            hash,
+            replicas: Vec::new(),
+        };
+        for i in 0..replicas {
+            let host = *hosts.get(i).ok_or_else(|| RuntimeError::Unsupported {
+                component: rendered.workload_name.clone(),
+                reason: format!("at most {MAX_REPLICAS} replicas"),
+            })?;
+            let pod_name = format!("{}-{i}", rendered.workload_name);
+            let dir = self.tenant_dir(key).join(&pod_name);
+            let spec = prepare_replica(
+                &dir,
+                &pod_name,
+                host,
+                &rendered.pod_template,
+                container,
+                &program,
+                secrets,
+            )?;
+            group.replicas.push(supervise(spec, dir.join("pid")));
+        }
+        groups.insert(gk.clone(), group);
+        self.startups
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(gk, (std::time::Instant::now(), None));
+        Ok(Ensured::Started)
+    }
+
+    /// Record that every replica of a component answered its health endpoint; the first time
+    /// after a (re)start fixes the component's start-up duration.
+    pub fn mark_healthy(&self, key: &TenantKey, component: Component) {
+        let mut s = self.startups.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((started, took @ None)) = s.get_mut(&(key.clone(), component)) {
+            *took = Some(started.elapsed());
+        }
+    }
+
+    /// How long each component took from process start to healthy (the last start).
+    pub fn startup_times(&self, key: &TenantKey) -> BTreeMap<Component, Duration> {
+        let s = self.startups.lock().unwrap_or_else(|e| e.into_inner());
+        s.iter()
+            .filter(|((k, _), _)| k == key)
+            .filter_map(|((_, c), (_, took))| took.map(|t| (*c, t)))
+            .collect()
+    }
+
+    /// Process ids of the running replicas of a component (index = replica).
+    pub async fn pids(&self, key: &TenantKey, component: Component) -> Vec<Option<u32>> {
+        let groups = self.groups.lock().await;
+        groups
+            .get(&(key.clone(), component))
+            .map(|g| {
+                g.replicas
+                    .iter()
+                    .map(|r| *r.pid.lock().unwrap_or_else(|e| e.into_inner()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// How often the replicas of a component were restarted after exiting.
+    pub async fn restarts(&self, key: &TenantKey, component: Component) -> u32 {
+        let groups = self.groups.lock().await;
+        groups
+            .get(&(key.clone(), component))
+            .map(|g| {
+                g.replicas
+                    .iter()
+                    .map(|r| *r.restarts.lock().unwrap_or_else(|e| e.into_inner()))
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
+    /// Whether the component has supervised replicas.
+    pub async fn is_running(&self, key: &TenantKey, component: Component) -> bool {
+        self.groups
+            .lock()
+            .await
+            .contains_key(&(key.clone(), component))
+    }
+
+    /// Stop the processes of one component.
+    pub async fn stop_component(&self, key: &TenantKey, component: Component) {
+        let g = self.groups.lock().await.remove(&(key.clone(), component));
+        if let Some(g) = g {
+            stop_group(g).await;
+        }
+    }
+
+    /// Stop every process of a tenant and remove its data and address block.
+    pub async fn remove(&self, key: &TenantKey) -> Result<(), RuntimeError> {
+        let mut stopped = Vec::new();
+        {
+            let mut groups = self.groups.lock().await;
+            let keys: Vec<_> = groups.keys().filter(|(k, _)| k == key).cloned().collect();
+            for k in keys {
+                if let Some(g) = groups.remove(&k) {
+                    stopped.push(g);
+                }
+            }
+        }
+        for g in stopped {
+            stop_group(g).await;
+        }
+        let dir = self.tenant_dir(key);
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(RuntimeError::Io {
+                context: format!("removing {}", dir.display()),
+                source: e,
+            }),
+        }
+    }
+
+    /// Stop every process of every tenant (data stays).
+    pub async fn shutdown(&self) {
+        let all: Vec<Group> = self.groups.lock().await.drain().map(|(_, g)| g).collect();
+        for g in all {
+            stop_group(g).await;
+        }
+    }
+}
+
+fn pick_block(used: &[[u8; 2]]) -> Option<[u8; 2]> {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    for _ in 0..512 {
+        let b = [rng.random_range(64..=126u8), rng.random_range(0..=255u8)];
+        if used.contains(&b) {
+            continue;
+        }
+        // Another nestplane (another state dir, a test) may use the block: probe its ports.
+        let free = [2379u16, 2380, 6443]
+            .iter()
+            .all(|p| std::net::TcpListener::bind((Ipv4Addr::new(127, b[0], b[1], 1), *p)).is_ok());
+        if free {
+            return Some(b);
+        }
+    }
+    None
+}
+
+fn program_for(container: &Container, version: &str) -> Result<PathBuf, RuntimeError> {
+    let cmd = container
+        .command
+        .as_ref()
+        .and_then(|c| c.first())
+        .ok_or_else(|| RuntimeError::Unsupported {
+            component: container.name.clone(),
+            reason: "the container has no command".into(),
+        })?;
+    if cmd.contains('/') {
+        return Ok(PathBuf::from(cmd));
+    }
+    if cmd == "etcd" {
+        Ok(binaries::on_path("etcd")?)
+    } else {
+        Ok(binaries::kubernetes(cmd, version)?)
+    }
+}
+
+fn mounted_secrets(t: &PodTemplateSpec) -> Vec<String> {
+    t.spec
+        .iter()
+        .flat_map(|s| s.volumes.iter().flatten())
+        .filter_map(|v| v.secret.as_ref().and_then(|s| s.secret_name.clone()))
+        .collect()
+}
+
+/// Kubelet-style `$(VAR)` expansion (`$$` escapes; unknown references stay as written).
+pub fn expand(s: &str, env: &BTreeMap<String, String>) -> String {
+    let mut out = String::with_capacity(s.len());
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'$' && i + 1 < b.len() {
+            if b[i + 1] == b'$' {
+                out.push('$');
+                i += 2;
+                continue;
+            }
+            if b[i + 1] == b'('
+                && let Some(end) = s[i + 2..].find(')')
+                && let Some(v) = env.get(&s[i + 2..i + 2 + end])
+            {
+                out.push_str(v);
+                i += 3 + end;
+                continue;
+            }
+        }
+        let ch = s[i..].chars().next().unwrap_or('\u{fffd}');
+        out.push(ch);
+        i += ch.len_utf8();
+    }
+    out
+}
+
+/// Replace every mount path (at a path boundary) in `arg` with its local directory.
+pub fn rewrite_paths(arg: &str, mounts: &[(String, PathBuf)]) -> String {
+    let mut out = arg.to_string();
+    for (mount, local) in mounts {
+        let mut result = String::new();
+        let mut rest = out.as_str();
+        while let Some(pos) = rest.find(mount.as_str()) {
+            let after = &rest[pos + mount.len()..];
+            let boundary_before =
+                pos == 0 || matches!(rest.as_bytes()[pos - 1], b'=' | b',' | b':' | b' ');
+            let boundary_after =
+                after.is_empty() || after.starts_with('/') || after.starts_with(',');
+            result.push_str(&rest[..pos]);
+            if boundary_before && boundary_after {
+                result.push_str(&local.display().to_string());
+            } else {
+                result.push_str(mount);
+            }
+            rest = after;
+        }
+        result.push_str(rest);
+        out = result;
+    }
+    out
+}
+
+fn write_if_changed(path: &Path, data: &[u8]) -> Result<(), RuntimeError> {
+    if std::fs::read(path).ok().as_deref() == Some(data) {
+        return Ok(());
+    }
+    let tmp = path.with_extension("nestplane-tmp");
+    std::fs::write(&tmp, data).map_err(io(format!("writing {}", tmp.display())))?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+        .map_err(io(format!("chmod {}", tmp.display())))?;
+    std::fs::rename(&tmp, path).map_err(io(format!("renaming {}", tmp.display())))
+}
+
+fn mkdir_private(dir: &Path) -> Result<(), RuntimeError> {
+    std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .map_err(io(format!("chmod {}", dir.display())))
+}
+
+fn prepare_replica(
+    dir: &Path,
+    pod_name: &str,
+    host: Ipv4Addr,
+    template: &PodTemplateSpec,
+    container: &Container,
+    program: &Path,
+    secrets: &SecretData,
+) -> Result<child::Spec, RuntimeError> {
+    mkdir_private(dir)?;
+    let volumes_dir = dir.join("volumes");
+    let mut local_volumes: BTreeMap<String, PathBuf> = BTreeMap::new();
+    for v in template
+        .spec
+        .iter()
+        .flat_map(|s| s.volumes.iter().flatten())
+    {
+        let vdir = volumes_dir.join(&v.name);
+        mkdir_private(&vdir)?;
+        if let Some(sv) = &v.secret {
+            let name = sv.secret_name.clone().unwrap_or_default();
+            let data = secrets
+                .get(&name)
+                .ok_or_else(|| RuntimeError::MissingSecret(name.clone()))?;
+            match &sv.items {
+                Some(items) if !items.is_empty() => {
+                    for item in items {
+                        let value = data.get(&item.key).ok_or_else(|| {
+                            RuntimeError::MissingSecret(format!("{name} (key {})", item.key))
+                        })?;
+                        write_if_changed(&vdir.join(&item.path), value)?;
+                    }
+                }
+                _ => {
+                    for (k, value) in data {
+                        write_if_changed(&vdir.join(k), value)?;
+                    }
+                }
+            }
+        } else if v.empty_dir.is_none() && v.persistent_volume_claim.is_none() {
+            return Err(RuntimeError::Unsupported {
+                component: container.name.clone(),
+                reason: format!("volume {} is neither a secret nor an emptyDir", v.name),
+            });
+        }
+        local_volumes.insert(v.name.clone(), vdir);
+    }
+    let mut mounts: Vec<(String, PathBuf)> = Vec::new();
+    for m in container.volume_mounts.iter().flatten() {
+        let local = match local_volumes.get(&m.name) {
+            Some(d) => d.clone(),
+            // A volumeClaimTemplate volume (e.g. etcd `data`): a persistent local directory.
+            None => {
+                let d = volumes_dir.join(&m.name);
+                mkdir_private(&d)?;
+                d
+            }
+        };
+        let local = match &m.sub_path {
+            Some(sp) if !sp.is_empty() => local.join(sp),
+            _ => local,
+        };
+        mounts.push((m.mount_path.trim_end_matches('/').to_string(), local));
+    }
+    mounts.sort_by_key(|m| std::cmp::Reverse(m.0.len()));
+
+    let mut env: BTreeMap<String, String> = BTreeMap::new();
+    env.insert("POD_NAME".into(), pod_name.to_string());
+    env.insert("POD_IP".into(), host.to_string());
+    env.insert("POD_NAMESPACE".into(), String::new());
+    for e in container.env.iter().flatten() {
+        if let Some(v) = &e.value {
+            let expanded = expand(v, &env);
+            env.insert(e.name.clone(), expanded);
+        }
+    }
+    let args: Vec<String> = container
+        .command
+        .iter()
+        .flatten()
+        .skip(1)
+        .chain(container.args.iter().flatten())
+        .map(|a| rewrite_paths(&expand(a, &env), &mounts))
+        .collect();
+    Ok(child::Spec {
+        name: pod_name.to_string(),
+        program: program.to_path_buf(),
+        args,
+        env,
+        log: dir.join(format!("{pod_name}.log")),
+        cwd: Some(dir.to_path_buf()),
+    })
+}
+
+fn pid_alive_with(pid: u32, needle: &str) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| String::from_utf8_lossy(&c).contains(needle))
+        .unwrap_or(false)
+}
+
+fn supervise(spec: child::Spec, pidfile: PathBuf) -> Replica {
+    let (stop, mut stopped) = watch::channel(false);
+    let pid = Arc::new(Mutex::new(None));
+    let restarts = Arc::new(Mutex::new(0));
+    let (pid2, restarts2) = (pid.clone(), restarts.clone());
+    let task = tokio::spawn(async move {
+        // A process left over from an operator that was killed: end it before starting ours.
+        if let Some(old) = std::fs::read_to_string(&pidfile)
+            .ok()
+            .and_then(|s| s.trim().parse::<u32>().ok())
+        {
+            let needle = spec
+                .cwd
+                .as_ref()
+                .map(|d| d.display().to_string())
+                .unwrap_or_default();
+            if !needle.is_empty() && pid_alive_with(old, &needle) {
+                child::kill_pid(old);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        let mut backoff = Duration::from_millis(500);
+        loop {
+            if *stopped.borrow() {
+                return;
+            }
+            let started = tokio::time::Instant::now();
+            let mut cmd = match child::command(&spec) {
+                Ok(c) => tokio::process::Command::from(c),
+                Err(e) => {
+                    tracing::warn!(process = %spec.name, error = %e, "cannot prepare process");
+                    if sleep_or_stop(&mut stopped, backoff).await {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            cmd.kill_on_drop(true);
+            match cmd.spawn() {
+                Ok(mut proc) => {
+                    let id = proc.id();
+                    *pid2.lock().unwrap_or_else(|e| e.into_inner()) = id;
+                    if let Some(id) = id {
+                        let _ = std::fs::write(&pidfile, id.to_string());
+                    }
+                    tokio::select! {
+                        status = proc.wait() => {
+                            *pid2.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                            tracing::warn!(process = %spec.name, status = ?status.ok(), log = %spec.log.display(), "process exited; restarting");
+                            *restarts2.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+                        }
+                        _ = stopped.changed() => {
+                            if let Some(id) = id {
+                                child::terminate(id);
+                            }
+                            if tokio::time::timeout(Duration::from_secs(5), proc.wait()).await.is_err() {
+                                let _ = proc.kill().await;
+                            }
+                            *pid2.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                            let _ = std::fs::remove_file(&pidfile);
+                            return;
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(process = %spec.name, error = %e, "cannot start process"),
+            }
+            if started.elapsed() > Duration::from_secs(60) {
+                backoff = Duration::from_millis(500);
+            }
+            if sleep_or_stop(&mut stopped, backoff).await {
+                return;
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(30));
+        }
+    });
+    Replica {
+        stop,
+        task,
+        pid,
+        restarts,
+    }
+}
+
+/// Sleep for `d`; true when a stop was requested meanwhile.
+async fn sleep_or_stop(stopped: &mut watch::Receiver<bool>, d: Duration) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => *stopped.borrow(),
+        _ = stopped.changed() => true,
+    }
+}
+
+async fn stop_group(g: Group) {
+    for r in &g.replicas {
+        let _ = r.stop.send(true);
+    }
+    for r in g.replicas {
+        let _ = r.task.await;
+    }
+}
+
+/// Check the health endpoints of a component; returns how many answered healthy.
+/// `ca_pem` verifies HTTPS endpoints.
+pub async fn healthy_count(
+    endpoints: &[nestplane_render::HealthEndpoint],
+    ca_pem: Option<&str>,
+) -> usize {
+    let mut builder = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .use_rustls_tls();
+    if let Some(ca) = ca_pem.and_then(|p| reqwest::Certificate::from_pem(p.as_bytes()).ok()) {
+        builder = builder.add_root_certificate(ca);
+    }
+    let Ok(client) = builder.build() else {
+        return 0;
+    };
+    let checks = endpoints.iter().map(|e| {
+        let client = client.clone();
+        async move {
+            match client.get(&e.url).send().await {
+                Ok(resp) if resp.status().is_success() => {
+                    let body = resp.text().await.unwrap_or_default();
+                    // etcd answers {"health":"true"}; Kubernetes components answer "ok".
+                    !body.contains("\"health\":\"false\"")
+                }
+                _ => false,
+            }
+        }
+    });
+    futures_join_all(checks)
+        .await
+        .into_iter()
+        .filter(|ok| *ok)
+        .count()
+}
+
+async fn futures_join_all<F: std::future::Future<Output = bool>>(
+    futs: impl Iterator<Item = F>,
+) -> Vec<bool> {
+    let mut handles = Vec::new();
+    for f in futs {
+        handles.push(f);
+    }
+    let mut out = Vec::with_capacity(handles.len());
+    for h in handles {
+        out.push(h.await);
+    }
+    out
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expands_like_the_kubelet() {
+        let env: BTreeMap<String, String> = [
+            ("POD_IP".to_string(), "127.64.1.1".to_string()),
+            ("POD_NAME".to_string(), "c-etcd-0".to_string()),
+        ]
+        .into();
+        assert_eq!(
+            expand("--listen=https://$(POD_IP):2379", &env),
+            "--listen=https://127.64.1.1:2379"
+        );
+        assert_eq!(expand("--name=$(POD_NAME)", &env), "--name=c-etcd-0");
+        assert_eq!(expand("$$(POD_IP)", &env), "$(POD_IP)");
+        assert_eq!(expand("$(UNKNOWN)-x", &env), "$(UNKNOWN)-x");
+    }
+
+    #[test]
+    fn rewrites_mount_paths_at_boundaries_only() {
+        let mounts = vec![
+            (
+                "/etc/nestplane/etcd-ca".to_string(),
+                PathBuf::from("/s/v/etcd-ca"),
+            ),
+            (
+                "/etc/nestplane/etcd".to_string(),
+                PathBuf::from("/s/v/etcd"),
+            ),
+        ];
+        let mut sorted = mounts.clone();
+        sorted.sort_by_key(|m| std::cmp::Reverse(m.0.len()));
+        assert_eq!(
+            rewrite_paths("--cert=/etc/nestplane/etcd/tls.crt", &sorted),
+            "--cert=/s/v/etcd/tls.crt"
+        );
+        assert_eq!(
+            rewrite_paths("--ca=/etc/nestplane/etcd-ca/tls.crt", &sorted),
+            "--ca=/s/v/etcd-ca/tls.crt"
+        );
+        assert_eq!(
+            rewrite_paths("--other=/etc/nestplane/etcdx/a", &sorted),
+            "--other=/etc/nestplane/etcdx/a"
+        );
+    }
+
+    #[test]
+    fn blocks_are_never_reused() {
+        let used = vec![[64, 0], [64, 1]];
+        let b = pick_block(&used).unwrap();
+        assert!(!used.contains(&b));
+        assert!((64..=126).contains(&b[0]));
+    }
+}
