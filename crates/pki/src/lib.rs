@@ -1,0 +1,417 @@
+//! nestplane's PKI: CAs, leaf certificates, service-account keys, kubeconfigs, and the renewal
+//! policy. Pure: values in, values out; the clock is an argument. Keys are ECDSA P-256.
+
+use std::fmt;
+use std::net::IpAddr;
+
+use base64::Engine as _;
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, PKCS_ECDSA_P256_SHA256, SanType,
+};
+pub use time::OffsetDateTime;
+use x509_parser::extensions::GeneralName;
+use x509_parser::prelude::{FromDer, X509Certificate};
+
+/// CAs are valid 10 years.
+pub const CA_VALIDITY: time::Duration = time::Duration::days(3650);
+/// Leaf and client certificates are valid 1 year.
+pub const LEAF_VALIDITY: time::Duration = time::Duration::days(365);
+/// Certificates are valid from a little before "now", for clocks that disagree slightly.
+const BACKDATE: time::Duration = time::Duration::minutes(5);
+
+/// A PEM certificate and its PEM (PKCS#8) private key.
+#[derive(Clone, PartialEq, Eq)]
+pub struct CertKey {
+    /// The certificate (for a service-account key pair: the public key).
+    pub cert_pem: String,
+    /// The private key. Never printed.
+    pub key_pem: String,
+}
+
+impl fmt::Debug for CertKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CertKey")
+            .field("cert_pem", &self.cert_pem)
+            .field("key_pem", &"<redacted>")
+            .finish()
+    }
+}
+
+/// PKI errors. Messages never contain key material.
+#[derive(Debug, thiserror::Error)]
+pub enum PkiError {
+    /// Generating or signing failed.
+    #[error("cannot create a certificate: {0}")]
+    Generate(String),
+    /// A PEM could not be parsed.
+    #[error("cannot parse {what}: {reason}")]
+    Parse {
+        /// What was being parsed.
+        what: &'static str,
+        /// Why it failed.
+        reason: String,
+    },
+    /// The kubeconfig could not be serialized.
+    #[error("cannot write a kubeconfig: {0}")]
+    Kubeconfig(String),
+}
+
+fn gen_err(e: rcgen::Error) -> PkiError {
+    PkiError::Generate(e.to_string())
+}
+
+/// What a leaf certificate is for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Usage {
+    /// TLS server (`serverAuth`).
+    Server,
+    /// TLS client (`clientAuth`).
+    #[default]
+    Client,
+    /// Both (etcd members, which are servers and peers' clients).
+    ServerAndClient,
+}
+
+/// Subject and SANs of a leaf certificate.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LeafSpec {
+    /// Subject common name (a Kubernetes user name for client certificates).
+    pub common_name: String,
+    /// Subject organizations (Kubernetes groups for client certificates).
+    pub organizations: Vec<String>,
+    /// DNS SANs.
+    pub dns_names: Vec<String>,
+    /// IP SANs.
+    pub ips: Vec<IpAddr>,
+    /// Server, client or both.
+    pub usage: Usage,
+}
+
+fn new_key() -> Result<KeyPair, PkiError> {
+    KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(gen_err)
+}
+
+/// A self-signed CA valid from `now` (minus 5 minutes) for [`CA_VALIDITY`].
+pub fn generate_ca(common_name: &str, now: OffsetDateTime) -> Result<CertKey, PkiError> {
+    let key = new_key()?;
+    let mut params = CertificateParams::default();
+    params
+        .distinguished_name
+        .push(DnType::CommonName, common_name);
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    params.not_before = now - BACKDATE;
+    params.not_after = now + CA_VALIDITY;
+    let cert = params.self_signed(&key).map_err(gen_err)?;
+    Ok(CertKey {
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
+}
+
+/// A leaf certificate signed by `ca`, valid from `now` (minus 5 minutes) for
+/// [`LEAF_VALIDITY`] (never past the CA's own expiry).
+pub fn issue(ca: &CertKey, spec: &LeafSpec, now: OffsetDateTime) -> Result<CertKey, PkiError> {
+    let ca_key = KeyPair::from_pem(&ca.key_pem).map_err(|e| PkiError::Parse {
+        what: "the CA key",
+        reason: e.to_string(),
+    })?;
+    let ca_info = inspect(&ca.cert_pem)?;
+    let issuer = Issuer::from_ca_cert_pem(&ca.cert_pem, ca_key).map_err(gen_err)?;
+    let key = new_key()?;
+    let mut params = CertificateParams::default();
+    params
+        .distinguished_name
+        .push(DnType::CommonName, spec.common_name.as_str());
+    for o in &spec.organizations {
+        params
+            .distinguished_name
+            .push(DnType::OrganizationName, o.as_str());
+    }
+    let mut dns = spec.dns_names.clone();
+    dns.sort();
+    dns.dedup();
+    let mut ips = spec.ips.clone();
+    ips.sort();
+    ips.dedup();
+    for d in dns {
+        let name = d
+            .clone()
+            .try_into()
+            .map_err(|e: rcgen::Error| PkiError::Generate(format!("SAN {d:?}: {e}")))?;
+        params.subject_alt_names.push(SanType::DnsName(name));
+    }
+    params
+        .subject_alt_names
+        .extend(ips.into_iter().map(SanType::IpAddress));
+    params.is_ca = IsCa::ExplicitNoCa;
+    params.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    params.extended_key_usages = match spec.usage {
+        Usage::Server => vec![ExtendedKeyUsagePurpose::ServerAuth],
+        Usage::Client => vec![ExtendedKeyUsagePurpose::ClientAuth],
+        Usage::ServerAndClient => vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ],
+    };
+    params.use_authority_key_identifier_extension = true;
+    params.not_before = now - BACKDATE;
+    params.not_after = (now + LEAF_VALIDITY).min(ca_info.not_after);
+    let cert = params.signed_by(&key, &issuer).map_err(gen_err)?;
+    Ok(CertKey {
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
+}
+
+/// A service-account signing key pair: `cert_pem` holds the PUBLIC KEY PEM, `key_pem` the
+/// private key.
+pub fn generate_service_account_key() -> Result<CertKey, PkiError> {
+    let key = new_key()?;
+    Ok(CertKey {
+        cert_pem: key.public_key_pem(),
+        key_pem: key.serialize_pem(),
+    })
+}
+
+/// Facts read back from a certificate.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CertInfo {
+    /// Subject common name.
+    pub subject_cn: String,
+    /// Subject organizations.
+    pub organizations: Vec<String>,
+    /// Issuer common name.
+    pub issuer_cn: String,
+    /// Start of validity.
+    pub not_before: OffsetDateTime,
+    /// End of validity.
+    pub not_after: OffsetDateTime,
+    /// Whether basicConstraints says CA.
+    pub is_ca: bool,
+    /// DNS SANs.
+    pub dns_names: Vec<String>,
+    /// IP SANs.
+    pub ips: Vec<IpAddr>,
+    /// Extended key usage serverAuth.
+    pub server_auth: bool,
+    /// Extended key usage clientAuth.
+    pub client_auth: bool,
+}
+
+fn der_of(cert_pem: &str) -> Result<Vec<u8>, PkiError> {
+    let (_, pem) =
+        x509_parser::pem::parse_x509_pem(cert_pem.as_bytes()).map_err(|e| PkiError::Parse {
+            what: "a certificate PEM",
+            reason: e.to_string(),
+        })?;
+    Ok(pem.contents)
+}
+
+fn with_cert<T>(
+    cert_pem: &str,
+    f: impl FnOnce(&X509Certificate<'_>) -> Result<T, PkiError>,
+) -> Result<T, PkiError> {
+    let der = der_of(cert_pem)?;
+    let (_, cert) = X509Certificate::from_der(&der).map_err(|e| PkiError::Parse {
+        what: "a certificate",
+        reason: e.to_string(),
+    })?;
+    f(&cert)
+}
+
+/// Read a certificate's subject, issuer, validity, SANs and usages.
+pub fn inspect(cert_pem: &str) -> Result<CertInfo, PkiError> {
+    with_cert(cert_pem, |c| {
+        let cn = |n: &x509_parser::x509::X509Name<'_>| {
+            n.iter_common_name()
+                .next()
+                .and_then(|a| a.as_str().ok())
+                .unwrap_or_default()
+                .to_string()
+        };
+        let mut dns_names = Vec::new();
+        let mut ips = Vec::new();
+        if let Ok(Some(san)) = c.subject_alternative_name() {
+            for n in &san.value.general_names {
+                match n {
+                    GeneralName::DNSName(d) => dns_names.push(d.to_string()),
+                    GeneralName::IPAddress(b) => match b.len() {
+                        4 => ips.push(IpAddr::from(<[u8; 4]>::try_from(*b).unwrap_or_default())),
+                        16 => ips.push(IpAddr::from(<[u8; 16]>::try_from(*b).unwrap_or_default())),
+                        _ => {}
+                    },
+                    _ => {}
+                }
+            }
+        }
+        let (server_auth, client_auth) = match c.extended_key_usage() {
+            Ok(Some(eku)) => (eku.value.server_auth, eku.value.client_auth),
+            _ => (false, false),
+        };
+        Ok(CertInfo {
+            subject_cn: cn(c.subject()),
+            organizations: c
+                .subject()
+                .iter_organization()
+                .filter_map(|a| a.as_str().ok().map(str::to_string))
+                .collect(),
+            issuer_cn: cn(c.issuer()),
+            not_before: c.validity().not_before.to_datetime(),
+            not_after: c.validity().not_after.to_datetime(),
+            is_ca: c.is_ca(),
+            dns_names,
+            ips,
+            server_auth,
+            client_auth,
+        })
+    })
+}
+
+/// Whether `cert_pem`'s signature verifies with the public key of `ca_cert_pem`.
+pub fn verify_signed_by(cert_pem: &str, ca_cert_pem: &str) -> Result<bool, PkiError> {
+    with_cert(ca_cert_pem, |ca| {
+        with_cert(cert_pem, |c| {
+            Ok(c.verify_signature(Some(ca.public_key())).is_ok())
+        })
+    })
+}
+
+/// Renewal policy: renew once half the lifetime has passed, when expired, or when the
+/// certificate cannot be read.
+pub fn needs_renewal(cert_pem: &str, now: OffsetDateTime) -> bool {
+    match inspect(cert_pem) {
+        Ok(info) => {
+            let half = info.not_before + (info.not_after - info.not_before) / 2;
+            now >= half || now >= info.not_after
+        }
+        Err(_) => true,
+    }
+}
+
+/// Whether `key_pem` is the private key of `cert_pem`.
+pub fn key_matches(cert_pem: &str, key_pem: &str) -> Result<bool, PkiError> {
+    let key = KeyPair::from_pem(key_pem).map_err(|e| PkiError::Parse {
+        what: "a private key",
+        reason: e.to_string(),
+    })?;
+    with_cert(cert_pem, |c| {
+        Ok(c.public_key().subject_public_key.data.as_ref() == key.public_key_raw())
+    })
+}
+
+#[derive(serde::Serialize)]
+struct Kubeconfig<'a> {
+    #[serde(rename = "apiVersion")]
+    api_version: &'a str,
+    kind: &'a str,
+    clusters: Vec<Named<'a, ClusterEntry<'a>>>,
+    users: Vec<Named<'a, UserEntry>>,
+    contexts: Vec<Named<'a, ContextEntry<'a>>>,
+    #[serde(rename = "current-context")]
+    current_context: &'a str,
+}
+
+#[derive(serde::Serialize)]
+struct Named<'a, T> {
+    name: &'a str,
+    #[serde(flatten)]
+    value: T,
+}
+
+#[derive(serde::Serialize)]
+struct ClusterEntry<'a> {
+    cluster: ClusterData<'a>,
+}
+
+#[derive(serde::Serialize)]
+struct ClusterData<'a> {
+    server: &'a str,
+    #[serde(rename = "certificate-authority-data")]
+    ca: String,
+}
+
+#[derive(serde::Serialize)]
+struct UserEntry {
+    user: UserData,
+}
+
+#[derive(serde::Serialize)]
+struct UserData {
+    #[serde(rename = "client-certificate-data")]
+    cert: String,
+    #[serde(rename = "client-key-data")]
+    key: String,
+}
+
+#[derive(serde::Serialize)]
+struct ContextEntry<'a> {
+    context: ContextData<'a>,
+}
+
+#[derive(serde::Serialize)]
+struct ContextData<'a> {
+    cluster: &'a str,
+    user: &'a str,
+}
+
+/// Base64 (standard alphabet, padded), as kubeconfigs use.
+pub fn base64(data: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(data)
+}
+
+/// A kubeconfig with one cluster, one client-certificate user and one current context
+/// (`<user>@<cluster>`). Deterministic for the same input.
+pub fn kubeconfig(
+    cluster_name: &str,
+    server: &str,
+    ca_pem: &str,
+    user_name: &str,
+    client: &CertKey,
+) -> Result<String, PkiError> {
+    let context = format!("{user_name}@{cluster_name}");
+    let kc = Kubeconfig {
+        api_version: "v1",
+        kind: "Config",
+        clusters: vec![Named {
+            name: cluster_name,
+            value: ClusterEntry {
+                cluster: ClusterData {
+                    server,
+                    ca: base64(ca_pem.as_bytes()),
+                },
+            },
+        }],
+        users: vec![Named {
+            name: user_name,
+            value: UserEntry {
+                user: UserData {
+                    cert: base64(client.cert_pem.as_bytes()),
+                    key: base64(client.key_pem.as_bytes()),
+                },
+            },
+        }],
+        contexts: vec![Named {
+            name: &context,
+            value: ContextEntry {
+                context: ContextData {
+                    cluster: cluster_name,
+                    user: user_name,
+                },
+            },
+        }],
+        current_context: &context,
+    };
+    serde_norway::to_string(&kc).map_err(|e| PkiError::Kubeconfig(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests;

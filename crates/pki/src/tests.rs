@@ -1,0 +1,204 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use super::*;
+
+fn now() -> OffsetDateTime {
+    OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap()
+}
+
+fn ca() -> CertKey {
+    generate_ca("test-ca", now()).unwrap()
+}
+
+fn server_spec() -> LeafSpec {
+    LeafSpec {
+        common_name: "kube-apiserver".into(),
+        dns_names: vec![
+            "kubernetes".into(),
+            "kubernetes.default.svc".into(),
+            "kubernetes".into(),
+        ],
+        ips: vec!["127.64.1.1".parse().unwrap(), "10.96.0.1".parse().unwrap()],
+        usage: Usage::Server,
+        ..LeafSpec::default()
+    }
+}
+
+#[test]
+fn ca_is_a_self_signed_ten_year_ca() {
+    let ca = ca();
+    let info = inspect(&ca.cert_pem).unwrap();
+    assert!(info.is_ca);
+    assert_eq!(info.subject_cn, "test-ca");
+    assert_eq!(info.issuer_cn, "test-ca");
+    assert_eq!(info.not_after - now(), CA_VALIDITY);
+    assert!(info.not_before < now());
+    assert!(verify_signed_by(&ca.cert_pem, &ca.cert_pem).unwrap());
+    assert!(key_matches(&ca.cert_pem, &ca.key_pem).unwrap());
+}
+
+#[test]
+fn leaf_chains_to_its_ca_only() {
+    let ca = ca();
+    let other = generate_ca("other", now()).unwrap();
+    let leaf = issue(&ca, &server_spec(), now()).unwrap();
+    assert!(verify_signed_by(&leaf.cert_pem, &ca.cert_pem).unwrap());
+    assert!(!verify_signed_by(&leaf.cert_pem, &other.cert_pem).unwrap());
+    let info = inspect(&leaf.cert_pem).unwrap();
+    assert_eq!(info.issuer_cn, "test-ca");
+    assert!(!info.is_ca);
+    assert!(!key_matches(&leaf.cert_pem, &ca.key_pem).unwrap());
+    assert!(key_matches(&leaf.cert_pem, &leaf.key_pem).unwrap());
+}
+
+#[test]
+fn server_leaf_has_exactly_the_requested_sans_and_usage() {
+    let leaf = issue(&ca(), &server_spec(), now()).unwrap();
+    let info = inspect(&leaf.cert_pem).unwrap();
+    assert_eq!(
+        info.dns_names,
+        vec![
+            "kubernetes".to_string(),
+            "kubernetes.default.svc".to_string()
+        ]
+    );
+    let mut ips = info.ips.clone();
+    ips.sort();
+    assert_eq!(
+        ips,
+        vec![
+            "10.96.0.1".parse::<IpAddr>().unwrap(),
+            "127.64.1.1".parse().unwrap()
+        ]
+    );
+    assert!(info.server_auth && !info.client_auth);
+    assert_eq!(info.not_after - now(), LEAF_VALIDITY);
+}
+
+#[test]
+fn client_leaf_carries_user_and_groups() {
+    let spec = LeafSpec {
+        common_name: "kubernetes-admin".into(),
+        organizations: vec!["system:masters".into()],
+        usage: Usage::Client,
+        ..LeafSpec::default()
+    };
+    let info = inspect(&issue(&ca(), &spec, now()).unwrap().cert_pem).unwrap();
+    assert_eq!(info.subject_cn, "kubernetes-admin");
+    assert_eq!(info.organizations, vec!["system:masters".to_string()]);
+    assert!(info.client_auth && !info.server_auth);
+    assert!(info.dns_names.is_empty() && info.ips.is_empty());
+    let both = LeafSpec {
+        usage: Usage::ServerAndClient,
+        ..spec
+    };
+    let info = inspect(&issue(&ca(), &both, now()).unwrap().cert_pem).unwrap();
+    assert!(info.client_auth && info.server_auth);
+}
+
+#[test]
+fn renewal_at_half_life() {
+    let leaf = issue(&ca(), &server_spec(), now()).unwrap();
+    let info = inspect(&leaf.cert_pem).unwrap();
+    let half = info.not_before + (info.not_after - info.not_before) / 2;
+    assert!(!needs_renewal(&leaf.cert_pem, now()));
+    assert!(!needs_renewal(
+        &leaf.cert_pem,
+        half - time::Duration::minutes(1)
+    ));
+    assert!(needs_renewal(
+        &leaf.cert_pem,
+        half + time::Duration::minutes(1)
+    ));
+    assert!(needs_renewal(
+        &leaf.cert_pem,
+        info.not_after + time::Duration::days(1)
+    ));
+    assert!(needs_renewal("not a certificate", now()));
+}
+
+#[test]
+fn leaf_never_outlives_its_ca() {
+    let old_ca = generate_ca("old", now() - CA_VALIDITY + time::Duration::days(10)).unwrap();
+    let leaf = issue(&old_ca, &server_spec(), now()).unwrap();
+    let ca_info = inspect(&old_ca.cert_pem).unwrap();
+    assert_eq!(
+        inspect(&leaf.cert_pem).unwrap().not_after,
+        ca_info.not_after
+    );
+}
+
+#[test]
+fn service_account_key_pair() {
+    let sa = generate_service_account_key().unwrap();
+    assert!(sa.cert_pem.starts_with("-----BEGIN PUBLIC KEY-----"));
+    assert!(sa.key_pem.starts_with("-----BEGIN PRIVATE KEY-----"));
+    assert_ne!(generate_service_account_key().unwrap(), sa);
+}
+
+#[test]
+fn kubeconfig_round_trips() {
+    let ca = ca();
+    let client = issue(
+        &ca,
+        &LeafSpec {
+            common_name: "admin".into(),
+            ..LeafSpec::default()
+        },
+        now(),
+    )
+    .unwrap();
+    let kc = kubeconfig(
+        "demo",
+        "https://127.64.1.1:6443",
+        &ca.cert_pem,
+        "admin",
+        &client,
+    )
+    .unwrap();
+    assert_eq!(
+        kc,
+        kubeconfig(
+            "demo",
+            "https://127.64.1.1:6443",
+            &ca.cert_pem,
+            "admin",
+            &client
+        )
+        .unwrap()
+    );
+    let v: serde_norway::Value = serde_norway::from_str(&kc).unwrap();
+    assert_eq!(v["current-context"].as_str(), Some("admin@demo"));
+    assert_eq!(
+        v["clusters"][0]["cluster"]["server"].as_str(),
+        Some("https://127.64.1.1:6443")
+    );
+    let decode = |s: &serde_norway::Value| {
+        String::from_utf8(
+            base64::engine::general_purpose::STANDARD
+                .decode(s.as_str().unwrap())
+                .unwrap(),
+        )
+        .unwrap()
+    };
+    assert_eq!(
+        decode(&v["clusters"][0]["cluster"]["certificate-authority-data"]),
+        ca.cert_pem
+    );
+    assert_eq!(
+        decode(&v["users"][0]["user"]["client-certificate-data"]),
+        client.cert_pem
+    );
+    assert_eq!(
+        decode(&v["users"][0]["user"]["client-key-data"]),
+        client.key_pem
+    );
+    assert_eq!(v["contexts"][0]["context"]["user"].as_str(), Some("admin"));
+}
+
+#[test]
+fn debug_never_prints_keys() {
+    let printed = format!("{:?}", ca());
+    assert!(!printed.contains("PRIVATE KEY"), "{printed}");
+    assert!(printed.contains("<redacted>"));
+}
