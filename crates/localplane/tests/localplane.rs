@@ -1,0 +1,159 @@
+//! The local management plane against real etcd and kube-apiserver processes.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, ListParams, PostParams};
+use nestplane_localplane::{LocalPlane, Options};
+
+fn alive(pid: u32) -> bool {
+    // A reaped process has no /proc entry; a zombie would show state Z.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat.split_whitespace().nth(2).is_some_and(|s| s == "Z"),
+        Err(_) => false,
+    }
+}
+
+#[tokio::test]
+async fn starts_serves_and_stops_cleanly() {
+    let mut plane = LocalPlane::start(Options {
+        dir: None,
+        controller_manager: true,
+    })
+    .await
+    .expect("management plane starts");
+    println!("management plane ready in {:?}", plane.startup_time());
+
+    let ns: Api<Namespace> = Api::all(plane.client());
+    let names: Vec<String> = ns
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|n| n.metadata.name)
+        .collect();
+    assert!(
+        names.contains(&"default".to_string()),
+        "namespaces: {names:?}"
+    );
+
+    let mode = std::fs::metadata(plane.kubeconfig_path())
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600, "the admin kubeconfig holds a key");
+    for key in ["ca.key", "admin.key", "apiserver.key", "sa.key"] {
+        let mode = std::fs::metadata(plane.dir().join("pki").join(key))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode, 0o600, "{key}");
+    }
+
+    // kubectl works with the kubeconfig, and RBAC is on (anonymous users may not list).
+    let out = std::process::Command::new("kubectl")
+        .args([
+            "--kubeconfig",
+            plane.kubeconfig_path().to_str().unwrap(),
+            "auth",
+            "can-i",
+            "list",
+            "pods",
+            "--as=nobody",
+        ])
+        .output()
+        .expect("kubectl is on PATH (scripts/install-deps.sh installs it)");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "no");
+
+    let pids = plane.pids();
+    let names: Vec<&str> = pids.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["etcd", "kube-apiserver", "kube-controller-manager"]);
+    assert!(pids.iter().all(|(_, p)| alive(*p)));
+    let dir = plane.dir().to_path_buf();
+    plane.stop();
+    for (name, pid) in &pids {
+        assert!(!alive(*pid), "{name} ({pid}) still running after stop");
+    }
+    drop(plane);
+    assert!(
+        !Path::new(&dir).exists(),
+        "the temporary directory is removed"
+    );
+}
+
+#[tokio::test]
+async fn two_planes_side_by_side_are_isolated() {
+    let (a, b) = tokio::join!(
+        LocalPlane::start(Options::default()),
+        LocalPlane::start(Options::default())
+    );
+    let (a, b) = (a.expect("first plane"), b.expect("second plane"));
+    assert_ne!(a.server(), b.server());
+    let ns_a: Api<Namespace> = Api::all(a.client());
+    let ns_b: Api<Namespace> = Api::all(b.client());
+    let only_a: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "only-in-a"}})).unwrap();
+    ns_a.create(&PostParams::default(), &only_a).await.unwrap();
+    assert!(ns_a.get_opt("only-in-a").await.unwrap().is_some());
+    assert!(ns_b.get_opt("only-in-a").await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn data_and_ca_survive_a_restart_in_the_same_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = Options {
+        dir: Some(dir.path().to_path_buf()),
+        controller_manager: false,
+    };
+    let first = LocalPlane::start(opts.clone()).await.unwrap();
+    let ca = first.ca_pem().to_string();
+    let ns: Api<Namespace> = Api::all(first.client());
+    let keep: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "keep-me"}})).unwrap();
+    ns.create(&PostParams::default(), &keep).await.unwrap();
+    drop(first);
+
+    let second = LocalPlane::start(opts).await.unwrap();
+    assert_eq!(second.ca_pem(), ca, "the CA is never regenerated");
+    let ns: Api<Namespace> = Api::all(second.client());
+    assert!(
+        ns.get_opt("keep-me").await.unwrap().is_some(),
+        "etcd data survives"
+    );
+}
+
+#[tokio::test]
+async fn service_account_kubeconfig_is_subject_to_rbac() {
+    let plane = LocalPlane::start(Options {
+        dir: None,
+        controller_manager: true,
+    })
+    .await
+    .unwrap();
+    let sa: k8s_openapi::api::core::v1::ServiceAccount =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "robot"}})).unwrap();
+    Api::namespaced(plane.client(), "default")
+        .create(&PostParams::default(), &sa)
+        .await
+        .unwrap();
+    let kc = plane
+        .service_account_kubeconfig("default", "robot")
+        .await
+        .unwrap();
+    let client = nestplane_localplane::client_from_kubeconfig(&kc)
+        .await
+        .unwrap();
+    let err = Api::<Namespace>::all(client)
+        .list(&ListParams::default())
+        .await
+        .unwrap_err();
+    match err {
+        kube::Error::Api(e) => assert_eq!(e.code, 403, "{e:?}"),
+        other => panic!("expected 403, got {other:?}"),
+    }
+}
