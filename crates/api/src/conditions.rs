@@ -46,12 +46,21 @@ pub mod reasons {
 }
 
 /// Build a condition (the transition time is filled in by [`set`]).
+///
+/// The message is never empty: an empty one becomes `"<type> is True|False (<reason>)"`. Some
+/// kube-apiserver builds (1.20 built with Go 1.19, as Debian ships it) decode an empty string in
+/// a custom resource as null and refuse the object.
 pub fn new(type_: &str, status: bool, reason: &str, message: impl Into<String>) -> Condition {
+    let status = if status { "True" } else { "False" };
+    let mut message = message.into();
+    if message.is_empty() {
+        message = format!("{type_} is {status} ({reason})");
+    }
     Condition {
         type_: type_.to_string(),
-        status: if status { "True" } else { "False" }.to_string(),
+        status: status.to_string(),
         reason: reason.to_string(),
-        message: message.into(),
+        message,
         observed_generation: None,
         last_transition_time: Time(Timestamp::UNIX_EPOCH),
     }
@@ -132,6 +141,13 @@ mod tests {
         );
         assert_eq!(conds[0].last_transition_time.0, at(300));
         assert!(is_true(&conds, "Ready"));
+    }
+
+    #[test]
+    fn messages_are_never_empty() {
+        let c = new("Ready", true, "AsExpected", "");
+        assert_eq!(c.message, "Ready is True (AsExpected)");
+        assert_eq!(new("Ready", false, "X", "why").message, "why");
     }
 
     #[test]

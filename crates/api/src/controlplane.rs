@@ -233,10 +233,8 @@ pub struct NestedSchedulerSpec {
 #[serde(rename_all = "camelCase")]
 pub struct ApiEndpoint {
     /// Host name or IP address.
-    #[serde(default)]
     pub host: String,
     /// Port.
-    #[serde(default)]
     pub port: i32,
 }
 

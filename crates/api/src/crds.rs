@@ -37,14 +37,33 @@ mod tests {
             assert_eq!(labels["cluster.x-k8s.io/v1beta1"], "v1alpha1");
             assert_eq!(labels["cluster.x-k8s.io/v1beta2"], "v1alpha1");
             let v = &crd.spec.versions[0];
-            assert!(v.subresources.as_ref().unwrap().status.is_some(), "{} has a status subresource", crd.spec.names.kind);
+            assert!(
+                v.subresources.as_ref().unwrap().status.is_some(),
+                "{} has a status subresource",
+                crd.spec.names.kind
+            );
         }
         let ncp = &crds[0];
-        assert_eq!(ncp.spec.names.short_names.as_deref(), Some(&["ncp".to_string()][..]));
-        let scale = ncp.spec.versions[0].subresources.as_ref().unwrap().scale.clone().unwrap();
+        assert_eq!(
+            ncp.spec.names.short_names.as_deref(),
+            Some(&["ncp".to_string()][..])
+        );
+        let scale = ncp.spec.versions[0]
+            .subresources
+            .as_ref()
+            .unwrap()
+            .scale
+            .clone()
+            .unwrap();
         assert_eq!(scale.spec_replicas_path, ".spec.replicas");
         assert_eq!(scale.status_replicas_path, ".status.replicas");
-        assert_eq!(scale.label_selector_path.as_deref(), Some(".status.selector"));
-        assert_eq!(file_name(ncp), "controlplane.cluster.x-k8s.io_nestedcontrolplanes.yaml");
+        assert_eq!(
+            scale.label_selector_path.as_deref(),
+            Some(".status.selector")
+        );
+        assert_eq!(
+            file_name(ncp),
+            "controlplane.cluster.x-k8s.io_nestedcontrolplanes.yaml"
+        );
     }
 }

@@ -11,7 +11,7 @@ use nestplane_localplane::{LocalPlane, Options};
 fn alive(pid: u32) -> bool {
     // A reaped process has no /proc entry; a zombie would show state Z.
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !stat.split_whitespace().nth(2).is_some_and(|s| s == "Z"),
+        Ok(stat) => stat.split_whitespace().nth(2).is_none_or(|s| s != "Z"),
         Err(_) => false,
     }
 }
