@@ -59,17 +59,58 @@ pub fn candidates(name: &str, version: &str) -> Vec<PathBuf> {
     out
 }
 
-/// Find a Kubernetes server binary (`kube-apiserver`, …) for `version`.
-pub fn kubernetes(name: &str, version: &str) -> Result<PathBuf, MissingBinary> {
-    let searched = candidates(name, version);
-    match searched.iter().find(|p| is_executable(p)) {
-        Some(p) => Ok(p.clone()),
-        None => Err(MissingBinary {
-            name: name.into(),
-            version: version.into(),
-            searched,
-        }),
+/// The version a Kubernetes binary reports (`kube-apiserver --version` prints
+/// `Kubernetes v1.20.2`), cached per path.
+pub fn reported_version(path: &Path) -> Option<String> {
+    type Cache = std::collections::HashMap<PathBuf, Option<String>>;
+    static CACHE: std::sync::Mutex<Option<Cache>> = std::sync::Mutex::new(None);
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    let cache = cache.get_or_insert_with(Default::default);
+    if let Some(v) = cache.get(path) {
+        return v.clone();
     }
+    let v = std::process::Command::new(path)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .split_whitespace()
+                .find(|w| w.starts_with('v'))
+                .map(str::to_string)
+        });
+    cache.insert(path.to_path_buf(), v.clone());
+    v
+}
+
+/// Find a Kubernetes server binary (`kube-apiserver`, …) for `version`. A binary directly in
+/// `$NESTPLANE_BIN_DIR` is used only when it reports that version: running 1.20 binaries with
+/// 1.33 flags would fail in confusing ways.
+pub fn kubernetes(name: &str, version: &str) -> Result<PathBuf, MissingBinary> {
+    let loose_dir = std::env::var_os("NESTPLANE_BIN_DIR").map(PathBuf::from);
+    let mut searched = Vec::new();
+    for p in candidates(name, version) {
+        if !is_executable(&p) {
+            searched.push(p);
+            continue;
+        }
+        if p.parent() != loose_dir.as_deref() {
+            return Ok(p);
+        }
+        match reported_version(&p) {
+            Some(v) if v == version => return Ok(p),
+            Some(v) => searched.push(PathBuf::from(format!("{} (which is {v})", p.display()))),
+            None => searched.push(PathBuf::from(format!(
+                "{} (reports no version)",
+                p.display()
+            ))),
+        }
+    }
+    Err(MissingBinary {
+        name: name.into(),
+        version: version.into(),
+        searched,
+    })
 }
 
 /// Find a binary on `NESTPLANE_BIN_DIR` or `PATH` (etcd, etcdctl).

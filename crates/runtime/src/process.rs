@@ -397,6 +397,15 @@ fn pick_block(used: &[[u8; 2]]) -> Option<[u8; 2]> {
     None
 }
 
+/// The binary that runs `component` at Kubernetes `version` (etcd comes from `PATH`, whatever
+/// the Kubernetes version).
+pub fn binary_for(component: Component, version: &str) -> Result<PathBuf, MissingBinary> {
+    match component {
+        Component::Etcd => binaries::on_path("etcd"),
+        other => binaries::kubernetes(other.binary(), version),
+    }
+}
+
 fn program_for(container: &Container, version: &str) -> Result<PathBuf, RuntimeError> {
     let cmd = container
         .command
