@@ -1,0 +1,595 @@
+//! One controller per component kind (`NestedEtcd`, `NestedAPIServer`,
+//! `NestedControllerManager`, `NestedScheduler`), all running this reconciler.
+//!
+//! Order through status, as seed 000 says: the API server waits until etcd is Ready,
+//! controller-manager and scheduler until the API server is Ready. A component is Ready only
+//! when every replica answers its health endpoint.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ObjectReference, Service};
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
+use nestplane_api::conditions::{self, reasons, types};
+use nestplane_api::names::{self, Component, SecretPurpose, ports};
+use nestplane_api::{ComponentStatus, NestedControlPlane, NestedEtcdAddress};
+use nestplane_pki::{LeafSpec, Usage};
+use nestplane_render::{Network, RenderInput, Sans};
+use nestplane_runtime::process::{RuntimeError, TenantKey};
+
+use crate::context::{Context, Error};
+use crate::crds::FIELD_MANAGER;
+use crate::secrets::{ClusterSecrets, KubeconfigSpec, Leaf};
+use crate::tenant::{self, ComponentKind, Tenant};
+
+/// How often a Ready component's health is re-checked.
+pub const HEALTH_INTERVAL: Duration = Duration::from_secs(10);
+/// How often a component that is starting is re-checked.
+pub const STARTING_INTERVAL: Duration = Duration::from_millis(500);
+
+/// The outcome of one pass, before it becomes status.
+struct Outcome {
+    ready: bool,
+    ready_replicas: i32,
+    reason: &'static str,
+    message: String,
+    version: Option<String>,
+    addresses: Vec<NestedEtcdAddress>,
+    service: Option<ObjectReference>,
+    requeue: Option<Duration>,
+    event: Option<EventType>,
+}
+
+impl Outcome {
+    fn waiting(
+        reason: &'static str,
+        message: String,
+        requeue: Option<Duration>,
+        event: Option<EventType>,
+    ) -> Self {
+        Outcome {
+            ready: false,
+            ready_replicas: 0,
+            reason,
+            message,
+            version: None,
+            addresses: vec![],
+            service: None,
+            requeue,
+            event,
+        }
+    }
+}
+
+/// Reconcile one component object.
+pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let _timer = ctx.metrics.reconcile_started(tenant::kind_of(K::COMPONENT));
+    let ns = obj.namespace().unwrap_or_default();
+    let Some(owner) = tenant::controller_of(obj.as_ref()) else {
+        let out = Outcome::waiting(
+            reasons::WAITING_FOR_OWNER,
+            "no NestedControlPlane references and owns this component yet".into(),
+            None,
+            None,
+        );
+        write_status::<K>(&ctx, &obj, out.to_status(obj.as_ref()), &out).await?;
+        return Ok(Action::await_change());
+    };
+    let ncps: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &ns);
+    let Some(ncp) = ncps.get_opt(&owner.name).await? else {
+        return Ok(Action::await_change());
+    };
+    if ncp.metadata.deletion_timestamp.is_some() {
+        return Ok(Action::await_change());
+    }
+    let tenant = Tenant::load(&ctx.client, ncp).await?;
+    let out = match run::<K>(&ctx, &tenant).await {
+        Ok(out) => out,
+        Err(Error::Runtime(e @ RuntimeError::MissingBinary(_))) => Outcome::waiting(
+            reasons::VERSION_UNAVAILABLE,
+            e.to_string(),
+            Some(Duration::from_secs(30)),
+            Some(EventType::Warning),
+        ),
+        Err(Error::Secret(e @ crate::secrets::SecretError::Invalid { .. })) => Outcome::waiting(
+            reasons::INVALID_SPEC,
+            e.to_string(),
+            Some(Duration::from_secs(30)),
+            Some(EventType::Warning),
+        ),
+        Err(e) => {
+            ctx.metrics
+                .reconcile_failed(tenant::kind_of(K::COMPONENT), e.label());
+            Outcome::waiting(
+                reasons::RECONCILE_ERROR,
+                e.to_string(),
+                Some(Duration::from_secs(5)),
+                Some(EventType::Warning),
+            )
+        }
+    };
+    let status = out.to_status(obj.as_ref());
+    write_status::<K>(&ctx, &obj, status, &out).await?;
+    Ok(match out.requeue {
+        Some(d) => Action::requeue(d),
+        None => Action::await_change(),
+    })
+}
+
+impl Outcome {
+    fn to_status<K: ComponentKind>(&self, obj: &K) -> ComponentStatus {
+        let previous = obj.common_status().cloned().unwrap_or_default();
+        let mut st = previous.clone();
+        st.ready = self.ready;
+        st.ready_replicas = Some(self.ready_replicas);
+        st.observed_generation = obj.meta().generation;
+        if self.version.is_some() {
+            st.version = self.version.clone();
+        }
+        st.phase = Some(
+            match self.reason {
+                reasons::AS_EXPECTED => "Ready",
+                reasons::WAITING_FOR_DEPENDENCIES | reasons::WAITING_FOR_OWNER => "Waiting",
+                reasons::PROVISIONING | reasons::UNHEALTHY => "Provisioning",
+                reasons::PAUSED => "Paused",
+                _ => "Failed",
+            }
+            .to_string(),
+        );
+        let now = k8s_openapi::jiff::Timestamp::now();
+        conditions::set(
+            &mut st.conditions,
+            conditions::new(types::READY, self.ready, self.reason, self.message.clone()),
+            obj.meta().generation,
+            now,
+        );
+        let paused = self.reason == reasons::PAUSED;
+        conditions::set(
+            &mut st.conditions,
+            conditions::new(
+                types::PAUSED,
+                paused,
+                if paused {
+                    reasons::PAUSED
+                } else {
+                    reasons::NOT_PAUSED
+                },
+                "",
+            ),
+            obj.meta().generation,
+            now,
+        );
+        st
+    }
+}
+
+async fn write_status<K: ComponentKind>(
+    ctx: &Context,
+    obj: &K,
+    status: ComponentStatus,
+    out: &Outcome,
+) -> Result<(), Error> {
+    let previous = obj.common_status().cloned().unwrap_or_default();
+    let mut body = serde_json::to_value(&status).map_err(|e| Error::Internal(e.to_string()))?;
+    if K::COMPONENT == Component::Etcd {
+        body["addresses"] =
+            serde_json::to_value(&out.addresses).map_err(|e| Error::Internal(e.to_string()))?;
+    }
+    if K::COMPONENT == Component::ApiServer
+        && let Some(svc) = &out.service
+    {
+        body["apiserverService"] =
+            serde_json::to_value(svc).map_err(|e| Error::Internal(e.to_string()))?;
+    }
+    // Write only changes: our own status writes must not cause more reconciles.
+    let current = serde_json::to_value(obj).map_err(|e| Error::Internal(e.to_string()))?;
+    let unchanged = {
+        let cur = &current["status"];
+        let mut same = status == previous;
+        if K::COMPONENT == Component::Etcd {
+            same &= cur
+                .get("addresses")
+                .cloned()
+                .unwrap_or(serde_json::json!([]))
+                == body["addresses"];
+        }
+        if K::COMPONENT == Component::ApiServer && out.service.is_some() {
+            same &= cur.get("apiserverService") == body.get("apiserverService");
+        }
+        same
+    };
+    if unchanged {
+        return Ok(());
+    }
+    let old_ready = conditions::get(&previous.conditions, types::READY)
+        .map(|c| (c.status.clone(), c.reason.clone()));
+    // A merge patch: server-side apply in Kubernetes 1.20 turns empty strings (a condition's
+    // empty message) into nulls, which the schema rightly refuses.
+    let patch = serde_json::json!({ "status": body });
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
+    api.patch_status(
+        &obj.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&patch),
+    )
+    .await?;
+    // An Event when the Ready condition changes (not on every pass).
+    let new_ready = (
+        if out.ready { "True" } else { "False" }.to_string(),
+        out.reason.to_string(),
+    );
+    if old_ready.as_ref() != Some(&new_ready) {
+        let type_ = out.event.unwrap_or(EventType::Normal);
+        let note = if out.ready {
+            format!("{} is ready", tenant::kind_of(K::COMPONENT))
+        } else {
+            out.message.clone()
+        };
+        ctx.event(obj.object_ref(&()), type_, out.reason, &note)
+            .await;
+    }
+    Ok(())
+}
+
+async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Error> {
+    let c = K::COMPONENT;
+    if let Some(msg) = t.name_problem() {
+        return Ok(Outcome::waiting(
+            reasons::INVALID_SPEC,
+            msg,
+            None,
+            Some(EventType::Warning),
+        ));
+    }
+    if t.paused(Some(c)) {
+        return Ok(Outcome::waiting(
+            reasons::PAUSED,
+            "reconciliation is paused".into(),
+            None,
+            None,
+        ));
+    }
+    let version = match t.version(c) {
+        Ok(v) => v,
+        Err((reason, msg)) => {
+            let reason = if reason == reasons::INVALID_SPEC {
+                reasons::INVALID_SPEC
+            } else {
+                reasons::VERSION_UNAVAILABLE
+            };
+            return Ok(Outcome::waiting(
+                reason,
+                msg,
+                None,
+                Some(EventType::Warning),
+            ));
+        }
+    };
+    // Say at once when this version cannot run here, rather than after the dependencies.
+    nestplane_runtime::process::binary_for(c, &version.to_string()).map_err(RuntimeError::from)?;
+    let waiting_for: Vec<String> = c
+        .dependencies()
+        .iter()
+        .filter(|d| !t.ready(**d))
+        .map(|d| {
+            let name = tenant::reference(&t.ncp, *d)
+                .and_then(|r| r.name.clone())
+                .unwrap_or_else(|| "(unreferenced)".into());
+            format!("{} {}/{}", tenant::kind_of(*d), t.namespace(), name)
+        })
+        .collect();
+    if !waiting_for.is_empty() {
+        return Ok(Outcome::waiting(
+            reasons::WAITING_FOR_DEPENDENCIES,
+            format!("waiting for {} to be Ready", waiting_for.join(" and ")),
+            Some(Duration::from_secs(2)),
+            None,
+        ));
+    }
+
+    let key = TenantKey {
+        namespace: t.namespace(),
+        cluster: t.cluster(),
+    };
+    let hosts = ctx.runtime.hosts(&key)?;
+    let input = t.render_input(
+        version,
+        Network::Loopback {
+            hosts: hosts.clone(),
+        },
+    );
+    let rendered = nestplane_render::render(c, &input)?;
+    let secrets = ClusterSecrets::new(
+        ctx.client.clone(),
+        &t.namespace(),
+        &t.cluster(),
+        tenant::owner_ref(&t.ncp),
+    );
+    let cluster_ca_pem = ensure_secrets(c, t, &input, &secrets).await?;
+    let data = secrets.data(&rendered.secrets).await?;
+    ctx.runtime
+        .ensure(&key, &rendered, &version.to_string(), &data)
+        .await?;
+
+    let mut service = None;
+    if c == Component::ApiServer {
+        service = Some(ensure_apiserver_service(ctx, t, &hosts).await?);
+    }
+    let endpoints = nestplane_render::health_endpoints(c, &input);
+    let healthy =
+        nestplane_runtime::process::healthy_count(&endpoints, cluster_ca_pem.as_deref()).await;
+    let replicas = rendered.replicas as usize;
+    let ready = healthy >= replicas && replicas > 0;
+    if ready {
+        ctx.runtime.mark_healthy(&key, c);
+    }
+    let addresses = if c == Component::Etcd {
+        hosts
+            .iter()
+            .take(replicas)
+            .enumerate()
+            .map(|(i, h)| NestedEtcdAddress {
+                ip: Some(h.to_string()),
+                hostname: Some(format!("{}-{i}", rendered.workload_name)),
+                port: ports::ETCD_CLIENT,
+            })
+            .collect()
+    } else {
+        vec![]
+    };
+    Ok(Outcome {
+        ready,
+        ready_replicas: healthy as i32,
+        reason: if ready {
+            reasons::AS_EXPECTED
+        } else {
+            reasons::PROVISIONING
+        },
+        message: if ready {
+            format!("{replicas}/{replicas} replicas answer their health endpoint")
+        } else {
+            format!("{healthy}/{replicas} replicas answer their health endpoint")
+        },
+        version: ready.then(|| version.to_string()),
+        addresses,
+        service,
+        requeue: Some(if ready {
+            HEALTH_INTERVAL
+        } else {
+            STARTING_INTERVAL
+        }),
+        event: None,
+    })
+}
+
+fn leaf(cn: &str, orgs: &[&str], sans: Sans, usage: Usage) -> LeafSpec {
+    LeafSpec {
+        common_name: cn.into(),
+        organizations: orgs.iter().map(|s| s.to_string()).collect(),
+        dns_names: sans.dns,
+        ips: sans.ips,
+        usage,
+    }
+}
+
+fn no_sans() -> Sans {
+    Sans {
+        dns: vec![],
+        ips: vec![],
+    }
+}
+
+/// The endpoint host of the control plane (the first API server replica's address).
+pub fn endpoint_host(input: &RenderInput) -> Option<String> {
+    match &input.network {
+        Network::Loopback { hosts } => hosts.first().map(|h| h.to_string()),
+        Network::Cluster => None,
+    }
+}
+
+/// Create or renew the secrets component `c` needs; returns the cluster CA (PEM) for
+/// health checks over HTTPS.
+async fn ensure_secrets(
+    c: Component,
+    t: &Tenant,
+    input: &RenderInput,
+    s: &ClusterSecrets,
+) -> Result<Option<String>, Error> {
+    let cluster = t.cluster();
+    match c {
+        Component::Etcd => {
+            let ca = s.ca(SecretPurpose::EtcdCa).await?;
+            let sans = nestplane_render::etcd_sans(input);
+            s.leaf(
+                &Leaf {
+                    purpose: SecretPurpose::EtcdServer,
+                    ca: SecretPurpose::EtcdCa,
+                    spec: leaf(
+                        &format!("{cluster}-etcd"),
+                        &[],
+                        sans.clone(),
+                        Usage::ServerAndClient,
+                    ),
+                },
+                &ca,
+            )
+            .await?;
+            s.leaf(
+                &Leaf {
+                    purpose: SecretPurpose::EtcdPeer,
+                    ca: SecretPurpose::EtcdCa,
+                    spec: leaf(
+                        &format!("{cluster}-etcd-peer"),
+                        &[],
+                        sans,
+                        Usage::ServerAndClient,
+                    ),
+                },
+                &ca,
+            )
+            .await?;
+            Ok(None)
+        }
+        Component::ApiServer => {
+            let ca = s.ca(SecretPurpose::ClusterCa).await?;
+            let etcd_ca = s.ca(SecretPurpose::EtcdCa).await?;
+            let proxy_ca = s.ca(SecretPurpose::FrontProxyCa).await?;
+            s.ca(SecretPurpose::ServiceAccount).await?;
+            let host = endpoint_host(input);
+            let sans = nestplane_render::apiserver_sans(input, host.as_deref());
+            s.leaf(
+                &Leaf {
+                    purpose: SecretPurpose::ApiServer,
+                    ca: SecretPurpose::ClusterCa,
+                    spec: leaf("kube-apiserver", &[], sans, Usage::Server),
+                },
+                &ca,
+            )
+            .await?;
+            s.leaf(
+                &Leaf {
+                    purpose: SecretPurpose::ApiServerEtcdClient,
+                    ca: SecretPurpose::EtcdCa,
+                    spec: leaf(
+                        "kube-apiserver-etcd-client",
+                        &["system:masters"],
+                        no_sans(),
+                        Usage::Client,
+                    ),
+                },
+                &etcd_ca,
+            )
+            .await?;
+            s.leaf(
+                &Leaf {
+                    purpose: SecretPurpose::ApiServerKubeletClient,
+                    ca: SecretPurpose::ClusterCa,
+                    spec: leaf(
+                        "kube-apiserver-kubelet-client",
+                        &["system:masters"],
+                        no_sans(),
+                        Usage::Client,
+                    ),
+                },
+                &ca,
+            )
+            .await?;
+            s.leaf(
+                &Leaf {
+                    purpose: SecretPurpose::FrontProxyClient,
+                    ca: SecretPurpose::FrontProxyCa,
+                    spec: leaf("front-proxy-client", &[], no_sans(), Usage::Client),
+                },
+                &proxy_ca,
+            )
+            .await?;
+            let server = match (&host, &t.ncp.spec.control_plane_endpoint) {
+                (_, Some(ep)) if !ep.host.is_empty() => format!("https://{}:{}", ep.host, ep.port),
+                (Some(h), _) => format!("https://{h}:{}", ports::APISERVER),
+                _ => nestplane_render::apiserver_internal_url(input),
+            };
+            s.kubeconfig(
+                &KubeconfigSpec {
+                    purpose: SecretPurpose::AdminKubeconfig,
+                    server,
+                    user: "kubernetes-admin".into(),
+                    groups: vec!["system:masters".into()],
+                },
+                &ca,
+            )
+            .await?;
+            Ok(Some(ca.cert_pem))
+        }
+        Component::ControllerManager | Component::Scheduler => {
+            let ca = s.ca(SecretPurpose::ClusterCa).await?;
+            let server = nestplane_render::apiserver_internal_url(input);
+            let (kc, serving, user, sans) = if c == Component::ControllerManager {
+                (
+                    SecretPurpose::ControllerManagerKubeconfig,
+                    SecretPurpose::ControllerManagerServing,
+                    "system:kube-controller-manager",
+                    nestplane_render::controller_manager_sans(input),
+                )
+            } else {
+                (
+                    SecretPurpose::SchedulerKubeconfig,
+                    SecretPurpose::SchedulerServing,
+                    "system:kube-scheduler",
+                    nestplane_render::scheduler_sans(input),
+                )
+            };
+            s.kubeconfig(
+                &KubeconfigSpec {
+                    purpose: kc,
+                    server,
+                    user: user.into(),
+                    groups: vec![],
+                },
+                &ca,
+            )
+            .await?;
+            s.leaf(
+                &Leaf {
+                    purpose: serving,
+                    ca: SecretPurpose::ClusterCa,
+                    spec: leaf(user, &[], sans, Usage::Server),
+                },
+                &ca,
+            )
+            .await?;
+            Ok(Some(ca.cert_pem))
+        }
+    }
+}
+
+/// The process runtime has no Service of its own: a selector-less Service named
+/// `<cluster>-apiserver` stands for the tenant API server (annotated with its URL), so
+/// `NestedAPIServer.status.apiserverService` points at a real object.
+async fn ensure_apiserver_service(
+    ctx: &Context,
+    t: &Tenant,
+    hosts: &[std::net::Ipv4Addr],
+) -> Result<ObjectReference, Error> {
+    let name = Component::ApiServer.workload_name(&t.cluster());
+    let ns = t.namespace();
+    let url = hosts
+        .first()
+        .map(|h| format!("https://{}:{}", IpAddr::V4(*h), ports::APISERVER))
+        .unwrap_or_default();
+    let svc: Service = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "labels": BTreeMap::from([
+                (names::CLUSTER_NAME_LABEL, t.cluster()),
+                (names::COMPONENT_LABEL, Component::ApiServer.short_name().to_string()),
+                (names::MANAGED_BY_LABEL, names::MANAGED_BY.to_string()),
+            ]),
+            "annotations": {"nestplane.io/endpoint": url},
+            "ownerReferences": [tenant::owner_ref(&t.ncp)],
+        },
+        "spec": {"ports": [{"name": "https", "port": ports::APISERVER, "targetPort": ports::APISERVER, "protocol": "TCP"}]}
+    }))
+    .map_err(|e| Error::Internal(e.to_string()))?;
+    let api: Api<Service> = Api::namespaced(ctx.client.clone(), &ns);
+    api.patch(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&svc),
+    )
+    .await?;
+    Ok(ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Service".into()),
+        name: Some(name),
+        namespace: Some(ns),
+        ..ObjectReference::default()
+    })
+}

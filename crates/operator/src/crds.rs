@@ -1,0 +1,49 @@
+//! Installing nestplane's CRDs into a cluster and waiting until they are served.
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, Patch, PatchParams};
+
+/// The field manager nestplane applies with.
+pub const FIELD_MANAGER: &str = "nestplane";
+
+/// Server-side apply every CRD and wait until each is `Established`.
+pub async fn install(client: &kube::Client, timeout: Duration) -> Result<(), kube::Error> {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    let crds = nestplane_api::crds::all();
+    for crd in &crds {
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        api.patch(&name, &pp, &Patch::Apply(crd)).await?;
+    }
+    let deadline = Instant::now() + timeout;
+    for crd in &crds {
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        loop {
+            let got = api.get(&name).await?;
+            let established = got
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True");
+            if established || Instant::now() > deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    Ok(())
+}
+
+/// Every CRD as one multi-document YAML (what `nestplane crds` prints and `config/crd/`
+/// holds).
+pub fn yaml() -> Result<String, serde_norway::Error> {
+    let mut out = String::new();
+    for crd in nestplane_api::crds::all() {
+        out.push_str("---\n");
+        out.push_str(&serde_norway::to_string(&crd)?);
+    }
+    Ok(out)
+}

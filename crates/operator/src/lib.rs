@@ -1,0 +1,196 @@
+//! nestplane's controllers: `NestedControlPlane` and one per component kind, with the
+//! `process` runtime.
+//!
+//! Each controller reads, calls the pure core (`render`, `pki`, [`status`]), applies, and
+//! writes status only when it changed.
+
+pub mod component;
+pub mod context;
+pub mod crds;
+pub mod ncp;
+pub mod secrets;
+pub mod server;
+pub mod status;
+pub mod tenant;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use kube::api::Api;
+use kube::runtime::controller::{Action, Controller};
+use kube::ResourceExt;
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
+use nestplane_api::{
+    NestedAPIServer, NestedControlPlane, NestedControllerManager, NestedEtcd, NestedScheduler,
+};
+use nestplane_runtime::process::ProcessRuntime;
+use tokio_util::sync::CancellationToken;
+
+pub use context::{Context, Error, Metrics};
+
+/// How the operator runs.
+#[derive(Clone, Debug, Default)]
+pub struct Config {
+    /// Watch only this namespace (clusterctl's `--namespace`); all namespaces when `None`.
+    pub namespace: Option<String>,
+    /// Only reconcile control planes labelled `cluster.x-k8s.io/watch-filter=<value>`.
+    pub watch_filter: Option<String>,
+    /// Where the process runtime keeps tenant data.
+    pub state_dir: PathBuf,
+    /// Serve `/metrics`, `/healthz`, `/readyz` here.
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+fn api<K>(client: &kube::Client, ns: &Option<String>) -> Api<K>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+{
+    match ns {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+fn error_policy<K>(obj: Arc<K>, err: &Error, _ctx: Arc<Context>) -> Action
+where
+    K: kube::Resource<DynamicType = ()>,
+{
+    tracing::warn!(object = %kube::ResourceExt::name_any(obj.as_ref()), error = %err, "reconcile failed");
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// Run the controllers until `shutdown` is cancelled; then stop every tenant process.
+pub async fn run(
+    client: kube::Client,
+    config: Config,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let runtime = Arc::new(ProcessRuntime::new(&config.state_dir));
+    run_with(client, config, runtime, shutdown).await
+}
+
+/// [`run`] with a given runtime.
+pub async fn run_with(
+    client: kube::Client,
+    config: Config,
+    runtime: Arc<ProcessRuntime>,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let ctx = Arc::new(Context::new(client.clone(), runtime.clone()));
+    if let Some(addr) = config.metrics_addr {
+        let metrics = ctx.metrics.clone();
+        let token = shutdown.clone();
+        tokio::spawn(async move {
+            if let Err(e) = server::serve(addr, metrics, token).await {
+                tracing::error!(error = %e, %addr, "metrics server failed");
+            }
+        });
+    }
+    let ns = &config.namespace;
+    let mut ncp_watch = watcher::Config::default();
+    if let Some(f) = &config.watch_filter {
+        ncp_watch = ncp_watch.labels(&format!("cluster.x-k8s.io/watch-filter={f}"));
+    }
+    let wc = watcher::Config::default;
+    let ncp_ctl = Controller::new(api::<NestedControlPlane>(&client, ns), ncp_watch);
+    let ncps = ncp_ctl.store();
+    // A component change reaches every control plane that references it, owned or not (so
+    // creating a component that a reference was waiting for heals the control plane).
+    fn referencing<K: tenant::ComponentKind>(
+        ncps: &Store<NestedControlPlane>,
+    ) -> impl Fn(K) -> Vec<ObjectRef<NestedControlPlane>> + Send + Sync + 'static {
+        let ncps = ncps.clone();
+        move |component: K| {
+            let (Some(cns), cname) = (component.namespace(), component.name_any()) else {
+                return Vec::new();
+            };
+            ncps.state()
+                .iter()
+                .filter(|ncp| {
+                    let ns = ncp.namespace().unwrap_or_default();
+                    tenant::reference(ncp, K::COMPONENT).is_some_and(|r| {
+                        r.name.as_deref() == Some(cname.as_str())
+                            && r.namespace.as_deref().unwrap_or(ns.as_str()) == cns
+                            && ns == cns
+                    })
+                })
+                .map(|ncp| ObjectRef::from_obj(ncp.as_ref()))
+                .collect()
+        }
+    }
+    let ncp_ctl = ncp_ctl
+        .watches(api::<NestedEtcd>(&client, ns), wc(), referencing(&ncps))
+        .watches(api::<NestedAPIServer>(&client, ns), wc(), referencing(&ncps))
+        .watches(
+            api::<NestedControllerManager>(&client, ns),
+            wc(),
+            referencing(&ncps),
+        )
+        .watches(api::<NestedScheduler>(&client, ns), wc(), referencing(&ncps))
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        .run(ncp::reconcile, error_policy, ctx.clone())
+        .for_each(|_| async {});
+
+    // A change of the control plane (version, replicas, pause) reaches its components.
+    fn refs<K: tenant::ComponentKind>(ncp: NestedControlPlane) -> Option<ObjectRef<K>> {
+        let ns = kube::ResourceExt::namespace(&ncp)?;
+        let name = tenant::reference(&ncp, K::COMPONENT)?.name.clone()?;
+        Some(ObjectRef::new(&name).within(&ns))
+    }
+    macro_rules! component_controller {
+        ($k:ty) => {
+            Controller::new(api::<$k>(&client, ns), wc())
+                .watches(api::<NestedControlPlane>(&client, ns), wc(), refs::<$k>)
+                .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+                .run(component::reconcile::<$k>, error_policy, ctx.clone())
+                .for_each(|_| async {})
+        };
+    }
+    tokio::join!(
+        ncp_ctl,
+        component_controller!(NestedEtcd),
+        component_controller!(NestedAPIServer),
+        component_controller!(NestedControllerManager),
+        component_controller!(NestedScheduler),
+    );
+    runtime.shutdown().await;
+    Ok(())
+}
+
+/// The operator running in the background of this process (used by `nestplane up` and tests).
+pub struct Operator {
+    token: CancellationToken,
+    handle: tokio::task::JoinHandle<Result<(), Error>>,
+    runtime: Arc<ProcessRuntime>,
+}
+
+impl Operator {
+    /// Start the controllers.
+    pub fn start(client: kube::Client, config: Config) -> Operator {
+        let token = CancellationToken::new();
+        let runtime = Arc::new(ProcessRuntime::new(&config.state_dir));
+        let handle = tokio::spawn(run_with(client, config, runtime.clone(), token.clone()));
+        Operator {
+            token,
+            handle,
+            runtime,
+        }
+    }
+
+    /// The process runtime (start-up times, pids).
+    pub fn runtime(&self) -> &Arc<ProcessRuntime> {
+        &self.runtime
+    }
+
+    /// Stop the controllers and every tenant process.
+    pub async fn stop(self) -> Result<(), Error> {
+        self.token.cancel();
+        self.handle
+            .await
+            .map_err(|e| Error::Internal(e.to_string()))?
+    }
+}

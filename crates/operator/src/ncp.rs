@@ -1,0 +1,328 @@
+//! The `NestedControlPlane` controller: adopts or creates its components, owns the endpoint,
+//! computes the Cluster API contract status, and cleans up on deletion (finalizer).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Secret, Service};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
+use kube::{Resource, ResourceExt};
+use nestplane_api::conditions::{self, reasons, types};
+use nestplane_api::names::{self, Component, ports};
+use nestplane_api::{ApiEndpoint, NestedControlPlane};
+use nestplane_runtime::process::TenantKey;
+
+use crate::context::{Context, Error};
+use crate::status::{self, Observed};
+use crate::tenant::{self, ComponentKind, Lookup, Tenant};
+
+/// Reconcile one control plane.
+pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let _timer = ctx.metrics.reconcile_started("NestedControlPlane");
+    let ns = ncp.namespace().unwrap_or_default();
+    let name = ncp.name_any();
+    let api: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &ns);
+    if ncp.metadata.deletion_timestamp.is_some() {
+        return cleanup(&ncp, &ctx, &api).await;
+    }
+
+    let mut tenant = Tenant::load(&ctx.client, (*ncp).clone()).await?;
+    let mut problem = tenant
+        .name_problem()
+        .map(|m| (reasons::INVALID_SPEC.to_string(), m));
+    let paused = tenant.paused(None);
+    if problem.is_none() && !paused {
+        let finalizers = ncp.finalizers();
+        if !finalizers.iter().any(|f| f == names::FINALIZER) {
+            let mut list = finalizers.to_vec();
+            list.push(names::FINALIZER.to_string());
+            api.patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({"metadata": {"finalizers": list}})),
+            )
+            .await?;
+        }
+        let mut changed = false;
+        changed |= adopt::<nestplane_api::NestedEtcd>(&ctx, &tenant, &tenant.etcd).await?;
+        changed |=
+            adopt::<nestplane_api::NestedAPIServer>(&ctx, &tenant, &tenant.apiserver).await?;
+        changed |= adopt::<nestplane_api::NestedControllerManager>(
+            &ctx,
+            &tenant,
+            &tenant.controller_manager,
+        )
+        .await?;
+        changed |=
+            adopt::<nestplane_api::NestedScheduler>(&ctx, &tenant, &tenant.scheduler).await?;
+
+        // The provider owns the endpoint.
+        let key = TenantKey {
+            namespace: ns.clone(),
+            cluster: name.clone(),
+        };
+        let hosts = ctx.runtime.hosts(&key)?;
+        let want = ApiEndpoint {
+            host: hosts.first().map(|h| h.to_string()).unwrap_or_default(),
+            port: ports::APISERVER,
+        };
+        if tenant.ncp.spec.control_plane_endpoint.as_ref() != Some(&want) {
+            api.patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({"spec": {"controlPlaneEndpoint": want}})),
+            )
+            .await?;
+            changed = true;
+        }
+        if changed {
+            let fresh = api.get(&name).await?;
+            tenant = Tenant::load(&ctx.client, fresh).await?;
+        }
+        for (c, msg) in lookup_problems(&tenant) {
+            ctx.event(
+                ncp.object_ref(&()),
+                EventType::Warning,
+                reasons::REFERENCE_NOT_FOUND,
+                &msg,
+            )
+            .await;
+            let _ = c;
+            problem.get_or_insert((reasons::REFERENCE_NOT_FOUND.to_string(), msg));
+        }
+    }
+
+    let observed = |c: Component| -> Observed {
+        fn obs<K: ComponentKind>(l: &Lookup<K>, desired: u32, c: Component) -> Observed {
+            match l {
+                Lookup::Found(k) => Observed::Present {
+                    status: k.common_status().cloned(),
+                    desired: desired as i32,
+                },
+                Lookup::NotFound(m) | Lookup::OtherNamespace(m) => Observed::Missing(m.clone()),
+                Lookup::Unreferenced => {
+                    Observed::Missing(format!("creating a default {}", tenant::kind_of(c)))
+                }
+            }
+        }
+        let d = tenant.replicas(c);
+        match c {
+            Component::Etcd => obs(&tenant.etcd, d, c),
+            Component::ApiServer => obs(&tenant.apiserver, d, c),
+            Component::ControllerManager => obs(&tenant.controller_manager, d, c),
+            Component::Scheduler => obs(&tenant.scheduler, d, c),
+        }
+    };
+    let new_status = status::compute(&status::Inputs {
+        cluster: &name,
+        generation: ncp.metadata.generation,
+        previous: ncp.status.as_ref(),
+        components: Component::ALL.map(|c| (c, observed(c))),
+        problem: problem.clone(),
+        paused,
+        now: k8s_openapi::jiff::Timestamp::now(),
+    });
+    ctx.metrics.set_tenant_ready(&ns, &name, new_status.ready);
+    if ncp.status.as_ref() != Some(&new_status) {
+        let before = ncp
+            .status
+            .as_ref()
+            .and_then(|s| conditions::get(&s.conditions, types::AVAILABLE))
+            .map(|c| (c.status.clone(), c.reason.clone()));
+        let after = conditions::get(&new_status.conditions, types::AVAILABLE).cloned();
+        // A merge patch (server-side apply in 1.20 turns empty strings into nulls); cleared
+        // optional fields are sent as explicit nulls so they disappear.
+        let mut body =
+            serde_json::to_value(&new_status).map_err(|e| Error::Internal(e.to_string()))?;
+        for field in ["failureReason", "failureMessage"] {
+            if body.get(field).is_none() {
+                body[field] = serde_json::Value::Null;
+            }
+        }
+        let patch = serde_json::json!({ "status": body });
+        api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+        if let Some(after) = after
+            && before != Some((after.status.clone(), after.reason.clone()))
+        {
+            let (type_, note) = if after.status == "True" {
+                (
+                    EventType::Normal,
+                    "the tenant control plane is available".to_string(),
+                )
+            } else if problem.is_some() {
+                (EventType::Warning, after.message.clone())
+            } else {
+                (EventType::Normal, after.message.clone())
+            };
+            ctx.event(ncp.object_ref(&()), type_, &after.reason, &note)
+                .await;
+        }
+    }
+    Ok(if problem.is_some() || paused {
+        Action::await_change()
+    } else {
+        Action::requeue(Duration::from_secs(60))
+    })
+}
+
+fn lookup_problems(t: &Tenant) -> Vec<(Component, String)> {
+    let mut out = Vec::new();
+    let mut check = |c: Component, p: Option<String>| {
+        if let Some(m) = p {
+            out.push((c, m));
+        }
+    };
+    fn p<K>(l: &Lookup<K>) -> Option<String> {
+        match l {
+            Lookup::NotFound(m) | Lookup::OtherNamespace(m) => Some(m.clone()),
+            _ => None,
+        }
+    }
+    check(Component::Etcd, p(&t.etcd));
+    check(Component::ApiServer, p(&t.apiserver));
+    check(Component::ControllerManager, p(&t.controller_manager));
+    check(Component::Scheduler, p(&t.scheduler));
+    out
+}
+
+/// Create a default component when unreferenced; take controller ownership of a referenced
+/// one. Returns whether anything changed.
+async fn adopt<K: ComponentKind>(ctx: &Context, t: &Tenant, l: &Lookup<K>) -> Result<bool, Error> {
+    let ns = t.namespace();
+    let cluster = t.cluster();
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &ns);
+    let owner = tenant::owner_ref(&t.ncp);
+    match l {
+        Lookup::Unreferenced => {
+            let name = K::COMPONENT.workload_name(&cluster);
+            let mut obj = K::with_defaults(&name, &ns);
+            obj.meta_mut().owner_references = Some(vec![owner]);
+            obj.meta_mut().labels =
+                Some([(names::CLUSTER_NAME_LABEL.to_string(), cluster.clone())].into());
+            match api.create(&PostParams::default(), &obj).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => return Err(e.into()),
+            }
+            let ncps: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &ns);
+            let reference = serde_json::json!({
+                "apiVersion": K::api_version(&()),
+                "kind": K::kind(&()),
+                "name": name,
+                "namespace": ns,
+            });
+            let field = tenant::reference_field(K::COMPONENT);
+            ncps.patch(
+                &cluster,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({"spec": {field: reference}})),
+            )
+            .await?;
+            Ok(true)
+        }
+        Lookup::Found(k) => match tenant::controller_of(k) {
+            Some(r) if r.uid == owner.uid => Ok(false),
+            Some(r) => {
+                ctx.event(
+                    t.ncp.object_ref(&()),
+                    EventType::Warning,
+                    reasons::INVALID_SPEC,
+                    &format!(
+                        "{} {ns}/{} is controlled by NestedControlPlane {}; not adopting it",
+                        K::kind(&()),
+                        k.name_any(),
+                        r.name
+                    ),
+                )
+                .await;
+                Ok(false)
+            }
+            None => {
+                let mut refs = k.meta().owner_references.clone().unwrap_or_default();
+                refs.push(owner);
+                let mut labels = k.meta().labels.clone().unwrap_or_default();
+                labels.insert(names::CLUSTER_NAME_LABEL.to_string(), cluster.clone());
+                api.patch(
+                        &k.name_any(),
+                        &PatchParams::default(),
+                        &Patch::Merge(serde_json::json!({"metadata": {"ownerReferences": refs, "labels": labels}})),
+                    )
+                    .await?;
+                Ok(true)
+            }
+        },
+        Lookup::NotFound(_) | Lookup::OtherNamespace(_) => Ok(false),
+    }
+}
+
+/// Deletion: stop the tenant's processes, remove its data, delete the secrets and Service
+/// nestplane created for it (and nothing else), then release the finalizer.
+async fn cleanup(
+    ncp: &NestedControlPlane,
+    ctx: &Context,
+    api: &Api<NestedControlPlane>,
+) -> Result<Action, Error> {
+    let ns = ncp.namespace().unwrap_or_default();
+    let name = ncp.name_any();
+    if !ncp.finalizers().iter().any(|f| f == names::FINALIZER) {
+        return Ok(Action::await_change());
+    }
+    ctx.runtime
+        .remove(&TenantKey {
+            namespace: ns.clone(),
+            cluster: name.clone(),
+        })
+        .await?;
+    let uid = ncp.uid().unwrap_or_default();
+    let selector = format!(
+        "{}={name},{}={}",
+        names::CLUSTER_NAME_LABEL,
+        names::MANAGED_BY_LABEL,
+        names::MANAGED_BY
+    );
+    let owned = |meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+        meta.owner_references.iter().flatten().any(|r| r.uid == uid)
+    };
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    for s in secrets
+        .list(&ListParams::default().labels(&selector))
+        .await?
+        .items
+    {
+        if owned(&s.metadata) {
+            let _ = secrets
+                .delete(&s.name_any(), &DeleteParams::default())
+                .await;
+        }
+    }
+    let services: Api<Service> = Api::namespaced(ctx.client.clone(), &ns);
+    for s in services
+        .list(&ListParams::default().labels(&selector))
+        .await?
+        .items
+    {
+        if owned(&s.metadata) {
+            let _ = services
+                .delete(&s.name_any(), &DeleteParams::default())
+                .await;
+        }
+    }
+    let remaining: Vec<String> = ncp
+        .finalizers()
+        .iter()
+        .filter(|f| *f != names::FINALIZER)
+        .cloned()
+        .collect();
+    api.patch(
+        &name,
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"metadata": {"finalizers": remaining}})),
+    )
+    .await?;
+    ctx.metrics.remove_tenant(&ns, &name);
+    tracing::info!(namespace = %ns, cluster = %name, "tenant removed");
+    Ok(Action::await_change())
+}

@@ -1,0 +1,359 @@
+//! Certificates and kubeconfigs of a tenant, stored as Cluster API secrets.
+//!
+//! CAs (`<cluster>-ca`, `-etcd`, `-proxy`, `-sa`) are created once and never rewritten: an
+//! existing CA secret is used as it is (a user may bring their own), and a malformed one is an
+//! error, never a reason to generate a new CA. Leaf certificates and kubeconfigs are reissued
+//! when half their life has passed, when their SANs no longer match the addresses in use, or
+//! when their CA changed. Secret contents never reach logs or Events.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use nestplane_api::names::{self, SecretPurpose};
+use nestplane_pki::{self as pki, CertKey, LeafSpec, Usage};
+use sha2::{Digest, Sha256};
+
+use crate::crds::FIELD_MANAGER;
+
+/// Annotation recording the hash of the CA a leaf or kubeconfig was issued from.
+pub const CA_HASH_ANNOTATION: &str = "nestplane.io/ca-sha256";
+/// Annotation recording the server URL of a kubeconfig.
+pub const SERVER_ANNOTATION: &str = "nestplane.io/server";
+
+/// Errors handling secrets.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    /// The management API failed.
+    #[error("secret {name}: {source}")]
+    Kube {
+        /// Which secret.
+        name: String,
+        /// The error.
+        source: kube::Error,
+    },
+    /// A secret exists but cannot be used (and is left alone).
+    #[error(
+        "secret {name} is unusable: {reason}; fix or delete it (nestplane never overwrites a CA)"
+    )]
+    Invalid {
+        /// Which secret.
+        name: String,
+        /// Why.
+        reason: String,
+    },
+    /// Certificate generation failed.
+    #[error("certificates: {0}")]
+    Pki(#[from] pki::PkiError),
+}
+
+/// The secrets of one cluster.
+#[derive(Clone)]
+pub struct ClusterSecrets {
+    api: Api<Secret>,
+    cluster: String,
+    owner: OwnerReference,
+}
+
+/// A leaf certificate to keep current.
+#[derive(Clone, Debug)]
+pub struct Leaf {
+    /// Which secret.
+    pub purpose: SecretPurpose,
+    /// Which CA signs it.
+    pub ca: SecretPurpose,
+    /// Subject and SANs.
+    pub spec: LeafSpec,
+}
+
+/// A kubeconfig to keep current.
+#[derive(Clone, Debug)]
+pub struct KubeconfigSpec {
+    /// Which secret.
+    pub purpose: SecretPurpose,
+    /// The API server URL.
+    pub server: String,
+    /// Client certificate subject.
+    pub user: String,
+    /// Client certificate organizations (groups).
+    pub groups: Vec<String>,
+}
+
+fn ca_hash(ca_pem: &str) -> String {
+    format!("{:x}", Sha256::digest(ca_pem.as_bytes()))
+}
+
+fn text(secret: &Secret, key: &str) -> Option<String> {
+    secret
+        .data
+        .as_ref()?
+        .get(key)
+        .map(|b| String::from_utf8_lossy(&b.0).into_owned())
+}
+
+impl ClusterSecrets {
+    /// Secrets of `cluster` in `namespace`, controller-owned by `owner` (the control plane).
+    pub fn new(
+        client: kube::Client,
+        namespace: &str,
+        cluster: &str,
+        owner: OwnerReference,
+    ) -> Self {
+        ClusterSecrets {
+            api: Api::namespaced(client, namespace),
+            cluster: cluster.to_string(),
+            owner,
+        }
+    }
+
+    fn meta(&self, purpose: SecretPurpose, annotations: BTreeMap<String, String>) -> ObjectMeta {
+        ObjectMeta {
+            name: Some(purpose.secret_name(&self.cluster)),
+            labels: Some(BTreeMap::from([
+                (names::CLUSTER_NAME_LABEL.to_string(), self.cluster.clone()),
+                (
+                    names::MANAGED_BY_LABEL.to_string(),
+                    names::MANAGED_BY.to_string(),
+                ),
+            ])),
+            annotations: if annotations.is_empty() {
+                None
+            } else {
+                Some(annotations)
+            },
+            owner_references: Some(vec![self.owner.clone()]),
+            ..ObjectMeta::default()
+        }
+    }
+
+    fn secret(
+        &self,
+        purpose: SecretPurpose,
+        data: BTreeMap<String, Vec<u8>>,
+        annotations: BTreeMap<String, String>,
+    ) -> Secret {
+        Secret {
+            metadata: self.meta(purpose, annotations),
+            type_: Some(names::CAPI_SECRET_TYPE.to_string()),
+            data: Some(data.into_iter().map(|(k, v)| (k, ByteString(v))).collect()),
+            ..Secret::default()
+        }
+    }
+
+    async fn get(&self, purpose: SecretPurpose) -> Result<Option<Secret>, SecretError> {
+        let name = purpose.secret_name(&self.cluster);
+        self.api
+            .get_opt(&name)
+            .await
+            .map_err(|source| SecretError::Kube { name, source })
+    }
+
+    async fn apply(&self, secret: &Secret) -> Result<(), SecretError> {
+        let name = secret.metadata.name.clone().unwrap_or_default();
+        self.api
+            .patch(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(secret),
+            )
+            .await
+            .map(|_| ())
+            .map_err(|source| SecretError::Kube { name, source })
+    }
+
+    /// The CA (or service-account key pair) of `purpose`: read if it exists, created once
+    /// otherwise. Never regenerated.
+    pub async fn ca(&self, purpose: SecretPurpose) -> Result<CertKey, SecretError> {
+        let name = purpose.secret_name(&self.cluster);
+        if let Some(existing) = self.get(purpose).await? {
+            return Self::read_ca(&name, purpose, &existing);
+        }
+        let now = time::OffsetDateTime::now_utc();
+        let ck = match purpose {
+            SecretPurpose::ServiceAccount => pki::generate_service_account_key()?,
+            _ => pki::generate_ca(&format!("{}-{}", self.cluster, purpose.suffix()), now)?,
+        };
+        let secret = self.secret(
+            purpose,
+            BTreeMap::from([
+                (names::TLS_CRT.to_string(), ck.cert_pem.clone().into_bytes()),
+                (names::TLS_KEY.to_string(), ck.key_pem.clone().into_bytes()),
+            ]),
+            BTreeMap::new(),
+        );
+        match self.api.create(&PostParams::default(), &secret).await {
+            Ok(_) => Ok(ck),
+            // Someone else created it meanwhile: theirs wins.
+            Err(kube::Error::Api(e)) if e.code == 409 => match self.get(purpose).await? {
+                Some(s) => Self::read_ca(&name, purpose, &s),
+                None => Err(SecretError::Invalid {
+                    name,
+                    reason: "vanished while being created".into(),
+                }),
+            },
+            Err(source) => Err(SecretError::Kube { name, source }),
+        }
+    }
+
+    fn read_ca(name: &str, purpose: SecretPurpose, s: &Secret) -> Result<CertKey, SecretError> {
+        let (Some(cert_pem), Some(key_pem)) = (text(s, names::TLS_CRT), text(s, names::TLS_KEY))
+        else {
+            return Err(SecretError::Invalid {
+                name: name.into(),
+                reason: "it lacks tls.crt or tls.key".into(),
+            });
+        };
+        if purpose != SecretPurpose::ServiceAccount {
+            match pki::key_matches(&cert_pem, &key_pem) {
+                Ok(true) => {}
+                Ok(false) => {
+                    return Err(SecretError::Invalid {
+                        name: name.into(),
+                        reason: "tls.key does not belong to tls.crt".into(),
+                    });
+                }
+                Err(e) => {
+                    return Err(SecretError::Invalid {
+                        name: name.into(),
+                        reason: e.to_string(),
+                    });
+                }
+            }
+        }
+        Ok(CertKey { cert_pem, key_pem })
+    }
+
+    /// Keep a leaf certificate current; returns it.
+    pub async fn leaf(&self, leaf: &Leaf, ca: &CertKey) -> Result<CertKey, SecretError> {
+        let now = time::OffsetDateTime::now_utc();
+        let want_hash = ca_hash(&ca.cert_pem);
+        if let Some(existing) = self.get(leaf.purpose).await?
+            && let (Some(cert_pem), Some(key_pem)) = (
+                text(&existing, names::TLS_CRT),
+                text(&existing, names::TLS_KEY),
+            )
+        {
+            let same_ca = existing
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(CA_HASH_ANNOTATION))
+                == Some(&want_hash);
+            if same_ca && !pki::needs_renewal(&cert_pem, now) && sans_match(&cert_pem, &leaf.spec) {
+                return Ok(CertKey { cert_pem, key_pem });
+            }
+        }
+        let ck = pki::issue(ca, &leaf.spec, now)?;
+        let secret = self.secret(
+            leaf.purpose,
+            BTreeMap::from([
+                (names::TLS_CRT.to_string(), ck.cert_pem.clone().into_bytes()),
+                (names::TLS_KEY.to_string(), ck.key_pem.clone().into_bytes()),
+                (names::CA_CRT.to_string(), ca.cert_pem.clone().into_bytes()),
+            ]),
+            BTreeMap::from([(CA_HASH_ANNOTATION.to_string(), want_hash)]),
+        );
+        self.apply(&secret).await?;
+        tracing::info!(secret = %leaf.purpose.secret_name(&self.cluster), "issued certificate");
+        Ok(ck)
+    }
+
+    /// Keep a kubeconfig current (client certificate renewed at half-life, new CA or server
+    /// picked up); returns its text.
+    pub async fn kubeconfig(
+        &self,
+        spec: &KubeconfigSpec,
+        ca: &CertKey,
+    ) -> Result<String, SecretError> {
+        let now = time::OffsetDateTime::now_utc();
+        let want_hash = ca_hash(&ca.cert_pem);
+        if let Some(existing) = self.get(spec.purpose).await? {
+            let ann = existing.metadata.annotations.clone().unwrap_or_default();
+            if let (Some(value), Some(cert_pem)) = (
+                text(&existing, names::KUBECONFIG_KEY),
+                text(&existing, names::TLS_CRT),
+            ) && ann.get(CA_HASH_ANNOTATION) == Some(&want_hash)
+                && ann.get(SERVER_ANNOTATION) == Some(&spec.server)
+                && !pki::needs_renewal(&cert_pem, now)
+            {
+                return Ok(value);
+            }
+        }
+        let client = pki::issue(
+            ca,
+            &LeafSpec {
+                common_name: spec.user.clone(),
+                organizations: spec.groups.clone(),
+                usage: Usage::Client,
+                ..LeafSpec::default()
+            },
+            now,
+        )?;
+        let value = pki::kubeconfig(
+            &self.cluster,
+            &spec.server,
+            &ca.cert_pem,
+            &spec.user,
+            &client,
+        )?;
+        let secret = self.secret(
+            spec.purpose,
+            BTreeMap::from([
+                (
+                    names::KUBECONFIG_KEY.to_string(),
+                    value.clone().into_bytes(),
+                ),
+                // The client certificate alone (no key), so renewal can be decided without
+                // parsing the kubeconfig.
+                (names::TLS_CRT.to_string(), client.cert_pem.into_bytes()),
+            ]),
+            BTreeMap::from([
+                (CA_HASH_ANNOTATION.to_string(), want_hash),
+                (SERVER_ANNOTATION.to_string(), spec.server.clone()),
+            ]),
+        );
+        self.apply(&secret).await?;
+        tracing::info!(secret = %spec.purpose.secret_name(&self.cluster), "issued kubeconfig");
+        Ok(value)
+    }
+
+    /// The data of the named secrets (for mounting).
+    pub async fn data(
+        &self,
+        purposes: &[SecretPurpose],
+    ) -> Result<nestplane_runtime::process::SecretData, SecretError> {
+        let mut out = BTreeMap::new();
+        for p in purposes {
+            let name = p.secret_name(&self.cluster);
+            if let Some(s) = self.get(*p).await? {
+                let data = s
+                    .data
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(k, v)| (k, v.0))
+                    .collect();
+                out.insert(name, data);
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn sans_match(cert_pem: &str, spec: &LeafSpec) -> bool {
+    let Ok(info) = pki::inspect(cert_pem) else {
+        return false;
+    };
+    let mut want_dns = spec.dns_names.clone();
+    want_dns.sort();
+    want_dns.dedup();
+    let mut have_dns = info.dns_names.clone();
+    have_dns.sort();
+    let mut want_ips = spec.ips.clone();
+    want_ips.sort();
+    want_ips.dedup();
+    let mut have_ips = info.ips.clone();
+    have_ips.sort();
+    want_dns == have_dns && want_ips == have_ips && info.subject_cn == spec.common_name
+}

@@ -1,0 +1,366 @@
+//! A tenant as the controllers see it: the control plane, its four components, and the
+//! values derived from them (versions, replicas, the render input).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::NamespaceResourceScope;
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::api::Api;
+use kube::{Resource, ResourceExt};
+use nestplane_api::names::{self, Component};
+use nestplane_api::{
+    ComponentStatus, NestedAPIServer, NestedComponentSpec, NestedControlPlane,
+    NestedControllerManager, NestedEtcd, NestedScheduler,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// The versions a channel resolves to (`channels.yaml` at the repository root holds the same
+/// table for people).
+pub const CHANNELS: &[(&str, &str)] = &[("stable", "v1.20.2"), ("default", "v1.20.2")];
+
+/// The component kinds, handled generically.
+pub trait ComponentKind:
+    Resource<DynamicType = (), Scope = NamespaceResourceScope>
+    + Clone
+    + DeserializeOwned
+    + Serialize
+    + std::fmt::Debug
+    + Send
+    + Sync
+    + 'static
+{
+    /// Which component this kind describes.
+    const COMPONENT: Component;
+    /// The common component spec.
+    fn component_spec(&self) -> &NestedComponentSpec;
+    /// The common part of the status.
+    fn common_status(&self) -> Option<&ComponentStatus>;
+    /// A component object with default spec.
+    fn with_defaults(name: &str, namespace: &str) -> Self;
+}
+
+macro_rules! component_kind {
+    ($ty:ty, $spec:ident, $c:expr, $status:expr) => {
+        impl ComponentKind for $ty {
+            const COMPONENT: Component = $c;
+            fn component_spec(&self) -> &NestedComponentSpec {
+                &self.spec.component
+            }
+            fn common_status(&self) -> Option<&ComponentStatus> {
+                let f: fn(&Self) -> Option<&ComponentStatus> = $status;
+                f(self)
+            }
+            fn with_defaults(name: &str, namespace: &str) -> Self {
+                let mut o = <$ty>::new(name, nestplane_api::$spec::default());
+                o.metadata.namespace = Some(namespace.to_string());
+                o
+            }
+        }
+    };
+}
+
+component_kind!(NestedEtcd, NestedEtcdSpec, Component::Etcd, |o| o
+    .status
+    .as_ref()
+    .map(|s| &s.common));
+component_kind!(
+    NestedAPIServer,
+    NestedAPIServerSpec,
+    Component::ApiServer,
+    |o| o.status.as_ref().map(|s| &s.common)
+);
+component_kind!(
+    NestedControllerManager,
+    NestedControllerManagerSpec,
+    Component::ControllerManager,
+    |o| o.status.as_ref()
+);
+component_kind!(
+    NestedScheduler,
+    NestedSchedulerSpec,
+    Component::Scheduler,
+    |o| o.status.as_ref()
+);
+
+/// The reference field of the control plane that points at a component.
+pub fn reference(ncp: &NestedControlPlane, c: Component) -> Option<&ObjectReference> {
+    match c {
+        Component::Etcd => ncp.spec.etcd.as_ref(),
+        Component::ApiServer => ncp.spec.apiserver.as_ref(),
+        Component::ControllerManager => ncp.spec.controller_manager.as_ref(),
+        Component::Scheduler => ncp.spec.scheduler.as_ref(),
+    }
+}
+
+/// The JSON field name of a component reference in the control plane's spec.
+pub fn reference_field(c: Component) -> &'static str {
+    match c {
+        Component::Etcd => "etcd",
+        Component::ApiServer => "apiserver",
+        Component::ControllerManager => "controllerManager",
+        Component::Scheduler => "scheduler",
+    }
+}
+
+/// The kind name of a component.
+pub fn kind_of(c: Component) -> &'static str {
+    match c {
+        Component::Etcd => "NestedEtcd",
+        Component::ApiServer => "NestedAPIServer",
+        Component::ControllerManager => "NestedControllerManager",
+        Component::Scheduler => "NestedScheduler",
+    }
+}
+
+/// A controller owner reference to `ncp`.
+pub fn owner_ref(ncp: &NestedControlPlane) -> OwnerReference {
+    let mut r = ncp.controller_owner_ref(&()).unwrap_or_default();
+    r.block_owner_deletion = Some(true);
+    r
+}
+
+/// The control plane that controls `obj`, by its controller owner reference.
+pub fn controller_of<K: Resource>(obj: &K) -> Option<&OwnerReference> {
+    obj.meta().owner_references.iter().flatten().find(|r| {
+        r.controller == Some(true)
+            && r.kind == "NestedControlPlane"
+            && r.api_version
+                .starts_with(nestplane_api::controlplane::GROUP)
+    })
+}
+
+/// A component object read through the control plane's reference.
+#[derive(Clone, Debug)]
+pub enum Lookup<K> {
+    /// No reference in the control plane's spec.
+    Unreferenced,
+    /// Referenced, but the object does not exist.
+    NotFound(String),
+    /// Referenced in another namespace (not supported).
+    OtherNamespace(String),
+    /// Found.
+    Found(K),
+}
+
+impl<K: ComponentKind> Lookup<K> {
+    /// The object, when found.
+    pub fn found(&self) -> Option<&K> {
+        match self {
+            Lookup::Found(k) => Some(k),
+            _ => None,
+        }
+    }
+
+    /// Whether the component reports Ready.
+    pub fn ready(&self) -> bool {
+        self.found()
+            .and_then(|k| k.common_status())
+            .is_some_and(|s| s.ready)
+    }
+}
+
+/// Read the component `K` that `ncp` references.
+pub async fn lookup<K: ComponentKind>(
+    client: &kube::Client,
+    ncp: &NestedControlPlane,
+) -> Result<Lookup<K>, kube::Error> {
+    let ns = ncp.namespace().unwrap_or_default();
+    let Some(r) = reference(ncp, K::COMPONENT) else {
+        return Ok(Lookup::Unreferenced);
+    };
+    let name = r.name.clone().unwrap_or_default();
+    if let Some(other) = r.namespace.as_deref().filter(|n| !n.is_empty() && *n != ns) {
+        return Ok(Lookup::OtherNamespace(format!(
+            "{} {other}/{name} is in another namespace; components must live in the control plane's namespace {ns}",
+            kind_of(K::COMPONENT)
+        )));
+    }
+    let api: Api<K> = Api::namespaced(client.clone(), &ns);
+    Ok(match api.get_opt(&name).await? {
+        Some(k) => Lookup::Found(k),
+        None => Lookup::NotFound(format!(
+            "{} {ns}/{name} referenced by the control plane does not exist",
+            kind_of(K::COMPONENT)
+        )),
+    })
+}
+
+/// Every component of a tenant.
+#[derive(Clone, Debug)]
+pub struct Tenant {
+    /// The control plane.
+    pub ncp: NestedControlPlane,
+    /// etcd.
+    pub etcd: Lookup<NestedEtcd>,
+    /// kube-apiserver.
+    pub apiserver: Lookup<NestedAPIServer>,
+    /// kube-controller-manager.
+    pub controller_manager: Lookup<NestedControllerManager>,
+    /// kube-scheduler.
+    pub scheduler: Lookup<NestedScheduler>,
+}
+
+impl Tenant {
+    /// Read the control plane's components.
+    pub async fn load(
+        client: &kube::Client,
+        ncp: NestedControlPlane,
+    ) -> Result<Tenant, kube::Error> {
+        Ok(Tenant {
+            etcd: lookup(client, &ncp).await?,
+            apiserver: lookup(client, &ncp).await?,
+            controller_manager: lookup(client, &ncp).await?,
+            scheduler: lookup(client, &ncp).await?,
+            ncp,
+        })
+    }
+
+    /// The control plane's name (the cluster name of every derived object).
+    pub fn cluster(&self) -> String {
+        self.ncp.name_any()
+    }
+
+    /// The control plane's namespace.
+    pub fn namespace(&self) -> String {
+        self.ncp.namespace().unwrap_or_default()
+    }
+
+    /// The component spec of `c`, when found.
+    pub fn spec_of(&self, c: Component) -> Option<&NestedComponentSpec> {
+        match c {
+            Component::Etcd => self.etcd.found().map(|k| k.component_spec()),
+            Component::ApiServer => self.apiserver.found().map(|k| k.component_spec()),
+            Component::ControllerManager => {
+                self.controller_manager.found().map(|k| k.component_spec())
+            }
+            Component::Scheduler => self.scheduler.found().map(|k| k.component_spec()),
+        }
+    }
+
+    /// Whether `c` reports Ready.
+    pub fn ready(&self, c: Component) -> bool {
+        match c {
+            Component::Etcd => self.etcd.ready(),
+            Component::ApiServer => self.apiserver.ready(),
+            Component::ControllerManager => self.controller_manager.ready(),
+            Component::Scheduler => self.scheduler.ready(),
+        }
+    }
+
+    /// Desired replicas of `c`. The API server follows the control plane's `spec.replicas`
+    /// (the Cluster API scale subresource) when set.
+    pub fn replicas(&self, c: Component) -> u32 {
+        let from_spec = self.spec_of(c).and_then(|s| s.replicas);
+        let n = match c {
+            Component::ApiServer => self.ncp.spec.replicas.filter(|r| *r > 0).or(from_spec),
+            _ => from_spec,
+        };
+        n.unwrap_or(1)
+            .clamp(1, i32::from(nestplane_runtime::process::MAX_REPLICAS)) as u32
+    }
+
+    /// Whether the control plane or the component carries the pause annotation.
+    pub fn paused(&self, c: Option<Component>) -> bool {
+        let annotated = |m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+            m.annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key(names::PAUSED_ANNOTATION))
+        };
+        annotated(&self.ncp.metadata)
+            || match c {
+                Some(Component::Etcd) => self.etcd.found().is_some_and(|k| annotated(&k.metadata)),
+                Some(Component::ApiServer) => self
+                    .apiserver
+                    .found()
+                    .is_some_and(|k| annotated(&k.metadata)),
+                Some(Component::ControllerManager) => self
+                    .controller_manager
+                    .found()
+                    .is_some_and(|k| annotated(&k.metadata)),
+                Some(Component::Scheduler) => self
+                    .scheduler
+                    .found()
+                    .is_some_and(|k| annotated(&k.metadata)),
+                None => false,
+            }
+    }
+
+    /// The version `c` runs: its own `version`, else its `channel`, else the control plane's
+    /// `version`, else the default. Returns (reason, message) for a person when it cannot.
+    pub fn version(&self, c: Component) -> Result<nestplane_render::KubeVersion, (String, String)> {
+        use nestplane_api::conditions::reasons;
+        let spec = self.spec_of(c);
+        let (raw, source) = if let Some(v) = spec
+            .and_then(|s| s.version.clone())
+            .filter(|v| !v.is_empty())
+        {
+            (v, format!("{}.spec.version", kind_of(c)))
+        } else if let Some(ch) = spec
+            .and_then(|s| s.channel.clone())
+            .filter(|v| !v.is_empty())
+        {
+            match CHANNELS.iter().find(|(name, _)| *name == ch) {
+                Some((_, v)) => (v.to_string(), format!("channel {ch}")),
+                None => {
+                    let known: Vec<&str> = CHANNELS.iter().map(|(n, _)| *n).collect();
+                    return Err((
+                        reasons::INVALID_SPEC.into(),
+                        format!(
+                            "{}.spec.channel {ch:?} is not a known channel (known: {})",
+                            kind_of(c),
+                            known.join(", ")
+                        ),
+                    ));
+                }
+            }
+        } else if let Some(v) = self.ncp.spec.version.clone().filter(|v| !v.is_empty()) {
+            (v, "NestedControlPlane.spec.version".into())
+        } else {
+            (
+                names::DEFAULT_KUBERNETES_VERSION.into(),
+                "the default".into(),
+            )
+        };
+        nestplane_render::KubeVersion::parse(&raw).map_err(|e| {
+            (
+                reasons::VERSION_UNAVAILABLE.into(),
+                format!("version {raw:?} from {source}: {e}"),
+            )
+        })
+    }
+
+    /// Validate the cluster name: every derived name must be a valid DNS label.
+    pub fn name_problem(&self) -> Option<String> {
+        let name = self.cluster();
+        (name.len() > names::MAX_CLUSTER_NAME_LEN).then(|| {
+            format!(
+                "the control plane name {name:?} has {} characters; at most {} fit in derived names such as {name}-controller-manager-kubeconfig (63-character DNS labels)",
+                name.len(),
+                names::MAX_CLUSTER_NAME_LEN
+            )
+        })
+    }
+
+    /// The render input for this tenant on `network`.
+    pub fn render_input(
+        &self,
+        version: nestplane_render::KubeVersion,
+        network: nestplane_render::Network,
+    ) -> nestplane_render::RenderInput {
+        let mut input =
+            nestplane_render::RenderInput::new(self.cluster(), self.namespace(), version, network);
+        let mut replicas = BTreeMap::new();
+        let mut resources = BTreeMap::new();
+        for c in Component::ALL {
+            replicas.insert(c, self.replicas(c));
+            if let Some(r) = self.spec_of(c).and_then(|s| s.resources.clone()) {
+                resources.insert(c, r);
+            }
+        }
+        input.replicas = replicas;
+        input.resources = resources;
+        input
+    }
+}
