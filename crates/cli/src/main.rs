@@ -1,0 +1,138 @@
+//! `nestplane`: the operator, and the commands around it.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+mod up;
+
+/// nestplane runs many isolated Kubernetes control planes on shared infrastructure.
+#[derive(Parser, Debug)]
+#[command(name = "nestplane", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Print every CRD as one multi-document YAML (`nestplane crds | kubectl apply -f -`).
+    Crds,
+    /// Start a local management plane, the operator and a tenant control plane; print the
+    /// tenant's kubeconfig; stay in the foreground until Ctrl-C or SIGTERM.
+    Up(up::UpArgs),
+    /// Delete the tenant control plane `nestplane up` created (its processes, data and
+    /// secrets).
+    Down(up::DownArgs),
+    /// Run the controllers against the cluster of the current kubeconfig.
+    Operator(OperatorArgs),
+    /// Print the admin kubeconfig of a tenant control plane (from `<name>-kubeconfig`).
+    Kubeconfig {
+        /// The control plane's name.
+        name: String,
+        /// Its namespace.
+        #[arg(short, long, default_value = "default")]
+        namespace: String,
+    },
+}
+
+/// Arguments of `nestplane operator`.
+#[derive(clap::Args, Debug)]
+struct OperatorArgs {
+    /// Where tenant components run. `process`: supervised local processes.
+    #[arg(long, default_value = "process", value_parser = ["process"])]
+    runtime: String,
+    /// Watch only this namespace (all namespaces when unset).
+    #[arg(long)]
+    namespace: Option<String>,
+    /// Only reconcile control planes labelled `cluster.x-k8s.io/watch-filter=<value>`.
+    #[arg(long)]
+    watch_filter: Option<String>,
+    /// Where the process runtime keeps tenant data.
+    #[arg(long, env = "NESTPLANE_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+    /// Address of `/metrics`, `/healthz` and `/readyz`.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    metrics_bind_address: std::net::SocketAddr,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("NESTPLANE_LOG").unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("warn,kube_client::client::builder=off")
+            }),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.command {
+        Command::Crds => {
+            print!(
+                "{}",
+                nestplane_operator::crds::yaml().context("serializing CRDs")?
+            );
+            Ok(())
+        }
+        Command::Up(args) => runtime()?.block_on(up::run(args)),
+        Command::Down(args) => runtime()?.block_on(up::down(args)),
+        Command::Operator(args) => runtime()?.block_on(operator(args)),
+        Command::Kubeconfig { name, namespace } => runtime()?.block_on(async move {
+            let client = kube::Client::try_default()
+                .await
+                .context("connecting to the management cluster")?;
+            print!(
+                "{}",
+                up::tenant_kubeconfig(&client, &namespace, &name).await?
+            );
+            Ok(())
+        }),
+    }
+}
+
+async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the management cluster")?;
+    let state_dir = args
+        .state_dir
+        .unwrap_or_else(|| default_state_dir().join("operator"));
+    let token = tokio_util::sync::CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        up::wait_for_signal().await;
+        t.cancel();
+    });
+    let _ = args.runtime;
+    nestplane_operator::run(
+        client,
+        nestplane_operator::Config {
+            namespace: args.namespace,
+            watch_filter: args.watch_filter,
+            state_dir,
+            metrics_addr: Some(args.metrics_bind_address),
+        },
+        token,
+    )
+    .await?;
+    Ok(())
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting tokio")
+}
+
+/// The default state directory: `$NESTPLANE_STATE_DIR`, else `~/.local/state/nestplane`.
+pub fn default_state_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("NESTPLANE_STATE_DIR") {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    home.join(".local").join("state").join("nestplane")
+}

@@ -1,0 +1,295 @@
+//! `nestplane up` and `nestplane down`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, DeleteParams, PostParams};
+use nestplane_api::conditions::{self, types};
+use nestplane_api::names::SecretPurpose;
+use nestplane_api::{NestedControlPlane, NestedControlPlaneSpec};
+use nestplane_localplane::{LocalPlane, Options};
+use nestplane_operator::Operator;
+
+/// Arguments of `nestplane up`.
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    /// Where certificates, data, logs and kubeconfigs live (kept across runs).
+    #[arg(long, env = "NESTPLANE_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// The tenant control plane's name.
+    #[arg(long, default_value = "demo")]
+    pub name: String,
+    /// The tenant's Kubernetes version.
+    #[arg(long)]
+    pub version: Option<String>,
+    /// Exit once the tenant is ready (benchmarks, scripts) instead of staying in the
+    /// foreground.
+    #[arg(long)]
+    pub exit_when_ready: bool,
+    /// Give up when the tenant is not ready after this many seconds.
+    #[arg(long, default_value_t = 180)]
+    pub timeout: u64,
+}
+
+/// Arguments of `nestplane down`.
+#[derive(Args, Debug)]
+pub struct DownArgs {
+    /// The state directory `nestplane up` used.
+    #[arg(long, env = "NESTPLANE_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// The tenant control plane's name.
+    #[arg(long, default_value = "demo")]
+    pub name: String,
+    /// Also remove the management plane's state (the whole state directory).
+    #[arg(long)]
+    pub purge: bool,
+}
+
+const NAMESPACE: &str = "default";
+
+struct Running {
+    plane: LocalPlane,
+    operator: Operator,
+}
+
+async fn start(state_dir: &Path) -> anyhow::Result<Running> {
+    let plane = LocalPlane::start(Options {
+        dir: Some(state_dir.join("management")),
+        controller_manager: true,
+    })
+    .await
+    .context("starting the local management plane")?;
+    nestplane_operator::crds::install(&plane.client(), Duration::from_secs(30))
+        .await
+        .context("installing CRDs")?;
+    nestplane_localplane::write_private(
+        &state_dir.join("management.kubeconfig"),
+        plane.kubeconfig(),
+    )?;
+    let operator = Operator::start(
+        plane.client(),
+        nestplane_operator::Config {
+            state_dir: state_dir.join("operator"),
+            ..Default::default()
+        },
+    );
+    Ok(Running { plane, operator })
+}
+
+async fn stop(r: Running) {
+    let Running {
+        mut plane,
+        operator,
+    } = r;
+    if let Err(e) = operator.stop().await {
+        eprintln!("nestplane: operator: {e}");
+    }
+    plane.stop();
+}
+
+/// The admin kubeconfig of a tenant (`<name>-kubeconfig`, key `value`).
+pub async fn tenant_kubeconfig(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+) -> anyhow::Result<String> {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    let secret_name = SecretPurpose::AdminKubeconfig.secret_name(name);
+    let s = secrets
+        .get(&secret_name)
+        .await
+        .with_context(|| format!("reading secret {namespace}/{secret_name}"))?;
+    let value = s
+        .data
+        .and_then(|d| d.get("value").cloned())
+        .with_context(|| format!("secret {secret_name} has no key `value`"))?;
+    Ok(String::from_utf8_lossy(&value.0).into_owned())
+}
+
+/// Run `nestplane up` until Ctrl-C or SIGTERM.
+pub async fn run(args: UpArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let state_dir = args
+        .state_dir
+        .clone()
+        .unwrap_or_else(crate::default_state_dir);
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("creating {}", state_dir.display()))?;
+    eprintln!("nestplane: state in {}", state_dir.display());
+    let running = start(&state_dir).await?;
+    let mgmt_ready = started.elapsed();
+    eprintln!(
+        "nestplane: management plane ready ({:.1}s)",
+        mgmt_ready.as_secs_f64()
+    );
+
+    let result = async {
+        let client = running.plane.client();
+        let ncps: Api<NestedControlPlane> = Api::namespaced(client.clone(), NAMESPACE);
+        if ncps.get_opt(&args.name).await?.is_none() {
+            let ncp = NestedControlPlane::new(
+                &args.name,
+                NestedControlPlaneSpec {
+                    version: args.version.clone(),
+                    replicas: Some(1),
+                    ..Default::default()
+                },
+            );
+            ncps.create(&PostParams::default(), &ncp)
+                .await
+                .context("creating the tenant control plane")?;
+            eprintln!(
+                "nestplane: created NestedControlPlane {NAMESPACE}/{}",
+                args.name
+            );
+        } else {
+            eprintln!(
+                "nestplane: NestedControlPlane {NAMESPACE}/{} exists; bringing it back",
+                args.name
+            );
+        }
+        wait_ready(&ncps, &args.name, Duration::from_secs(args.timeout)).await?;
+        let kc = tenant_kubeconfig(&client, NAMESPACE, &args.name).await?;
+        let path = state_dir.join(format!("{}.kubeconfig", args.name));
+        nestplane_localplane::write_private(&path, &kc)?;
+        let total = started.elapsed();
+        eprintln!(
+            "nestplane: tenant {} ready in {:.1}s",
+            args.name,
+            total.as_secs_f64()
+        );
+        println!("kubectl --kubeconfig {} get ns", path.display());
+        let key = nestplane_runtime::process::TenantKey {
+            namespace: NAMESPACE.into(),
+            cluster: args.name.clone(),
+        };
+        Ok::<_, anyhow::Error>((total, running.operator.runtime().startup_times(&key)))
+    }
+    .await;
+    match result {
+        Ok((total, startups)) => {
+            if args.exit_when_ready {
+                use nestplane_api::names::Component;
+                let t = |c: Component| startups.get(&c).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+                // etcd, then the API server, then controller-manager and scheduler in parallel.
+                let critical = t(Component::Etcd)
+                    + t(Component::ApiServer)
+                    + t(Component::ControllerManager).max(t(Component::Scheduler));
+                let total = total.as_secs_f64();
+                println!("ready_seconds={total:.2}");
+                println!("management_plane_seconds={:.2}", mgmt_ready.as_secs_f64());
+                for c in Component::ALL {
+                    println!(
+                        "startup_seconds{{component=\"{}\"}}={:.2}",
+                        c.short_name(),
+                        t(c)
+                    );
+                }
+                println!("component_startup_seconds={critical:.2}");
+                println!("outside_component_startup_seconds={:.2}", total - critical);
+            } else {
+                eprintln!(
+                    "nestplane: running; Ctrl-C stops everything (`nestplane up` again brings it back)"
+                );
+                wait_for_signal().await;
+            }
+            eprintln!("nestplane: stopping");
+            stop(running).await;
+            Ok(())
+        }
+        Err(e) => {
+            stop(running).await;
+            Err(e)
+        }
+    }
+}
+
+async fn wait_ready(
+    ncps: &Api<NestedControlPlane>,
+    name: &str,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut last = String::new();
+    loop {
+        let ncp = ncps.get(name).await?;
+        let status = ncp.status.unwrap_or_default();
+        if status.ready {
+            return Ok(());
+        }
+        let line = conditions::get(&status.conditions, types::AVAILABLE)
+            .map(|c| format!("{}: {}", c.reason, c.message))
+            .unwrap_or_else(|| "waiting for the operator".into());
+        if line != last {
+            eprintln!("nestplane:   {line}");
+            last = line;
+        }
+        if Instant::now() > deadline {
+            bail!("the tenant control plane is not ready after {timeout:?}; last state: {last}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `nestplane down`: delete the tenant (the operator stops its processes and removes its data
+/// and secrets).
+pub async fn down(args: DownArgs) -> anyhow::Result<()> {
+    let state_dir = args
+        .state_dir
+        .clone()
+        .unwrap_or_else(crate::default_state_dir);
+    if !state_dir.join("management").exists() {
+        eprintln!("nestplane: nothing in {}", state_dir.display());
+        return Ok(());
+    }
+    let running = start(&state_dir).await?;
+    let result = async {
+        let ncps: Api<NestedControlPlane> = Api::namespaced(running.plane.client(), NAMESPACE);
+        if ncps.get_opt(&args.name).await?.is_some() {
+            ncps.delete(&args.name, &DeleteParams::default()).await?;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while ncps.get_opt(&args.name).await?.is_some() {
+                if Instant::now() > deadline {
+                    bail!(
+                        "NestedControlPlane {NAMESPACE}/{} still exists after 60s",
+                        args.name
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            eprintln!("nestplane: deleted tenant {}", args.name);
+        } else {
+            eprintln!("nestplane: no tenant {}", args.name);
+        }
+        let _ = std::fs::remove_file(state_dir.join(format!("{}.kubeconfig", args.name)));
+        Ok(())
+    }
+    .await;
+    stop(running).await;
+    result?;
+    if args.purge {
+        std::fs::remove_dir_all(&state_dir)
+            .with_context(|| format!("removing {}", state_dir.display()))?;
+        eprintln!("nestplane: removed {}", state_dir.display());
+    }
+    Ok(())
+}
+
+/// Wait for Ctrl-C or SIGTERM.
+pub async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! Helpers shared by the CLI's integration tests: real binaries only.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The repository root.
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
+}
+
+/// Run `kubectl --kubeconfig <kc> args…`; fails the test with an install hint when kubectl is
+/// missing.
+pub fn kubectl(kubeconfig: &Path, args: &[&str]) -> Output {
+    kubectl_stdin(kubeconfig, args, None)
+}
+
+/// Like [`kubectl`], feeding `stdin`.
+pub fn kubectl_stdin(kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Output {
+    use std::io::Write;
+    let mut child = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect(
+            "kubectl not found on PATH: run scripts/install-deps.sh (installs kubernetes-client)",
+        );
+    if let Some(input) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Run kubectl and require success; returns stdout.
+pub fn kubectl_ok(kubeconfig: &Path, args: &[&str]) -> String {
+    let out = kubectl(kubeconfig, args);
+    assert!(
+        out.status.success(),
+        "kubectl {} failed:\n{}{}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The `nestplane` binary built for these tests.
+pub fn nestplane() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_nestplane"))
+}
+
+/// Poll `f` until it returns `Some`, or panic with `what` after `timeout`.
+pub fn eventually<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, PostParams};
+use nestplane_api::NestedControlPlane;
+use nestplane_localplane::{LocalPlane, Options};
+
+/// A management plane with the CRDs installed and (optionally) the operator running in this
+/// process with the process runtime.
+pub struct Env {
+    pub plane: LocalPlane,
+    pub operator: Option<nestplane_operator::Operator>,
+    pub state: tempfile::TempDir,
+}
+
+impl Env {
+    pub async fn start(with_operator: bool) -> Env {
+        let plane = LocalPlane::start(Options {
+            dir: None,
+            controller_manager: true,
+        })
+        .await
+        .expect("management plane");
+        nestplane_operator::crds::install(&plane.client(), Duration::from_secs(30))
+            .await
+            .expect("CRDs");
+        let state = tempfile::tempdir().unwrap();
+        let mut env = Env {
+            plane,
+            operator: None,
+            state,
+        };
+        if with_operator {
+            env.start_operator();
+        }
+        env
+    }
+
+    pub fn start_operator(&mut self) {
+        self.operator = Some(nestplane_operator::Operator::start(
+            self.plane.client(),
+            nestplane_operator::Config {
+                state_dir: self.operator_dir(),
+                ..Default::default()
+            },
+        ));
+    }
+
+    pub fn operator_dir(&self) -> PathBuf {
+        self.state.path().join("operator")
+    }
+
+    pub fn client(&self) -> kube::Client {
+        self.plane.client()
+    }
+
+    pub fn kubeconfig(&self) -> &Path {
+        self.plane.kubeconfig_path()
+    }
+
+    pub fn ncps(&self, ns: &str) -> Api<NestedControlPlane> {
+        Api::namespaced(self.client(), ns)
+    }
+
+    /// Create a control plane from YAML via kubectl (what a user does).
+    pub fn apply(&self, yaml: &str) {
+        let out = kubectl_stdin(self.kubeconfig(), &["apply", "-f", "-"], Some(yaml));
+        assert!(
+            out.status.success(),
+            "kubectl apply: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    pub async fn create_ncp(&self, ns: &str, name: &str) {
+        let ncp: NestedControlPlane = serde_json::from_value(serde_json::json!({
+            "apiVersion": "controlplane.cluster.x-k8s.io/v1alpha1",
+            "kind": "NestedControlPlane",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"version": "v1.20.2"}
+        }))
+        .unwrap();
+        self.ncps(ns)
+            .create(&PostParams::default(), &ncp)
+            .await
+            .unwrap();
+    }
+
+    /// Wait until the control plane reports `ready`; panics with its conditions otherwise.
+    pub async fn wait_ready(&self, ns: &str, name: &str, timeout: Duration) -> NestedControlPlane {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let ncp = self.ncps(ns).get(name).await.unwrap();
+            if ncp.status.as_ref().is_some_and(|s| s.ready) {
+                return ncp;
+            }
+            if Instant::now() > deadline {
+                let logs = self.tenant_logs(ns, name);
+                panic!(
+                    "{ns}/{name} not ready after {timeout:?}: {:#?}\n{logs}",
+                    ncp.status
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The tails of a tenant's process logs (for failure messages).
+    pub fn tenant_logs(&self, ns: &str, name: &str) -> String {
+        let dir = self.operator_dir().join("tenants").join(ns).join(name);
+        let mut out = String::new();
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let replica = entry.file_name().to_string_lossy().into_owned();
+            let log = entry.path().join(format!("{replica}.log"));
+            if log.exists() {
+                out.push_str(&format!(
+                    "--- {replica} ---\n{}\n",
+                    nestplane_runtime::child::log_tail(&log, 15)
+                ));
+            }
+        }
+        out
+    }
+
+    /// The pid of replica `i` of `component` (`etcd`, `apiserver`, …), from its pid file.
+    pub fn pid(&self, ns: &str, name: &str, component: &str, i: usize) -> Option<u32> {
+        let f = self
+            .operator_dir()
+            .join("tenants")
+            .join(ns)
+            .join(name)
+            .join(format!("{name}-{component}-{i}"))
+            .join("pid");
+        std::fs::read_to_string(f).ok()?.trim().parse().ok()
+    }
+
+    pub async fn secret(&self, ns: &str, name: &str) -> Option<Secret> {
+        Api::<Secret>::namespaced(self.client(), ns)
+            .get_opt(name)
+            .await
+            .unwrap()
+    }
+
+    /// Write the tenant's admin kubeconfig (from `<name>-kubeconfig`) to a file.
+    pub async fn tenant_kubeconfig(&self, ns: &str, name: &str) -> PathBuf {
+        let s = self
+            .secret(ns, &format!("{name}-kubeconfig"))
+            .await
+            .expect("kubeconfig secret");
+        let value = s.data.unwrap()["value"].0.clone();
+        let path = self.state.path().join(format!("{ns}-{name}.kubeconfig"));
+        std::fs::write(&path, value).unwrap();
+        path
+    }
+}
+
+/// Whether a process is alive (not reaped, not a zombie).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().next())
+            .is_none_or(|s| s != "Z"),
+        Err(_) => false,
+    }
+}
+
+/// kill -9.
+pub fn kill9(pid: u32) {
+    let ok = Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -9 {pid}");
+}
+
+/// Events whose involved/regarding object has `name`, as "reason: note" lines.
+pub fn events_for(kubeconfig: &Path, ns: &str, name: &str) -> String {
+    kubectl_ok(
+        kubeconfig,
+        &[
+            "get",
+            "events",
+            "-n",
+            ns,
+            "--field-selector",
+            &format!("involvedObject.name={name}"),
+            "-o",
+            "jsonpath={range .items[*]}{.type} {.reason}: {.message}{\"\\n\"}{end}",
+        ],
+    )
+}

@@ -1,0 +1,483 @@
+//! End to end: real tenant control planes from `NestedControlPlane` objects, run by the
+//! process runtime, used with kubectl.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use k8s_openapi::api::core::v1::Secret;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams};
+use nestplane_api::conditions;
+use nestplane_api::{NestedAPIServer, NestedEtcd};
+
+const READY: Duration = Duration::from_secs(120);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_from_samples_works_with_kubectl_and_survives_kill_9() {
+    let env = Env::start(true).await;
+    let samples =
+        std::fs::read_to_string(repo().join("config/samples/nestedcontrolplane.yaml")).unwrap();
+    env.apply(&samples);
+    let ncp = env.wait_ready("default", "sample", READY).await;
+
+    // The contract, both generations.
+    let st = ncp.status.clone().unwrap();
+    assert!(st.ready && st.initialized && st.external_managed_control_plane);
+    assert_eq!(
+        st.initialization.unwrap().control_plane_initialized,
+        Some(true)
+    );
+    assert_eq!(st.version.as_deref(), Some("v1.20.2"));
+    assert_eq!(
+        (
+            st.replicas,
+            st.ready_replicas,
+            st.available_replicas,
+            st.up_to_date_replicas,
+            st.unavailable_replicas
+        ),
+        (Some(1), Some(1), Some(1), Some(1), Some(0))
+    );
+    assert!(conditions::is_true(&st.conditions, "Available"));
+    let ep = ncp
+        .spec
+        .control_plane_endpoint
+        .clone()
+        .expect("the provider sets the endpoint");
+    assert!(ep.host.starts_with("127.") && ep.port == 6443, "{ep:?}");
+
+    // Components: owned by the control plane, Ready, with the seed's status fields.
+    let etcd: NestedEtcd = Api::namespaced(env.client(), "default")
+        .get("sample-etcd")
+        .await
+        .unwrap();
+    assert_eq!(etcd.owner_references()[0].name, "sample");
+    let es = etcd.status.unwrap();
+    assert!(es.common.ready);
+    assert_eq!(es.addresses.len(), 1);
+    assert_eq!(es.addresses[0].port, 2379);
+    let apiserver: NestedAPIServer = Api::namespaced(env.client(), "default")
+        .get("sample-apiserver")
+        .await
+        .unwrap();
+    let svc = apiserver
+        .status
+        .unwrap()
+        .apiserver_service
+        .expect("apiserverService");
+    assert_eq!(svc.name.as_deref(), Some("sample-apiserver"));
+    kubectl_ok(env.kubeconfig(), &["get", "service", "sample-apiserver"]);
+
+    // Cluster API secrets.
+    for suffix in ["ca", "etcd", "proxy", "sa", "kubeconfig"] {
+        let s = env
+            .secret("default", &format!("sample-{suffix}"))
+            .await
+            .unwrap_or_else(|| panic!("sample-{suffix}"));
+        assert_eq!(
+            s.type_.as_deref(),
+            Some("cluster.x-k8s.io/secret"),
+            "{suffix}"
+        );
+        assert_eq!(
+            s.labels()
+                .get("cluster.x-k8s.io/cluster-name")
+                .map(String::as_str),
+            Some("sample")
+        );
+        let owner = &s.owner_references()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.name.as_str(), owner.controller),
+            ("NestedControlPlane", "sample", Some(true))
+        );
+        let keys: Vec<&String> = s.data.as_ref().unwrap().keys().collect();
+        if suffix == "kubeconfig" {
+            assert!(keys.contains(&&"value".to_string()));
+        } else {
+            assert!(
+                keys.contains(&&"tls.crt".to_string()) && keys.contains(&&"tls.key".to_string()),
+                "{suffix}: {keys:?}"
+            );
+        }
+    }
+
+    // The kubeconfig works with kubectl.
+    let tkc = env.tenant_kubeconfig("default", "sample").await;
+    let ns = kubectl_ok(&tkc, &["get", "ns", "-o", "name"]);
+    assert!(ns.contains("namespace/kube-system"), "{ns}");
+    kubectl_ok(&tkc, &["create", "namespace", "survivor"]);
+    // The controller-manager and scheduler are really working: a ServiceAccount token
+    // controller fills the default account in a new namespace.
+    eventually(
+        "the tenant controller-manager creates the default ServiceAccount",
+        Duration::from_secs(30),
+        || {
+            kubectl(
+                &tkc,
+                &["get", "serviceaccount", "default", "-n", "survivor"],
+            )
+            .status
+            .success()
+            .then_some(())
+        },
+    );
+
+    // kill -9 the tenant apiserver and etcd: they come back, and so does the data.
+    for component in ["apiserver", "etcd"] {
+        let pid = env
+            .pid("default", "sample", component, 0)
+            .expect("pid file");
+        assert!(alive(pid));
+        kill9(pid);
+        eventually(
+            &format!("{component} restarted"),
+            Duration::from_secs(30),
+            || {
+                env.pid("default", "sample", component, 0)
+                    .filter(|p| *p != pid && alive(*p))
+            },
+        );
+    }
+    eventually(
+        "the namespace is still there",
+        Duration::from_secs(60),
+        || {
+            let out = kubectl(&tkc, &["get", "ns", "survivor", "-o", "name"]);
+            out.status.success().then_some(())
+        },
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_member_etcd_is_a_real_cluster() {
+    let env = Env::start(true).await;
+    env.apply(
+        "apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedEtcd\nmetadata:\n  name: ha-etcd\n  namespace: default\nspec:\n  replicas: 3\n---\napiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata:\n  name: ha\n  namespace: default\nspec:\n  etcd:\n    apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\n    kind: NestedEtcd\n    name: ha-etcd\n",
+    );
+    env.wait_ready("default", "ha", READY).await;
+    let etcd: NestedEtcd = Api::namespaced(env.client(), "default")
+        .get("ha-etcd")
+        .await
+        .unwrap();
+    let st = etcd.status.unwrap();
+    assert_eq!(st.common.ready_replicas, Some(3));
+    assert_eq!(st.addresses.len(), 3);
+
+    // etcdctl with the apiserver's issued etcd client certificate.
+    let client = env
+        .secret("default", "ha-apiserver-etcd-client")
+        .await
+        .expect("etcd client cert");
+    let data = client.data.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for (k, file) in [
+        ("tls.crt", "client.crt"),
+        ("tls.key", "client.key"),
+        ("ca.crt", "ca.crt"),
+    ] {
+        std::fs::write(dir.path().join(file), &data[k].0).unwrap();
+    }
+    let endpoints: Vec<String> = st
+        .addresses
+        .iter()
+        .map(|a| format!("https://{}:{}", a.ip.as_deref().unwrap(), a.port))
+        .collect();
+    let etcdctl = |args: &[&str]| {
+        let out = std::process::Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .arg(format!("--endpoints={}", endpoints.join(",")))
+            .arg(format!("--cacert={}", dir.path().join("ca.crt").display()))
+            .arg(format!(
+                "--cert={}",
+                dir.path().join("client.crt").display()
+            ))
+            .arg(format!("--key={}", dir.path().join("client.key").display()))
+            .args(args)
+            .output()
+            .expect("etcdctl not found: run scripts/install-deps.sh (installs etcd-client)");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, members) = etcdctl(&["member", "list", "-w", "simple"]);
+    assert!(ok, "{members}");
+    assert_eq!(
+        members.lines().filter(|l| l.contains("started")).count(),
+        3,
+        "{members}"
+    );
+    let (ok, health) = etcdctl(&["endpoint", "health"]);
+    assert!(ok, "{health}");
+    assert_eq!(health.matches("is healthy").count(), 3, "{health}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_tenants_are_isolated_and_deletion_cleans_up() {
+    let env = Env::start(true).await;
+    env.create_ncp("default", "red").await;
+    env.create_ncp("default", "blue").await;
+    let red = env.wait_ready("default", "red", READY).await;
+    let blue = env.wait_ready("default", "blue", READY).await;
+    assert_ne!(
+        red.spec.control_plane_endpoint, blue.spec.control_plane_endpoint,
+        "addresses never clash"
+    );
+
+    let red_kc = env.tenant_kubeconfig("default", "red").await;
+    let blue_kc = env.tenant_kubeconfig("default", "blue").await;
+    kubectl_ok(&red_kc, &["create", "namespace", "only-red"]);
+    kubectl_ok(&blue_kc, &["create", "namespace", "only-blue"]);
+    assert!(kubectl(&red_kc, &["get", "ns", "only-blue"]).status.code() != Some(0));
+    assert!(kubectl(&blue_kc, &["get", "ns", "only-red"]).status.code() != Some(0));
+    // One tenant's credentials are not accepted by the other.
+    let red_server = red.spec.control_plane_endpoint.clone().unwrap();
+    let out = kubectl(
+        &blue_kc,
+        &[
+            "--server",
+            &format!("https://{}:{}", red_server.host, red_server.port),
+            "--insecure-skip-tls-verify",
+            "get",
+            "ns",
+        ],
+    );
+    assert!(
+        !out.status.success(),
+        "blue's certificate must not work on red"
+    );
+
+    // Delete red: its processes stop, its secrets and data go; blue is untouched.
+    let pids: Vec<u32> = ["etcd", "apiserver", "controller-manager", "scheduler"]
+        .iter()
+        .map(|c| {
+            env.pid("default", "red", c, 0)
+                .unwrap_or_else(|| panic!("{c} pid"))
+        })
+        .collect();
+    env.ncps("default")
+        .delete("red", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("red is gone", Duration::from_secs(60), || {
+        let out = kubectl(env.kubeconfig(), &["get", "ncp", "red"]);
+        (!out.status.success()).then_some(())
+    });
+    for pid in pids {
+        assert!(!alive(pid), "process {pid} of red still runs");
+    }
+    let secrets: Api<Secret> = Api::namespaced(env.client(), "default");
+    let left = secrets
+        .list(&ListParams::default().labels("cluster.x-k8s.io/cluster-name=red"))
+        .await
+        .unwrap();
+    assert!(
+        left.items.is_empty(),
+        "red's secrets remain: {:?}",
+        left.items.iter().map(|s| s.name_any()).collect::<Vec<_>>()
+    );
+    assert!(
+        !env.operator_dir().join("tenants/default/red").exists(),
+        "red's data remains"
+    );
+    kubectl_ok(&blue_kc, &["get", "ns", "only-blue"]);
+    assert!(env.secret("default", "blue-ca").await.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_conditions_and_events_and_others_keep_working() {
+    let env = Env::start(true).await;
+    // A version with no binaries.
+    env.apply("apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata:\n  name: future\n  namespace: default\nspec:\n  version: \"1.33.0\"\n");
+    // A name too long for derived names (40 characters; 33 fit).
+    let long = "a-control-plane-name-that-is-far-too-lon";
+    env.apply(&format!("apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata:\n  name: {long}\n  namespace: default\nspec: {{}}\n"));
+    // A reference to a component that does not exist.
+    env.apply("apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata:\n  name: dangling\n  namespace: default\nspec:\n  etcd:\n    apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\n    kind: NestedEtcd\n    name: no-such-etcd\n");
+    // And a good one, which must become ready regardless.
+    env.create_ncp("default", "good").await;
+    env.wait_ready("default", "good", READY).await;
+
+    let kc = env.kubeconfig().to_path_buf();
+    let condition = |kind: &str, name: &str, type_: &str| {
+        kubectl_ok(
+            &kc,
+            &[
+                "get",
+                kind,
+                name,
+                "-o",
+                &format!(
+                    "jsonpath={{.status.conditions[?(@.type==\"{type_}\")].reason}}|{{.status.conditions[?(@.type==\"{type_}\")].message}}"
+                ),
+            ],
+        )
+    };
+    let got = eventually(
+        "future's apiserver reports the missing binary",
+        Duration::from_secs(60),
+        || {
+            let c = condition("nestedapiserver", "future-apiserver", "Ready");
+            c.starts_with("VersionUnavailable|").then_some(c)
+        },
+    );
+    assert!(
+        got.contains("kube-apiserver")
+            && got.contains("v1.33.0")
+            && got.contains("NESTPLANE_BIN_DIR"),
+        "{got}"
+    );
+    let ev = eventually(
+        "an event for the missing binary",
+        Duration::from_secs(30),
+        || {
+            let e = events_for(&kc, "default", "future-apiserver");
+            e.contains("Warning VersionUnavailable").then_some(e)
+        },
+    );
+    assert!(ev.contains("kube-apiserver"), "{ev}");
+
+    let got = eventually("the long name is refused", Duration::from_secs(30), || {
+        let c = condition("ncp", long, "Available");
+        c.starts_with("InvalidSpec|").then_some(c)
+    });
+    assert!(got.contains("at most 33"), "{got}");
+    let failure = kubectl_ok(
+        &kc,
+        &["get", "ncp", long, "-o", "jsonpath={.status.failureReason}"],
+    );
+    assert_eq!(failure, "InvalidSpec");
+    eventually(
+        "an event for the long name",
+        Duration::from_secs(30),
+        || {
+            events_for(&kc, "default", long)
+                .contains("Warning InvalidSpec")
+                .then_some(())
+        },
+    );
+    assert!(
+        env.secret("default", &format!("{long}-ca")).await.is_none(),
+        "nothing is created for an invalid control plane"
+    );
+
+    let got = eventually(
+        "the dangling reference is reported",
+        Duration::from_secs(30),
+        || {
+            let c = condition("ncp", "dangling", "Available");
+            c.starts_with("ReferenceNotFound|").then_some(c)
+        },
+    );
+    assert!(got.contains("no-such-etcd"), "{got}");
+    eventually(
+        "an event for the dangling reference",
+        Duration::from_secs(30),
+        || {
+            events_for(&kc, "default", "dangling")
+                .contains("Warning ReferenceNotFound")
+                .then_some(())
+        },
+    );
+
+    // Fixing the input heals it: create the missing etcd.
+    env.apply("apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedEtcd\nmetadata:\n  name: no-such-etcd\n  namespace: default\nspec: {}\n");
+    env.wait_ready("default", "dangling", READY).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_killed_mid_creation_converges_with_the_same_ca() {
+    let env = Env::start(false).await;
+    std::fs::write(
+        env.state.path().join("mgmt.kubeconfig"),
+        env.plane.kubeconfig(),
+    )
+    .unwrap();
+    let spawn_operator = || {
+        nestplane()
+            .args([
+                "operator",
+                "--metrics-bind-address",
+                "127.0.0.1:0",
+                "--state-dir",
+            ])
+            .arg(env.operator_dir())
+            .env("KUBECONFIG", env.state.path().join("mgmt.kubeconfig"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut op = spawn_operator();
+    env.create_ncp("default", "phoenix").await;
+    // Mid-creation: the CA exists, the tenant is not ready yet.
+    let ca_before = eventually("the cluster CA is created", Duration::from_secs(60), || {
+        let out = kubectl(
+            env.kubeconfig(),
+            &["get", "secret", "phoenix-ca", "-o", "jsonpath={.data}"],
+        );
+        (out.status.success() && !out.stdout.is_empty())
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    });
+    let etcd_ca_before = kubectl_ok(
+        env.kubeconfig(),
+        &["get", "secret", "phoenix-etcd", "-o", "jsonpath={.data}"],
+    );
+    let etcd_pid = env.pid("default", "phoenix", "etcd", 0);
+    op.kill().unwrap(); // SIGKILL
+    op.wait().unwrap();
+    if let Some(pid) = etcd_pid {
+        eventually(
+            "tenant processes die with the operator",
+            Duration::from_secs(10),
+            || (!alive(pid)).then_some(()),
+        );
+    }
+
+    let mut op = spawn_operator();
+    env.wait_ready("default", "phoenix", READY).await;
+    let ca_after = kubectl_ok(
+        env.kubeconfig(),
+        &["get", "secret", "phoenix-ca", "-o", "jsonpath={.data}"],
+    );
+    let etcd_ca_after = kubectl_ok(
+        env.kubeconfig(),
+        &["get", "secret", "phoenix-etcd", "-o", "jsonpath={.data}"],
+    );
+    assert_eq!(ca_before, ca_after, "the cluster CA is byte-identical");
+    assert_eq!(
+        etcd_ca_before, etcd_ca_after,
+        "the etcd CA is byte-identical"
+    );
+    let tkc = env.tenant_kubeconfig("default", "phoenix").await;
+    // Status written before the kill may still say Ready for a moment: retry until the
+    // restarted processes answer.
+    eventually("the tenant accepts writes", Duration::from_secs(60), || {
+        kubectl(&tkc, &["create", "namespace", "kept"])
+            .status
+            .success()
+            .then_some(())
+    });
+
+    // Restart once more: same CA, same data.
+    op.kill().unwrap();
+    op.wait().unwrap();
+    let mut op = spawn_operator();
+    env.wait_ready("default", "phoenix", READY).await;
+    eventually(
+        "data survives the operator restart",
+        Duration::from_secs(60),
+        || {
+            kubectl(&tkc, &["get", "ns", "kept"])
+                .status
+                .success()
+                .then_some(())
+        },
+    );
+    op.kill().unwrap();
+    op.wait().unwrap();
+}

@@ -1,0 +1,135 @@
+//! The README's main command: `nestplane up`, Ctrl-C/SIGTERM, `up` again, `down`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use common::*;
+
+/// Start `nestplane up` and wait for the line with the kubectl command.
+fn up(state: &std::path::Path) -> (Child, String) {
+    let mut child = nestplane()
+        .args(["up", "--name", "demo", "--state-dir"])
+        .arg(state)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(180))
+        .expect("nestplane up prints the kubectl command when ready");
+    (child, line)
+}
+
+fn sigterm(mut child: Child) {
+    let pid = child.id().to_string();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = eventually(
+        "nestplane up exits on SIGTERM",
+        Duration::from_secs(30),
+        || child.try_wait().unwrap(),
+    );
+    assert!(status.success(), "{status}");
+}
+
+fn running_under(dir: &std::path::Path) -> Vec<u32> {
+    let needle = dir.display().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&needle))
+        })
+        .filter(|pid| alive(*pid))
+        .collect()
+}
+
+#[test]
+fn up_gives_a_working_tenant_and_comes_back_with_its_data() {
+    let state = tempfile::tempdir().unwrap();
+    let (child, line) = up(state.path());
+    let kubeconfig = state.path().join("demo.kubeconfig");
+    assert_eq!(
+        line,
+        format!("kubectl --kubeconfig {} get ns", kubeconfig.display())
+    );
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&kubeconfig).unwrap().permissions(),
+    ) & 0o777;
+    assert_eq!(mode, 0o600);
+    let ns = kubectl_ok(&kubeconfig, &["get", "ns"]);
+    assert!(ns.contains("kube-system") && ns.contains("default"), "{ns}");
+    kubectl_ok(&kubeconfig, &["create", "namespace", "persisted"]);
+    let mgmt = state.path().join("management.kubeconfig");
+    let ca = kubectl_ok(
+        &mgmt,
+        &[
+            "get",
+            "secret",
+            "demo-ca",
+            "-o",
+            "jsonpath={.data.tls\\.crt}",
+        ],
+    );
+    assert!(!running_under(state.path()).is_empty());
+
+    sigterm(child);
+    eventually("every process stops", Duration::from_secs(15), || {
+        running_under(state.path()).is_empty().then_some(())
+    });
+
+    // Again, on the same state directory: the same tenant with the same CA and its data.
+    let (child, _) = up(state.path());
+    let ca_again = kubectl_ok(
+        &mgmt,
+        &[
+            "get",
+            "secret",
+            "demo-ca",
+            "-o",
+            "jsonpath={.data.tls\\.crt}",
+        ],
+    );
+    assert_eq!(ca, ca_again, "the CA survives");
+    eventually("the namespace survives", Duration::from_secs(60), || {
+        kubectl(&kubeconfig, &["get", "ns", "persisted"])
+            .status
+            .success()
+            .then_some(())
+    });
+    sigterm(child);
+
+    // down removes the tenant.
+    let out = nestplane()
+        .args(["down", "--name", "demo", "--state-dir"])
+        .arg(state.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!state.path().join("demo.kubeconfig").exists());
+    assert!(!state.path().join("operator/tenants/default/demo").exists());
+    assert!(running_under(state.path()).is_empty());
+}
