@@ -1,0 +1,23 @@
+.PHONY: up down test crds bench fmt
+
+# A local management plane, the operator and a tenant control plane (foreground; Ctrl-C stops).
+up:
+	scripts/up.sh $(ARGS)
+
+# Remove the tenant and the management plane state created by `make up`.
+down:
+	cargo run --release --quiet -p nestplane-cli -- down $(ARGS)
+
+# Everything CI runs: install deps, fmt, clippy, all tests against real binaries.
+test:
+	scripts/test.sh
+
+# Regenerate the checked-in CRDs.
+crds:
+	cargo run --quiet -p nestplane-cli -- crds > config/crd/nestplane.yaml
+
+bench:
+	scripts/bench.sh
+
+fmt:
+	cargo fmt --all

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The test command (README and CI run exactly this): installs what is missing, then runs
+# formatting and lint checks and every test against real etcd / kube-apiserver /
+# kube-controller-manager processes on this machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bin_line=$(scripts/install-deps.sh | grep '^NESTPLANE_BIN_DIR=')
+export "${bin_line?}"
+echo "test: Kubernetes binaries from $NESTPLANE_BIN_DIR"
+
+echo "test: cargo fmt --check"
+cargo fmt --all -- --check
+echo "test: cargo clippy"
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --no-fail-fast "$@"
+  cargo test --workspace --doc --quiet
+else
+  cargo test --workspace --no-fail-fast "$@"
+fi
