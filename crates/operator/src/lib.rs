@@ -19,9 +19,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use kube::ResourceExt;
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
-use kube::ResourceExt;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use nestplane_api::{
@@ -124,13 +124,21 @@ pub async fn run_with(
     }
     let ncp_ctl = ncp_ctl
         .watches(api::<NestedEtcd>(&client, ns), wc(), referencing(&ncps))
-        .watches(api::<NestedAPIServer>(&client, ns), wc(), referencing(&ncps))
+        .watches(
+            api::<NestedAPIServer>(&client, ns),
+            wc(),
+            referencing(&ncps),
+        )
         .watches(
             api::<NestedControllerManager>(&client, ns),
             wc(),
             referencing(&ncps),
         )
-        .watches(api::<NestedScheduler>(&client, ns), wc(), referencing(&ncps))
+        .watches(
+            api::<NestedScheduler>(&client, ns),
+            wc(),
+            referencing(&ncps),
+        )
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(ncp::reconcile, error_policy, ctx.clone())
         .for_each(|_| async {});
