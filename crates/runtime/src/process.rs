@@ -49,6 +49,9 @@ pub enum RuntimeError {
     /// A secret the template mounts was not provided.
     #[error("secret {0} is not available yet")]
     MissingSecret(String),
+    /// The tenant was removed; it runs again only after [`ProcessRuntime::revive`].
+    #[error("tenant {0} is being deleted")]
+    Removed(String),
     /// Filesystem trouble.
     #[error("{context}: {source}")]
     Io {
@@ -66,6 +69,7 @@ impl RuntimeError {
             RuntimeError::MissingBinary(_) => "MissingBinary",
             RuntimeError::Unsupported { .. } => "Unsupported",
             RuntimeError::MissingSecret(_) => "MissingSecret",
+            RuntimeError::Removed(_) => "Removed",
             RuntimeError::Io { .. } => "Io",
         }
     }
@@ -112,6 +116,9 @@ pub struct ProcessRuntime {
     groups: tokio::sync::Mutex<HashMap<(TenantKey, Component), Group>>,
     alloc: Mutex<()>,
     startups: Mutex<HashMap<(TenantKey, Component), Startup>>,
+    /// Tenants removed in this process's life: a reconcile already in flight must not bring
+    /// their processes or directory back.
+    removed: Mutex<std::collections::HashSet<TenantKey>>,
 }
 
 /// When a component's processes were started, and how long they took to become healthy.
@@ -142,7 +149,31 @@ impl ProcessRuntime {
             groups: Default::default(),
             alloc: Mutex::new(()),
             startups: Mutex::new(HashMap::new()),
+            removed: Mutex::new(Default::default()),
         }
+    }
+
+    /// Allow a removed tenant to run again (its control plane exists again).
+    pub fn revive(&self, key: &TenantKey) {
+        self.removed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
+    }
+
+    fn check_alive(&self, key: &TenantKey) -> Result<(), RuntimeError> {
+        if self
+            .removed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(key)
+        {
+            return Err(RuntimeError::Removed(format!(
+                "{}/{}",
+                key.namespace, key.cluster
+            )));
+        }
+        Ok(())
     }
 
     /// The directory of a tenant.
@@ -157,6 +188,7 @@ impl ProcessRuntime {
     /// stable afterwards.
     pub fn hosts(&self, key: &TenantKey) -> Result<Vec<Ipv4Addr>, RuntimeError> {
         let _guard = self.alloc.lock().unwrap_or_else(|e| e.into_inner());
+        self.check_alive(key)?;
         let dir = self.tenant_dir(key);
         let file = dir.join("network.json");
         let block = match std::fs::read_to_string(&file)
@@ -240,6 +272,8 @@ impl ProcessRuntime {
         let hash = format!("{:x}", hasher.finalize());
 
         let mut groups = self.groups.lock().await;
+        // `remove` marks the tenant before it takes this lock.
+        self.check_alive(key)?;
         let gk = (key.clone(), component);
         let replicas = rendered.replicas as usize;
         if let Some(g) = groups.get(&gk)
@@ -345,6 +379,13 @@ impl ProcessRuntime {
 
     /// Stop every process of a tenant and remove its data and address block.
     pub async fn remove(&self, key: &TenantKey) -> Result<(), RuntimeError> {
+        {
+            let _guard = self.alloc.lock().unwrap_or_else(|e| e.into_inner());
+            self.removed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key.clone());
+        }
         let mut stopped = Vec::new();
         {
             let mut groups = self.groups.lock().await;
@@ -808,5 +849,24 @@ mod tests {
         let b = pick_block(&used).unwrap();
         assert!(!used.contains(&b));
         assert!((64..=126).contains(&b[0]));
+    }
+
+    #[tokio::test]
+    async fn a_removed_tenant_stays_removed_until_revived() {
+        let dir = tempfile::tempdir().unwrap();
+        let rt = ProcessRuntime::new(dir.path());
+        let key = TenantKey {
+            namespace: "ns".into(),
+            cluster: "c".into(),
+        };
+        let first = rt.hosts(&key).unwrap();
+        assert!(rt.tenant_dir(&key).join("network.json").exists());
+        rt.remove(&key).await.unwrap();
+        assert!(!rt.tenant_dir(&key).exists());
+        // A reconcile that was in flight cannot bring the directory back.
+        assert!(matches!(rt.hosts(&key), Err(RuntimeError::Removed(_))));
+        assert!(!rt.tenant_dir(&key).exists());
+        rt.revive(&key);
+        assert_eq!(rt.hosts(&key).unwrap().len(), first.len());
     }
 }
