@@ -15,6 +15,9 @@ pub const DEFAULT_SERVICE_CIDR: &str = "10.96.0.0/12";
 /// Default cluster domain of a tenant.
 pub const DEFAULT_CLUSTER_DOMAIN: &str = "cluster.local";
 
+/// Service types the API server's Service may have.
+pub const SERVICE_TYPES: &[&str] = &["ClusterIP", "NodePort", "LoadBalancer"];
+
 /// Where the replicas of a tenant run and how they reach each other.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Network {
@@ -50,6 +53,9 @@ pub struct RenderInput {
     pub service_cidr: String,
     /// Cluster domain of the tenant (`cluster.local`).
     pub cluster_domain: String,
+    /// Type of the API server's Service on the Cluster network: `ClusterIP` (default),
+    /// `NodePort` or `LoadBalancer`.
+    pub apiserver_service_type: String,
 }
 
 impl RenderInput {
@@ -71,6 +77,7 @@ impl RenderInput {
             image_registry: DEFAULT_IMAGE_REGISTRY.into(),
             service_cidr: DEFAULT_SERVICE_CIDR.into(),
             cluster_domain: DEFAULT_CLUSTER_DOMAIN.into(),
+            apiserver_service_type: "ClusterIP".into(),
         }
     }
 
@@ -90,6 +97,16 @@ impl RenderInput {
         check_dns_label("cluster", &self.cluster, MAX_CLUSTER_NAME_LEN)?;
         check_dns_label("namespace", &self.namespace, 63)?;
         self.version.check_supported()?;
+        if !SERVICE_TYPES.contains(&self.apiserver_service_type.as_str()) {
+            return Err(RenderError::invalid(
+                "apiserver service type",
+                format!(
+                    "{:?} is not one of {}",
+                    self.apiserver_service_type,
+                    SERVICE_TYPES.join(", ")
+                ),
+            ));
+        }
         for (c, n) in &self.replicas {
             if *n == 0 {
                 return Err(RenderError::invalid(

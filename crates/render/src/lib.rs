@@ -20,15 +20,20 @@
 #![warn(missing_docs)]
 
 mod addressing;
+pub mod channels;
 mod components;
 mod error;
 mod input;
+pub mod patch;
 mod pod;
 mod services;
 mod version;
+pub mod workload;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod workload_tests;
 
 use std::collections::BTreeMap;
 
@@ -48,14 +53,16 @@ pub use addressing::{
 pub use error::RenderError;
 pub use input::{
     DEFAULT_CLUSTER_DOMAIN, DEFAULT_IMAGE_REGISTRY, DEFAULT_SERVICE_CIDR, Network, RenderInput,
-    first_service_ip,
+    SERVICE_TYPES, first_service_ip,
 };
+pub use patch::PatchError;
 pub use pod::{
     ETCD_DATA_DIR, ETCD_DATA_MOUNT, ETCD_DATA_VOLUME, POD_IP_ENV, POD_NAME_ENV, RUN_AS_USER,
     SECRET_FILE_MODE, SECRETS_ROOT, pod_labels, secret_file_name, secret_mount_path,
     secret_volume_name, selector_labels,
 };
 pub use version::{KubeVersion, MAX_SUPPORTED_MINOR, MIN_SUPPORTED_MINOR, etcd_version_for};
+pub use workload::{Objects, SECRETS_CHECKSUM_ANNOTATION, objects, process_objects};
 
 /// One component of a tenant, ready to run.
 #[derive(Clone, Debug, PartialEq)]

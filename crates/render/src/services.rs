@@ -77,7 +77,7 @@ pub(crate) fn services(c: Component, input: &RenderInput) -> Vec<Service> {
             c,
             apiserver_service_name(cluster),
             ServiceSpec {
-                type_: Some("ClusterIP".into()),
+                type_: Some(input.apiserver_service_type.clone()),
                 ports: Some(vec![service_port("https", ports::APISERVER)]),
                 ..Default::default()
             },
