@@ -150,6 +150,33 @@ pub struct NestedAPIServerSpec {
     /// Version, channel, patches, resources, replicas.
     #[serde(flatten)]
     pub component: NestedComponentSpec,
+    /// Type of the API server's Service in the `kubernetes` runtime: `ClusterIP` (default),
+    /// `NodePort` or `LoadBalancer`. The control plane's endpoint follows the Service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_type: Option<ApiServerServiceType>,
+}
+
+/// How the API server is exposed in the `kubernetes` runtime.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ApiServerServiceType {
+    /// Reachable inside the management cluster (the default).
+    #[default]
+    ClusterIP,
+    /// On a port of every node.
+    NodePort,
+    /// Through the management cluster's load balancer.
+    LoadBalancer,
+}
+
+impl ApiServerServiceType {
+    /// The Service `type` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApiServerServiceType::ClusterIP => "ClusterIP",
+            ApiServerServiceType::NodePort => "NodePort",
+            ApiServerServiceType::LoadBalancer => "LoadBalancer",
+        }
+    }
 }
 
 /// Observed state of a `NestedAPIServer`.
