@@ -40,9 +40,16 @@ enum Command {
 /// Arguments of `nestplane operator`.
 #[derive(clap::Args, Debug)]
 struct OperatorArgs {
-    /// Where tenant components run. `process`: supervised local processes.
-    #[arg(long, default_value = "process", value_parser = ["process"])]
+    /// Where tenant components run. `process`: supervised local processes on this machine;
+    /// `kubernetes`: StatefulSet/Deployments and Services in the management cluster.
+    #[arg(long, default_value = "process", value_parser = ["process", "kubernetes"])]
     runtime: String,
+    /// Registry of the component images (`kubernetes` runtime).
+    #[arg(long, default_value = nestplane_render::DEFAULT_IMAGE_REGISTRY)]
+    image_registry: String,
+    /// Size of each etcd member's volume (`kubernetes` runtime).
+    #[arg(long, default_value = nestplane_render::workload::DEFAULT_ETCD_STORAGE)]
+    etcd_storage: String,
     /// Watch only this namespace (all namespaces when unset).
     #[arg(long)]
     namespace: Option<String>,
@@ -104,7 +111,15 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
         up::wait_for_signal().await;
         t.cancel();
     });
-    let _ = args.runtime;
+    let mode = match args.runtime.as_str() {
+        "kubernetes" => {
+            nestplane_operator::Mode::Kubernetes(nestplane_operator::KubernetesSettings {
+                image_registry: args.image_registry,
+                etcd_storage: args.etcd_storage,
+            })
+        }
+        _ => nestplane_operator::Mode::Process,
+    };
     nestplane_operator::run(
         client,
         nestplane_operator::Config {
@@ -112,6 +127,7 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
             watch_filter: args.watch_filter,
             state_dir,
             metrics_addr: Some(args.metrics_bind_address),
+            mode,
         },
         token,
     )

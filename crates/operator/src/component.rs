@@ -22,7 +22,7 @@ use nestplane_pki::{LeafSpec, Usage};
 use nestplane_render::{Network, RenderInput, Sans};
 use nestplane_runtime::process::{RuntimeError, TenantKey};
 
-use crate::context::{Context, Error};
+use crate::context::{Context, Error, Mode};
 use crate::crds::FIELD_MANAGER;
 use crate::secrets::{ClusterSecrets, KubeconfigSpec, Leaf};
 use crate::tenant::{self, ComponentKind, Tenant};
@@ -33,20 +33,20 @@ pub const HEALTH_INTERVAL: Duration = Duration::from_secs(10);
 pub const STARTING_INTERVAL: Duration = Duration::from_millis(500);
 
 /// The outcome of one pass, before it becomes status.
-struct Outcome {
-    ready: bool,
-    ready_replicas: i32,
-    reason: &'static str,
-    message: String,
-    version: Option<String>,
-    addresses: Vec<NestedEtcdAddress>,
-    service: Option<ObjectReference>,
-    requeue: Option<Duration>,
-    event: Option<EventType>,
+pub(crate) struct Outcome {
+    pub(crate) ready: bool,
+    pub(crate) ready_replicas: i32,
+    pub(crate) reason: &'static str,
+    pub(crate) message: String,
+    pub(crate) version: Option<String>,
+    pub(crate) addresses: Vec<NestedEtcdAddress>,
+    pub(crate) service: Option<ObjectReference>,
+    pub(crate) requeue: Option<Duration>,
+    pub(crate) event: Option<EventType>,
 }
 
 impl Outcome {
-    fn waiting(
+    pub(crate) fn waiting(
         reason: &'static str,
         message: String,
         requeue: Option<Duration>,
@@ -92,6 +92,12 @@ pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Resu
         Ok(out) => out,
         Err(Error::Runtime(e @ RuntimeError::MissingBinary(_))) => Outcome::waiting(
             reasons::VERSION_UNAVAILABLE,
+            e.to_string(),
+            Some(Duration::from_secs(30)),
+            Some(EventType::Warning),
+        ),
+        Err(e @ (Error::Patch(_) | Error::Render(_))) => Outcome::waiting(
+            reasons::INVALID_SPEC,
             e.to_string(),
             Some(Duration::from_secs(30)),
             Some(EventType::Warning),
@@ -271,7 +277,10 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Err
         }
     };
     // Say at once when this version cannot run here, rather than after the dependencies.
-    nestplane_runtime::process::binary_for(c, &version.to_string()).map_err(RuntimeError::from)?;
+    if ctx.mode == Mode::Process {
+        nestplane_runtime::process::binary_for(c, &version.to_string())
+            .map_err(RuntimeError::from)?;
+    }
     let waiting_for: Vec<String> = c
         .dependencies()
         .iter()
@@ -292,6 +301,17 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Err
         ));
     }
 
+    let secrets = ClusterSecrets::new(
+        ctx.client.clone(),
+        &t.namespace(),
+        &t.cluster(),
+        tenant::owner_ref(&t.ncp),
+    );
+    let patches = t.spec_of(c).map(|s| s.patches.clone()).unwrap_or_default();
+    if let Mode::Kubernetes(settings) = &ctx.mode {
+        return crate::workloads::run::<K>(ctx, t, version, settings, &secrets, &patches).await;
+    }
+
     let key = TenantKey {
         namespace: t.namespace(),
         cluster: t.cluster(),
@@ -303,14 +323,21 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Err
             hosts: hosts.clone(),
         },
     );
-    let rendered = nestplane_render::render(c, &input)?;
-    let secrets = ClusterSecrets::new(
-        ctx.client.clone(),
-        &t.namespace(),
-        &t.cluster(),
-        tenant::owner_ref(&t.ncp),
-    );
-    let cluster_ca_pem = ensure_secrets(c, t, &input, &secrets).await?;
+    let mut rendered = nestplane_render::render(c, &input)?;
+    // The same patches as the workloads get; the process runtime runs the patched template.
+    if !patches.is_empty() {
+        let mut objects = nestplane_render::process_objects(&rendered, &input);
+        nestplane_render::patch::apply(objects.all_mut(), &patches)?;
+        rendered.pod_template = objects.pod_template()?;
+    }
+    let cluster_ca_pem = ensure_secrets(
+        c,
+        t,
+        &input,
+        endpoint_host(&input).into_iter().collect(),
+        &secrets,
+    )
+    .await?;
     let data = secrets.data(&rendered.secrets).await?;
     ctx.runtime
         .ensure(&key, &rendered, &version.to_string(), &data)
@@ -394,10 +421,11 @@ pub fn endpoint_host(input: &RenderInput) -> Option<String> {
 
 /// Create or renew the secrets component `c` needs; returns the cluster CA (PEM) for
 /// health checks over HTTPS.
-async fn ensure_secrets(
+pub(crate) async fn ensure_secrets(
     c: Component,
     t: &Tenant,
     input: &RenderInput,
+    hosts: Vec<String>,
     s: &ClusterSecrets,
 ) -> Result<Option<String>, Error> {
     let cluster = t.cluster();
@@ -440,8 +468,17 @@ async fn ensure_secrets(
             let etcd_ca = s.ca(SecretPurpose::EtcdCa).await?;
             let proxy_ca = s.ca(SecretPurpose::FrontProxyCa).await?;
             s.ca(SecretPurpose::ServiceAccount).await?;
-            let host = endpoint_host(input);
-            let sans = nestplane_render::apiserver_sans(input, host.as_deref());
+            // The first address is the endpoint; the others are further names it answers to.
+            let host = hosts.first().cloned();
+            let mut sans = nestplane_render::apiserver_sans(input, host.as_deref());
+            for h in hosts.iter().skip(1) {
+                match h.parse::<IpAddr>() {
+                    Ok(ip) if !sans.ips.contains(&ip) => sans.ips.push(ip),
+                    Ok(_) => {}
+                    Err(_) if !sans.dns.contains(h) => sans.dns.push(h.clone()),
+                    Err(_) => {}
+                }
+            }
             s.leaf(
                 &Leaf {
                     purpose: SecretPurpose::ApiServer,

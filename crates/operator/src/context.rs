@@ -29,6 +29,9 @@ pub enum Error {
     /// The runtime failed.
     #[error(transparent)]
     Runtime(#[from] nestplane_runtime::process::RuntimeError),
+    /// A user patch cannot be applied.
+    #[error(transparent)]
+    Patch(#[from] nestplane_render::PatchError),
     /// A bug.
     #[error("internal: {0}")]
     Internal(String),
@@ -42,6 +45,7 @@ impl Error {
             Error::Secret(_) => "secret",
             Error::Render(_) => "render",
             Error::Runtime(e) => e.label(),
+            Error::Patch(_) => "patch",
             Error::Internal(_) => "internal",
         }
     }
@@ -168,12 +172,42 @@ impl Metrics {
     }
 }
 
+/// Where tenant components run.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Mode {
+    /// Supervised local processes ([`ProcessRuntime`]).
+    #[default]
+    Process,
+    /// Workloads (StatefulSet, Deployments, Services) in the management cluster.
+    Kubernetes(KubernetesSettings),
+}
+
+/// Settings of the `kubernetes` runtime.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KubernetesSettings {
+    /// Registry the component images come from.
+    pub image_registry: String,
+    /// Size of each etcd member's volume.
+    pub etcd_storage: String,
+}
+
+impl Default for KubernetesSettings {
+    fn default() -> Self {
+        KubernetesSettings {
+            image_registry: nestplane_render::DEFAULT_IMAGE_REGISTRY.into(),
+            etcd_storage: nestplane_render::workload::DEFAULT_ETCD_STORAGE.into(),
+        }
+    }
+}
+
 /// Shared by every reconciler.
 pub struct Context {
     /// The management cluster.
     pub client: kube::Client,
-    /// Where components run.
+    /// The process runtime (used in [`Mode::Process`]).
     pub runtime: Arc<ProcessRuntime>,
+    /// Which runtime runs the components.
+    pub mode: Mode,
     /// Events.
     pub recorder: Recorder,
     /// Metrics.
@@ -182,7 +216,7 @@ pub struct Context {
 
 impl Context {
     /// A context for `client` and `runtime`.
-    pub fn new(client: kube::Client, runtime: Arc<ProcessRuntime>) -> Self {
+    pub fn new(client: kube::Client, runtime: Arc<ProcessRuntime>, mode: Mode) -> Self {
         let recorder = Recorder::new(
             client.clone(),
             Reporter {
@@ -193,6 +227,7 @@ impl Context {
         Context {
             client,
             runtime,
+            mode,
             recorder,
             metrics: Metrics::default(),
         }

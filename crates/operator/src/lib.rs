@@ -12,6 +12,7 @@ pub mod secrets;
 pub mod server;
 pub mod status;
 pub mod tenant;
+pub mod workloads;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -19,6 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use kube::ResourceExt;
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
@@ -30,7 +32,7 @@ use nestplane_api::{
 use nestplane_runtime::process::ProcessRuntime;
 use tokio_util::sync::CancellationToken;
 
-pub use context::{Context, Error, Metrics};
+pub use context::{Context, Error, KubernetesSettings, Metrics, Mode};
 
 /// How the operator runs.
 #[derive(Clone, Debug, Default)]
@@ -43,6 +45,8 @@ pub struct Config {
     pub state_dir: PathBuf,
     /// Serve `/metrics`, `/healthz`, `/readyz` here.
     pub metrics_addr: Option<SocketAddr>,
+    /// Where components run.
+    pub mode: Mode,
 }
 
 fn api<K>(client: &kube::Client, ns: &Option<String>) -> Api<K>
@@ -80,7 +84,11 @@ pub async fn run_with(
     runtime: Arc<ProcessRuntime>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let ctx = Arc::new(Context::new(client.clone(), runtime.clone()));
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        runtime.clone(),
+        config.mode.clone(),
+    ));
     if let Some(addr) = config.metrics_addr {
         let metrics = ctx.metrics.clone();
         let token = shutdown.clone();
@@ -149,14 +157,25 @@ pub async fn run_with(
         let name = tenant::reference(&ncp, K::COMPONENT)?.name.clone()?;
         Some(ObjectRef::new(&name).within(&ns))
     }
+    let workloads = matches!(config.mode, Mode::Kubernetes(_));
     macro_rules! component_controller {
-        ($k:ty) => {
-            Controller::new(api::<$k>(&client, ns), wc())
-                .watches(api::<NestedControlPlane>(&client, ns), wc(), refs::<$k>)
-                .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        ($k:ty) => {{
+            let ctl = Controller::new(api::<$k>(&client, ns), wc()).watches(
+                api::<NestedControlPlane>(&client, ns),
+                wc(),
+                refs::<$k>,
+            );
+            // In the kubernetes runtime a workload's rollout reaches its component.
+            let ctl = if workloads {
+                ctl.owns(api::<StatefulSet>(&client, ns), wc())
+                    .owns(api::<Deployment>(&client, ns), wc())
+            } else {
+                ctl
+            };
+            ctl.graceful_shutdown_on(shutdown.clone().cancelled_owned())
                 .run(component::reconcile::<$k>, error_policy, ctx.clone())
                 .for_each(|_| async {})
-        };
+        }};
     }
     tokio::join!(
         ncp_ctl,

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Secret, Service};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
@@ -14,7 +14,7 @@ use nestplane_api::names::{self, Component, ports};
 use nestplane_api::{ApiEndpoint, NestedControlPlane};
 use nestplane_runtime::process::TenantKey;
 
-use crate::context::{Context, Error};
+use crate::context::{Context, Error, Mode};
 use crate::status::{self, Observed};
 use crate::tenant::{self, ComponentKind, Lookup, Tenant};
 
@@ -59,16 +59,33 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             adopt::<nestplane_api::NestedScheduler>(&ctx, &tenant, &tenant.scheduler).await?;
 
         // The provider owns the endpoint.
-        let key = TenantKey {
-            namespace: ns.clone(),
-            cluster: name.clone(),
+        let want = match &ctx.mode {
+            Mode::Process => {
+                let key = TenantKey {
+                    namespace: ns.clone(),
+                    cluster: name.clone(),
+                };
+                // A control plane of this name may have been deleted before; this one runs.
+                ctx.runtime.revive(&key);
+                let hosts = ctx.runtime.hosts(&key)?;
+                hosts.first().map(|h| ApiEndpoint {
+                    host: h.to_string(),
+                    port: ports::APISERVER,
+                })
+            }
+            // The endpoint follows the API server's Service once it exists.
+            Mode::Kubernetes(_) => {
+                let services: Api<Service> = Api::namespaced(ctx.client.clone(), &ns);
+                services
+                    .get_opt(&Component::ApiServer.workload_name(&name))
+                    .await?
+                    .as_ref()
+                    .and_then(crate::workloads::service_endpoint)
+            }
         };
-        let hosts = ctx.runtime.hosts(&key)?;
-        let want = ApiEndpoint {
-            host: hosts.first().map(|h| h.to_string()).unwrap_or_default(),
-            port: ports::APISERVER,
-        };
-        if tenant.ncp.spec.control_plane_endpoint.as_ref() != Some(&want) {
+        if let Some(want) = want
+            && tenant.ncp.spec.control_plane_endpoint.as_ref() != Some(&want)
+        {
             api.patch(
                 &name,
                 &PatchParams::default(),
@@ -270,12 +287,14 @@ async fn cleanup(
     if !ncp.finalizers().iter().any(|f| f == names::FINALIZER) {
         return Ok(Action::await_change());
     }
-    ctx.runtime
-        .remove(&TenantKey {
-            namespace: ns.clone(),
-            cluster: name.clone(),
-        })
-        .await?;
+    if ctx.mode == Mode::Process {
+        ctx.runtime
+            .remove(&TenantKey {
+                namespace: ns.clone(),
+                cluster: name.clone(),
+            })
+            .await?;
+    }
     let uid = ncp.uid().unwrap_or_default();
     let selector = format!(
         "{}={name},{}={}",
@@ -308,6 +327,20 @@ async fn cleanup(
             let _ = services
                 .delete(&s.name_any(), &DeleteParams::default())
                 .await;
+        }
+    }
+    // etcd's volumes outlive its StatefulSet (Kubernetes keeps claims of deleted
+    // StatefulSets); they are this tenant's data and go with it.
+    if matches!(ctx.mode, Mode::Kubernetes(_)) {
+        let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
+        for pvc in claims
+            .list(&ListParams::default().labels(&selector))
+            .await?
+            .items
+        {
+            claims
+                .delete(&pvc.name_any(), &DeleteParams::default())
+                .await?;
         }
     }
     let remaining: Vec<String> = ncp

@@ -16,9 +16,6 @@ use nestplane_api::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-/// The versions a channel resolves to (`channels.yaml` at the repository root holds the same
-/// table for people).
-pub const CHANNELS: &[(&str, &str)] = &[("stable", "v1.20.2"), ("default", "v1.20.2")];
 
 /// The component kinds, handled generically.
 pub trait ComponentKind:
@@ -301,10 +298,13 @@ impl Tenant {
             .and_then(|s| s.channel.clone())
             .filter(|v| !v.is_empty())
         {
-            match CHANNELS.iter().find(|(name, _)| *name == ch) {
-                Some((_, v)) => (v.to_string(), format!("channel {ch}")),
+            match nestplane_render::channels::resolve(&ch) {
+                Some(v) => (v, format!("channel {ch}")),
                 None => {
-                    let known: Vec<&str> = CHANNELS.iter().map(|(n, _)| *n).collect();
+                    let known: Vec<String> = nestplane_render::channels::all()
+                        .into_iter()
+                        .map(|(n, _)| n)
+                        .collect();
                     return Err((
                         reasons::INVALID_SPEC.into(),
                         format!(

@@ -1,0 +1,274 @@
+//! The `kubernetes` runtime: a component becomes a StatefulSet (etcd) or a Deployment plus
+//! Services in the control plane's namespace, built from the same rendering the process
+//! runtime runs, patched by the component's `spec.patches`, applied server-side, and Ready
+//! when the workload reports every replica updated and ready.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::core::v1::{ObjectReference, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::api::{Api, Patch, PatchParams};
+use nestplane_api::conditions::reasons;
+use nestplane_api::names::{Component, ports};
+use nestplane_api::{ApiEndpoint, NestedEtcdAddress};
+use nestplane_render::{KubeVersion, Network, RenderInput, SECRETS_CHECKSUM_ANNOTATION};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::component::{HEALTH_INTERVAL, Outcome, STARTING_INTERVAL, ensure_secrets};
+use crate::context::{Context, Error, KubernetesSettings};
+use crate::crds::FIELD_MANAGER;
+use crate::secrets::ClusterSecrets;
+use crate::tenant::{ComponentKind, Lookup, Tenant};
+
+/// The render input of a tenant on the Cluster network.
+pub fn render_input(
+    t: &Tenant,
+    version: KubeVersion,
+    settings: &KubernetesSettings,
+) -> RenderInput {
+    let mut input = t.render_input(version, Network::Cluster);
+    input.image_registry = settings.image_registry.clone();
+    input.apiserver_service_type = t
+        .apiserver
+        .found()
+        .and_then(|a| a.spec.service_type)
+        .unwrap_or_default()
+        .as_str()
+        .into();
+    input
+}
+
+fn owner_of(t: &Tenant, c: Component) -> Option<OwnerReference> {
+    fn o<K: ComponentKind>(l: &Lookup<K>) -> Option<OwnerReference> {
+        l.found().and_then(|k| k.controller_owner_ref(&()))
+    }
+    match c {
+        Component::Etcd => o(&t.etcd),
+        Component::ApiServer => o(&t.apiserver),
+        Component::ControllerManager => o(&t.controller_manager),
+        Component::Scheduler => o(&t.scheduler),
+    }
+}
+
+fn name_of(v: &Value) -> String {
+    v.pointer("/metadata/name")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Where the control plane is reached, as its API server Service says: a LoadBalancer's
+/// ingress address once it has one, otherwise the cluster IP; the port is 6443 (a NodePort
+/// Service's node port is reported on the Service, the node addresses are the platform's).
+pub fn service_endpoint(svc: &Service) -> Option<ApiEndpoint> {
+    let spec = svc.spec.as_ref()?;
+    let lb = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|l| l.ingress.as_ref())
+        .and_then(|i| i.first())
+        .and_then(|i| i.ip.clone().or_else(|| i.hostname.clone()));
+    let host = match spec.type_.as_deref() {
+        Some("LoadBalancer") => lb,
+        _ => spec.cluster_ip.clone().filter(|ip| ip != "None"),
+    }?;
+    Some(ApiEndpoint {
+        host,
+        port: ports::APISERVER,
+    })
+}
+
+/// Every address the API server Service is reached at (for the serving certificate).
+fn service_addresses(svc: &Service) -> Vec<String> {
+    let mut out: Vec<String> = service_endpoint(svc).map(|e| e.host).into_iter().collect();
+    if let Some(ip) = svc.spec.as_ref().and_then(|s| s.cluster_ip.clone())
+        && ip != "None"
+        && !out.contains(&ip)
+    {
+        out.push(ip);
+    }
+    out
+}
+
+/// SHA-256 over the mounted secrets' names, keys and values: a certificate change rolls
+/// the pods.
+fn checksum(data: &nestplane_runtime::process::SecretData) -> String {
+    let mut h = Sha256::new();
+    for (name, keys) in data {
+        h.update(name.as_bytes());
+        for (k, v) in keys {
+            h.update(b"\0");
+            h.update(k.as_bytes());
+            h.update(b"\0");
+            h.update(v);
+        }
+        h.update(b"\n");
+    }
+    format!("{:x}", h.finalize())
+}
+
+async fn apply(ctx: &Context, ns: &str, obj: &Value) -> Result<Value, Error> {
+    let name = name_of(obj);
+    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    let kind = obj.get("kind").and_then(Value::as_str).unwrap_or_default();
+    let out = match kind {
+        "StatefulSet" => {
+            let api: Api<StatefulSet> = Api::namespaced(ctx.client.clone(), ns);
+            serde_json::to_value(api.patch(&name, &pp, &Patch::Apply(obj)).await?)
+        }
+        "Deployment" => {
+            let api: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
+            serde_json::to_value(api.patch(&name, &pp, &Patch::Apply(obj)).await?)
+        }
+        "Service" => {
+            let api: Api<Service> = Api::namespaced(ctx.client.clone(), ns);
+            serde_json::to_value(api.patch(&name, &pp, &Patch::Apply(obj)).await?)
+        }
+        other => return Err(Error::Internal(format!("cannot apply a {other}"))),
+    };
+    out.map_err(|e| Error::Internal(e.to_string()))
+}
+
+/// Rolled out: the controller has seen the newest spec and every replica is updated and
+/// ready. Returns (ready replicas, rolled out).
+fn rollout(workload: &Value, desired: u32) -> (i32, bool) {
+    let int = |p: &str| workload.pointer(p).and_then(Value::as_i64).unwrap_or(0);
+    let generation = int("/metadata/generation");
+    let observed = int("/status/observedGeneration");
+    let ready = int("/status/readyReplicas");
+    let updated = int("/status/updatedReplicas");
+    let replicas = int("/status/replicas");
+    let d = i64::from(desired);
+    let done = observed >= generation && ready >= d && updated >= d && replicas <= d;
+    (ready as i32, done)
+}
+
+/// One pass of component `K` in the `kubernetes` runtime.
+pub(crate) async fn run<K: ComponentKind>(
+    ctx: &Context,
+    t: &Tenant,
+    version: KubeVersion,
+    settings: &KubernetesSettings,
+    secrets: &ClusterSecrets,
+    patches: &[Value],
+) -> Result<Outcome, Error> {
+    let c = K::COMPONENT;
+    let ns = t.namespace();
+    let input = render_input(t, version, settings);
+    let rendered = nestplane_render::render(c, &input)?;
+    let mut objects = nestplane_render::objects(&rendered, &input, "", &settings.etcd_storage);
+    nestplane_render::patch::apply(objects.all_mut(), patches)?;
+    let owner = owner_of(t, c)
+        .ok_or_else(|| Error::Internal(format!("{c:?} object vanished during reconcile")))?;
+    for o in objects.all_mut() {
+        o["metadata"]["ownerReferences"] = json!([owner]);
+    }
+
+    // Services first: the API server's address goes into its certificate.
+    let mut applied_services = Vec::new();
+    for s in &objects.services {
+        let svc: Service = serde_json::from_value(apply(ctx, &ns, s).await?)
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        applied_services.push(svc);
+    }
+    let api_service = applied_services
+        .iter()
+        .find(|s| s.metadata.name.as_deref() == Some(&rendered.workload_name));
+    let hosts = api_service.map(service_addresses).unwrap_or_default();
+    ensure_secrets(c, t, &input, hosts, secrets).await?;
+    let data = secrets.data(&rendered.secrets).await?;
+    let annotations = &mut objects.workload["spec"]["template"]["metadata"]["annotations"];
+    if !annotations.is_object() {
+        *annotations = json!({});
+    }
+    annotations[SECRETS_CHECKSUM_ANNOTATION] = json!(checksum(&data));
+
+    let desired = objects
+        .workload
+        .pointer("/spec/replicas")
+        .and_then(Value::as_u64)
+        .unwrap_or(u64::from(rendered.replicas)) as u32;
+    let applied = apply(ctx, &ns, &objects.workload).await?;
+    let (ready_replicas, ready) = rollout(&applied, desired);
+    let kind = applied
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or(if c == Component::Etcd {
+            "StatefulSet"
+        } else {
+            "Deployment"
+        })
+        .to_string();
+
+    let addresses = if c == Component::Etcd {
+        (0..desired)
+            .map(|i| NestedEtcdAddress {
+                ip: None,
+                hostname: Some(format!(
+                    "{}-{i}.{}.{ns}.svc",
+                    rendered.workload_name,
+                    nestplane_render::etcd_peer_service_name(&input.cluster)
+                )),
+                port: ports::ETCD_CLIENT,
+            })
+            .collect()
+    } else {
+        vec![]
+    };
+    let service = api_service.map(|s| ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Service".into()),
+        name: s.metadata.name.clone(),
+        namespace: Some(ns.clone()),
+        uid: s.metadata.uid.clone(),
+        ..ObjectReference::default()
+    });
+    Ok(Outcome {
+        ready,
+        ready_replicas,
+        reason: if ready {
+            reasons::AS_EXPECTED
+        } else {
+            reasons::PROVISIONING
+        },
+        message: if ready {
+            format!(
+                "{ready_replicas}/{desired} replicas of {kind} {} are updated and ready",
+                rendered.workload_name
+            )
+        } else {
+            format!(
+                "waiting for {kind} {}: {ready_replicas}/{desired} replicas ready, rollout of the newest spec not complete",
+                rendered.workload_name
+            )
+        },
+        version: ready.then(|| version.to_string()),
+        addresses,
+        service,
+        requeue: Some(if ready {
+            HEALTH_INTERVAL
+        } else {
+            STARTING_INTERVAL * 4
+        }),
+        event: None,
+    })
+}
+
+/// Labels every object of a tenant carries (for listing them).
+pub fn tenant_selector(cluster: &str) -> String {
+    let labels: BTreeMap<&str, &str> = BTreeMap::from([
+        (nestplane_api::names::CLUSTER_NAME_LABEL, cluster),
+        (
+            nestplane_api::names::MANAGED_BY_LABEL,
+            nestplane_api::names::MANAGED_BY,
+        ),
+    ]);
+    labels
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
