@@ -59,6 +59,7 @@ async fn start(state_dir: &Path) -> anyhow::Result<Running> {
     let plane = LocalPlane::start(Options {
         dir: Some(state_dir.join("management")),
         controller_manager: true,
+        disabled_controllers: vec![],
     })
     .await
     .context("starting the local management plane")?;

@@ -68,6 +68,9 @@ pub struct Options {
     pub dir: Option<PathBuf>,
     /// Also run kube-controller-manager (garbage collection, service-account tokens).
     pub controller_manager: bool,
+    /// Controllers of kube-controller-manager to leave off (`deployment`, `statefulset`, …):
+    /// a plane without nodes can then have workload status written by a test instead.
+    pub disabled_controllers: Vec<String>,
 }
 
 /// A running management plane.
@@ -289,7 +292,10 @@ impl LocalPlane {
                 args: vec![
                     "--bind-address=127.0.0.1".into(),
                     format!("--cert-dir={}", dir.join("pki").join("kcm").display()),
-                    "--controllers=*".into(),
+                    std::iter::once("--controllers=*".to_string())
+                        .chain(opts.disabled_controllers.iter().map(|c| format!("-{c}")))
+                        .collect::<Vec<_>>()
+                        .join(","),
                     format!("--kubeconfig={}", kubeconfig_path.display()),
                     "--leader-elect=false".into(),
                     "--port=0".into(),

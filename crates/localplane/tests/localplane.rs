@@ -21,6 +21,7 @@ async fn starts_serves_and_stops_cleanly() {
     let mut plane = LocalPlane::start(Options {
         dir: None,
         controller_manager: true,
+        disabled_controllers: vec![],
     })
     .await
     .expect("management plane starts");
@@ -109,6 +110,7 @@ async fn data_and_ca_survive_a_restart_in_the_same_dir() {
     let opts = Options {
         dir: Some(dir.path().to_path_buf()),
         controller_manager: false,
+        disabled_controllers: vec![],
     };
     let first = LocalPlane::start(opts.clone()).await.unwrap();
     let ca = first.ca_pem().to_string();
@@ -132,6 +134,7 @@ async fn service_account_kubeconfig_is_subject_to_rbac() {
     let plane = LocalPlane::start(Options {
         dir: None,
         controller_manager: true,
+        disabled_controllers: vec![],
     })
     .await
     .unwrap();

@@ -99,6 +99,7 @@ impl Env {
         let plane = LocalPlane::start(Options {
             dir: None,
             controller_manager: true,
+            disabled_controllers: vec![],
         })
         .await
         .expect("management plane");
