@@ -1,4 +1,4 @@
-.PHONY: up down test crds bench fmt
+.PHONY: up down test crds release-manifests bench fmt
 
 # A local management plane, the operator and a tenant control plane (foreground; Ctrl-C stops).
 up:
@@ -15,6 +15,11 @@ test:
 # Regenerate the checked-in CRDs.
 crds:
 	cargo run --quiet -p nestplane-cli -- crds > config/crd/nestplane.yaml
+	kubectl kustomize config/default > control-plane-components.yaml
+
+# Regenerate the clusterctl install manifest from the kustomize tree under config/.
+release-manifests: crds
+	kubectl kustomize config/default > control-plane-components.yaml
 
 bench:
 	scripts/bench.sh
