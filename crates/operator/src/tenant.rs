@@ -16,7 +16,6 @@ use nestplane_api::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-
 /// The component kinds, handled generically.
 pub trait ComponentKind:
     Resource<DynamicType = (), Scope = NamespaceResourceScope>
