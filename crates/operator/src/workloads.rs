@@ -3,8 +3,6 @@
 //! runtime runs, patched by the component's `spec.patches`, applied server-side, and Ready
 //! when the workload reports every replica updated and ready.
 
-use std::collections::BTreeMap;
-
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{ObjectReference, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -255,20 +253,4 @@ pub(crate) async fn run<K: ComponentKind>(
         }),
         event: None,
     })
-}
-
-/// Labels every object of a tenant carries (for listing them).
-pub fn tenant_selector(cluster: &str) -> String {
-    let labels: BTreeMap<&str, &str> = BTreeMap::from([
-        (nestplane_api::names::CLUSTER_NAME_LABEL, cluster),
-        (
-            nestplane_api::names::MANAGED_BY_LABEL,
-            nestplane_api::names::MANAGED_BY,
-        ),
-    ]);
-    labels
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",")
 }
