@@ -15,8 +15,9 @@ echo "test: cargo clippy"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 
 if cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --workspace --no-fail-fast "$@"
+  # Doc tests first (nextest does not run them), so the last summary line is the real count.
   cargo test --workspace --doc --quiet
+  cargo nextest run --workspace --no-fail-fast "$@"
 else
   cargo test --workspace --no-fail-fast "$@"
 fi

@@ -15,6 +15,8 @@ pub mod types {
     pub const CERTIFICATES_READY: &str = "CertificatesReady";
     /// The deletion of the object is in progress.
     pub const DELETING: &str = "Deleting";
+    /// A component runs the replicas its spec asks for (False: the change was refused).
+    pub const SCALED: &str = "Scaled";
 }
 
 /// Condition reasons used across nestplane.
@@ -43,6 +45,23 @@ pub mod reasons {
     pub const WAITING_FOR_OWNER: &str = "WaitingForOwner";
     /// An error talking to the management cluster or the runtime.
     pub const RECONCILE_ERROR: &str = "ReconcileError";
+    /// etcd's membership cannot change after bootstrap; the replica change was refused.
+    pub const MEMBERSHIP_CHANGE_REFUSED: &str = "MembershipChangeRefused";
+}
+
+/// Longest condition message nestplane writes (characters); longer ones are cut.
+pub const MAX_MESSAGE: usize = 2000;
+
+/// `s` cut to at most `max` characters (never inside a character), with `…` marking a cut.
+/// Control characters become spaces, so a hostile spec cannot forge log or event lines.
+pub fn cut(s: &str, max: usize) -> String {
+    let clean = |c: char| if c.is_control() { ' ' } else { c };
+    if s.chars().count() <= max {
+        return s.chars().map(clean).collect();
+    }
+    let mut out: String = s.chars().take(max.saturating_sub(1)).map(clean).collect();
+    out.push('…');
+    out
 }
 
 /// Build a condition (the transition time is filled in by [`set`]).
@@ -52,7 +71,7 @@ pub mod reasons {
 /// a custom resource as null and refuse the object.
 pub fn new(type_: &str, status: bool, reason: &str, message: impl Into<String>) -> Condition {
     let status = if status { "True" } else { "False" };
-    let mut message = message.into();
+    let mut message = cut(&message.into(), MAX_MESSAGE);
     if message.is_empty() {
         message = format!("{type_} is {status} ({reason})");
     }
@@ -169,5 +188,18 @@ mod tests {
         assert_eq!(types, ["Available", "Paused"]);
         assert!(!is_true(&conds, "Available"));
         assert!(get(&conds, "Missing").is_none());
+    }
+
+    #[test]
+    fn cutting_never_splits_a_character() {
+        let hostile = format!("x{}", "é".repeat(600));
+        for max in [0, 1, 2, 3, 500, 601, 602, 1000] {
+            let c = cut(&hostile, max);
+            assert!(c.chars().count() <= max.max(1), "{max}");
+        }
+        assert_eq!(cut("ab\u{7}c\nd", 10), "ab c d");
+        assert_eq!(cut("abcdef", 4), "abc…");
+        let long = new("Ready", false, "X", "é".repeat(5000));
+        assert_eq!(long.message.chars().count(), MAX_MESSAGE);
     }
 }

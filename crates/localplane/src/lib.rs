@@ -8,7 +8,6 @@
 //! Used by the tests, the benchmarks and `nestplane up`.
 
 use std::net::TcpListener;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -107,9 +106,8 @@ pub fn write_private(path: &Path, contents: &str) -> Result<(), Error> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
     }
-    std::fs::write(path, contents).map_err(io_err(format!("writing {}", path.display())))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(io_err(format!("chmod {}", path.display())))
+    nestplane_runtime::files::write_private(path, contents.as_bytes())
+        .map_err(io_err(format!("writing {}", path.display())))
 }
 
 fn load_or(path: &Path, make: impl FnOnce() -> Result<CertKey, Error>) -> Result<CertKey, Error> {

@@ -43,6 +43,8 @@ pub(crate) struct Outcome {
     pub(crate) service: Option<ObjectReference>,
     pub(crate) requeue: Option<Duration>,
     pub(crate) event: Option<EventType>,
+    /// Why the replicas the spec asks for are not what runs (etcd after bootstrap).
+    pub(crate) scale_refused: Option<String>,
 }
 
 impl Outcome {
@@ -62,6 +64,7 @@ impl Outcome {
             service: None,
             requeue,
             event,
+            scale_refused: None,
         }
     }
 }
@@ -154,6 +157,16 @@ impl Outcome {
             obj.meta().generation,
             now,
         );
+        let (scaled, scaled_reason, scaled_message) = match &self.scale_refused {
+            Some(m) => (false, reasons::MEMBERSHIP_CHANGE_REFUSED, m.clone()),
+            None => (true, reasons::AS_EXPECTED, String::new()),
+        };
+        conditions::set(
+            &mut st.conditions,
+            conditions::new(types::SCALED, scaled, scaled_reason, scaled_message),
+            obj.meta().generation,
+            now,
+        );
         let paused = self.reason == reasons::PAUSED;
         conditions::set(
             &mut st.conditions,
@@ -214,6 +227,8 @@ async fn write_status<K: ComponentKind>(
     }
     let old_ready = conditions::get(&previous.conditions, types::READY)
         .map(|c| (c.status.clone(), c.reason.clone()));
+    let was_refused =
+        conditions::get(&previous.conditions, types::SCALED).is_some_and(|c| c.status == "False");
     // A merge patch: server-side apply in Kubernetes 1.20 turns empty strings (a condition's
     // empty message) into nulls, which the schema rightly refuses.
     let patch = serde_json::json!({ "status": body });
@@ -238,6 +253,17 @@ async fn write_status<K: ComponentKind>(
         };
         ctx.event(obj.object_ref(&()), type_, out.reason, &note)
             .await;
+    }
+    if let Some(m) = &out.scale_refused
+        && !was_refused
+    {
+        ctx.event(
+            obj.object_ref(&()),
+            EventType::Warning,
+            reasons::MEMBERSHIP_CHANGE_REFUSED,
+            m,
+        )
+        .await;
     }
     Ok(())
 }
@@ -276,6 +302,17 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Err
             ));
         }
     };
+    if let Some(msg) = t
+        .replicas_problem(c)
+        .filter(|_| t.etcd_members().is_none() || c != Component::Etcd)
+    {
+        return Ok(Outcome::waiting(
+            reasons::INVALID_SPEC,
+            msg,
+            None,
+            Some(EventType::Warning),
+        ));
+    }
     // Say at once when this version cannot run here, rather than after the dependencies.
     if ctx.mode == Mode::Process {
         nestplane_runtime::process::binary_for(c, &version.to_string())
@@ -327,7 +364,11 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Err
     // The same patches as the workloads get; the process runtime runs the patched template.
     if !patches.is_empty() {
         let mut objects = nestplane_render::process_objects(&rendered, &input);
-        nestplane_render::patch::apply(objects.all_mut(), &patches)?;
+        nestplane_render::policy::apply_checked(
+            objects.all_mut(),
+            &patches,
+            nestplane_render::policy::Runtime::Process,
+        )?;
         rendered.pod_template = objects.pod_template()?;
     }
     let cluster_ca_pem = ensure_secrets(
@@ -391,7 +432,19 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Err
             STARTING_INTERVAL
         }),
         event: None,
+        scale_refused: scale_refusal(t, c),
     })
+}
+
+/// The message of a refused etcd membership change, if the spec asks for one.
+pub(crate) fn scale_refusal(t: &Tenant, c: Component) -> Option<String> {
+    if c != Component::Etcd {
+        return None;
+    }
+    let (members, wanted) = t.etcd_scale_refused()?;
+    Some(format!(
+        "etcd was formed with {members} member(s) and keeps them: changing replicas to {wanted} after bootstrap is refused, because new members would form a second cluster and the tenant's data would be lost; set replicas back to {members}"
+    ))
 }
 
 fn leaf(cn: &str, orgs: &[&str], sans: Sans, usage: Usage) -> LeafSpec {

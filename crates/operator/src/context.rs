@@ -241,10 +241,7 @@ impl Context {
         reason: &str,
         note: &str,
     ) {
-        let mut note = note.to_string();
-        if note.len() > 1000 {
-            note.truncate(1000);
-        }
+        let note = nestplane_api::conditions::cut(note, 1000);
         let ev = Event {
             type_,
             reason: reason.to_string(),

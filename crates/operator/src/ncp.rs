@@ -41,7 +41,12 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             api.patch(
                 &name,
                 &PatchParams::default(),
-                &Patch::Merge(serde_json::json!({"metadata": {"finalizers": list}})),
+                // With the resourceVersion, a concurrent writer's entry is never dropped: the
+                // API server refuses a stale list (409) and the next pass starts from fresh.
+                &Patch::Merge(serde_json::json!({"metadata": {
+                    "finalizers": list,
+                    "resourceVersion": ncp.resource_version(),
+                }})),
             )
             .await?;
         }
@@ -263,11 +268,15 @@ async fn adopt<K: ComponentKind>(ctx: &Context, t: &Tenant, l: &Lookup<K>) -> Re
                 let mut labels = k.meta().labels.clone().unwrap_or_default();
                 labels.insert(names::CLUSTER_NAME_LABEL.to_string(), cluster.clone());
                 api.patch(
-                        &k.name_any(),
-                        &PatchParams::default(),
-                        &Patch::Merge(serde_json::json!({"metadata": {"ownerReferences": refs, "labels": labels}})),
-                    )
-                    .await?;
+                    &k.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(serde_json::json!({"metadata": {
+                        "ownerReferences": refs,
+                        "labels": labels,
+                        "resourceVersion": k.resource_version(),
+                    }})),
+                )
+                .await?;
                 Ok(true)
             }
         },
@@ -352,7 +361,10 @@ async fn cleanup(
     api.patch(
         &name,
         &PatchParams::default(),
-        &Patch::Merge(serde_json::json!({"metadata": {"finalizers": remaining}})),
+        &Patch::Merge(serde_json::json!({"metadata": {
+            "finalizers": remaining,
+            "resourceVersion": ncp.resource_version(),
+        }})),
     )
     .await?;
     ctx.metrics.remove_tenant(&ns, &name);

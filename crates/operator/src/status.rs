@@ -169,10 +169,24 @@ pub fn compute(i: &Inputs<'_>) -> NestedControlPlaneStatus {
     };
     conditions::set(&mut st.conditions, paused, i.generation, i.now);
 
-    match &i.problem {
+    // Cluster API treats failureReason/failureMessage as terminal: only problems a person must
+    // fix by hand set them (an invalid spec on the control plane or a component); anything
+    // that heals by itself (a reference that does not exist yet, a component starting) never
+    // does, and they are cleared as soon as the problem is gone.
+    let component_problem = i.components.iter().find_map(|(c, o)| {
+        let (reason, message) = o.summary();
+        (!o.ready() && needs_a_person(&reason))
+            .then(|| (reason, format!("{}: {message}", component_condition(*c))))
+    });
+    match i
+        .problem
+        .clone()
+        .filter(|(reason, _)| needs_a_person(reason))
+        .or(component_problem)
+    {
         Some((reason, message)) => {
-            st.failure_reason = Some(reason.clone());
-            st.failure_message = Some(message.clone());
+            st.failure_reason = Some(reason);
+            st.failure_message = Some(message);
         }
         None => {
             st.failure_reason = None;
@@ -180,6 +194,12 @@ pub fn compute(i: &Inputs<'_>) -> NestedControlPlaneStatus {
         }
     }
     st
+}
+
+/// Whether a condition reason means a person must change something before nestplane can
+/// proceed (Cluster API's terminal failure), as opposed to a state that heals by itself.
+pub fn needs_a_person(reason: &str) -> bool {
+    reason == reasons::INVALID_SPEC
 }
 
 #[cfg(test)]
@@ -335,5 +355,53 @@ mod tests {
         assert_eq!(st.failure_reason.as_deref(), Some("InvalidSpec"));
         assert!(!conditions::is_true(&st.conditions, "Available"));
         assert!(conditions::is_true(&st.conditions, "Paused"));
+    }
+
+    #[test]
+    fn failure_fields_only_for_what_a_person_must_fix_and_cleared_when_fixed() {
+        let waiting = || {
+            let mut status = ComponentStatus::default();
+            conditions::set(
+                &mut status.conditions,
+                conditions::new(types::READY, false, "InvalidSpec", "bad patch 0"),
+                None,
+                Timestamp::UNIX_EPOCH,
+            );
+            Observed::Present {
+                status: Some(status),
+                desired: 1,
+            }
+        };
+        // A reference that does not exist yet heals by itself: not terminal.
+        let mut i = inputs(
+            [
+                (Component::Etcd, Observed::Missing("not there yet".into())),
+                (Component::ApiServer, ready("v1.20.2", 1)),
+                (Component::ControllerManager, ready("v1.20.2", 1)),
+                (Component::Scheduler, ready("v1.20.2", 1)),
+            ],
+            None,
+        );
+        i.problem = Some(("ReferenceNotFound".into(), "not there yet".into()));
+        let st = compute(&i);
+        assert_eq!(st.failure_reason, None);
+        assert!(!conditions::is_true(&st.conditions, "Available"));
+        // A component with an invalid spec needs a person.
+        i.problem = None;
+        i.components[0] = (Component::Etcd, waiting());
+        let failed = compute(&i);
+        assert_eq!(failed.failure_reason.as_deref(), Some("InvalidSpec"));
+        assert!(
+            failed
+                .failure_message
+                .as_deref()
+                .is_some_and(|m| m.contains("bad patch 0"))
+        );
+        // Fixed: cleared.
+        i.previous = Some(&failed);
+        i.components[0] = (Component::Etcd, ready("v1.20.2", 1));
+        let st = compute(&i);
+        assert_eq!(st.failure_reason, None);
+        assert_eq!(st.failure_message, None);
     }
 }

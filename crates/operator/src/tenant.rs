@@ -245,16 +245,62 @@ impl Tenant {
         }
     }
 
-    /// Desired replicas of `c`. The API server follows the control plane's `spec.replicas`
-    /// (the Cluster API scale subresource) when set.
-    pub fn replicas(&self, c: Component) -> u32 {
+    /// The replicas the spec of `c` asks for. The API server follows the control plane's
+    /// `spec.replicas` (the Cluster API scale subresource) when set.
+    pub fn wanted_replicas(&self, c: Component) -> Option<i32> {
         let from_spec = self.spec_of(c).and_then(|s| s.replicas);
-        let n = match c {
-            Component::ApiServer => self.ncp.spec.replicas.filter(|r| *r > 0).or(from_spec),
+        match c {
+            Component::ApiServer => self.ncp.spec.replicas.or(from_spec),
             _ => from_spec,
-        };
-        n.unwrap_or(1)
-            .clamp(1, i32::from(nestplane_runtime::process::MAX_REPLICAS)) as u32
+        }
+    }
+
+    /// Replicas that `c` runs: what its spec asks for, except for a bootstrapped etcd, which
+    /// keeps the members it was formed with (see [`Tenant::etcd_scale_refused`]). Out-of-range
+    /// values are reported by [`Tenant::replicas_problem`]; until fixed, 1 is used.
+    pub fn replicas(&self, c: Component) -> u32 {
+        if c == Component::Etcd
+            && let Some(members) = self.etcd_members()
+        {
+            return members;
+        }
+        match self.wanted_replicas(c) {
+            Some(n) if (1..=i32::from(nestplane_runtime::process::MAX_REPLICAS)).contains(&n) => {
+                n as u32
+            }
+            _ => 1,
+        }
+    }
+
+    /// A replica count outside 1..=7, said for a person.
+    pub fn replicas_problem(&self, c: Component) -> Option<String> {
+        let n = self.wanted_replicas(c)?;
+        let max = i32::from(nestplane_runtime::process::MAX_REPLICAS);
+        (!(1..=max).contains(&n)).then(|| {
+            format!(
+                "{} replicas {n} is out of range: a component runs 1 to {max} replicas",
+                kind_of(c)
+            )
+        })
+    }
+
+    /// How many members the tenant's etcd was formed with, once it has been Ready (its status
+    /// keeps the member addresses and the version it became Ready with).
+    pub fn etcd_members(&self) -> Option<u32> {
+        let etcd = self.etcd.found()?;
+        let st = etcd.status.as_ref()?;
+        (st.common.version.is_some() && !st.addresses.is_empty())
+            .then_some(st.addresses.len() as u32)
+    }
+
+    /// `(members, wanted)` when the etcd spec asks for a different member count after
+    /// bootstrap. Membership changes are not supported: starting new members with
+    /// `initial-cluster-state=new` would form a second cluster beside the first and lose the
+    /// tenant's data, so the change is refused and the existing members keep running.
+    pub fn etcd_scale_refused(&self) -> Option<(u32, i32)> {
+        let members = self.etcd_members()?;
+        let wanted = self.wanted_replicas(Component::Etcd).unwrap_or(1);
+        (wanted != members as i32).then_some((members, wanted))
     }
 
     /// Whether the control plane or the component carries the pause annotation.

@@ -158,7 +158,11 @@ pub(crate) async fn run<K: ComponentKind>(
     let input = render_input(t, version, settings);
     let rendered = nestplane_render::render(c, &input)?;
     let mut objects = nestplane_render::objects(&rendered, &input, "", &settings.etcd_storage);
-    nestplane_render::patch::apply(objects.all_mut(), patches)?;
+    nestplane_render::policy::apply_checked(
+        objects.all_mut(),
+        patches,
+        nestplane_render::policy::Runtime::Kubernetes,
+    )?;
     let owner = owner_of(t, c)
         .ok_or_else(|| Error::Internal(format!("{c:?} object vanished during reconcile")))?;
     for o in objects.all_mut() {
@@ -252,5 +256,6 @@ pub(crate) async fn run<K: ComponentKind>(
             STARTING_INTERVAL * 4
         }),
         event: None,
+        scale_refused: crate::component::scale_refusal(t, c),
     })
 }

@@ -26,6 +26,7 @@ mod error;
 mod input;
 pub mod patch;
 mod pod;
+pub mod policy;
 mod services;
 mod version;
 pub mod workload;

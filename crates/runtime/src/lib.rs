@@ -3,4 +3,5 @@
 //! management plane.
 pub mod binaries;
 pub mod child;
+pub mod files;
 pub mod process;

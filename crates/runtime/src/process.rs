@@ -15,7 +15,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::Ipv4Addr;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -456,8 +455,19 @@ fn program_for(container: &Container, version: &str) -> Result<PathBuf, RuntimeE
             component: container.name.clone(),
             reason: "the container has no command".into(),
         })?;
-    if cmd.contains('/') {
-        return Ok(PathBuf::from(cmd));
+    // Only nestplane's own binaries run: a command that names a path (a patch's `/bin/sh`)
+    // never reaches exec, whatever let it through.
+    const PROGRAMS: [&str; 4] = [
+        "etcd",
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+    ];
+    if !PROGRAMS.contains(&cmd.as_str()) {
+        return Err(RuntimeError::Unsupported {
+            component: container.name.clone(),
+            reason: format!("command {cmd:?} is not a Kubernetes or etcd binary name"),
+        });
     }
     if cmd == "etcd" {
         Ok(binaries::on_path("etcd")?)
@@ -528,21 +538,30 @@ pub fn rewrite_paths(arg: &str, mounts: &[(String, PathBuf)]) -> String {
     out
 }
 
-fn write_if_changed(path: &Path, data: &[u8]) -> Result<(), RuntimeError> {
-    if std::fs::read(path).ok().as_deref() == Some(data) {
-        return Ok(());
+/// `base/rel`, refused when `rel` is absolute, empty, or has a `..` (or `.`) component: a
+/// volume name, key or subPath can never lead out of the tenant's directory.
+pub fn safe_join(base: &Path, rel: &str) -> Result<PathBuf, RuntimeError> {
+    use std::path::Component as C;
+    let p = Path::new(rel);
+    let ok = !rel.is_empty()
+        && !rel.contains('\0')
+        && p.components().all(|c| matches!(c, C::Normal(_)))
+        && !rel.split('/').any(|s| s == "." || s == "..");
+    if !ok {
+        return Err(RuntimeError::Unsupported {
+            component: base.display().to_string(),
+            reason: format!("path {rel:?} would leave its volume"),
+        });
     }
-    let tmp = path.with_extension("nestplane-tmp");
-    std::fs::write(&tmp, data).map_err(io(format!("writing {}", tmp.display())))?;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
-        .map_err(io(format!("chmod {}", tmp.display())))?;
-    std::fs::rename(&tmp, path).map_err(io(format!("renaming {}", tmp.display())))
+    Ok(base.join(p))
+}
+
+fn write_if_changed(path: &Path, data: &[u8]) -> Result<(), RuntimeError> {
+    crate::files::write_private(path, data).map_err(io(format!("writing {}", path.display())))
 }
 
 fn mkdir_private(dir: &Path) -> Result<(), RuntimeError> {
-    std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-        .map_err(io(format!("chmod {}", dir.display())))
+    crate::files::mkdir_private(dir).map_err(io(format!("creating {}", dir.display())))
 }
 
 fn prepare_replica(
@@ -562,7 +581,7 @@ fn prepare_replica(
         .iter()
         .flat_map(|s| s.volumes.iter().flatten())
     {
-        let vdir = volumes_dir.join(&v.name);
+        let vdir = safe_join(&volumes_dir, &v.name)?;
         mkdir_private(&vdir)?;
         if let Some(sv) = &v.secret {
             let name = sv.secret_name.clone().unwrap_or_default();
@@ -575,12 +594,12 @@ fn prepare_replica(
                         let value = data.get(&item.key).ok_or_else(|| {
                             RuntimeError::MissingSecret(format!("{name} (key {})", item.key))
                         })?;
-                        write_if_changed(&vdir.join(&item.path), value)?;
+                        write_if_changed(&safe_join(&vdir, &item.path)?, value)?;
                     }
                 }
                 _ => {
                     for (k, value) in data {
-                        write_if_changed(&vdir.join(k), value)?;
+                        write_if_changed(&safe_join(&vdir, k)?, value)?;
                     }
                 }
             }
@@ -598,13 +617,13 @@ fn prepare_replica(
             Some(d) => d.clone(),
             // A volumeClaimTemplate volume (e.g. etcd `data`): a persistent local directory.
             None => {
-                let d = volumes_dir.join(&m.name);
+                let d = safe_join(&volumes_dir, &m.name)?;
                 mkdir_private(&d)?;
                 d
             }
         };
         let local = match &m.sub_path {
-            Some(sp) if !sp.is_empty() => local.join(sp),
+            Some(sp) if !sp.is_empty() => safe_join(&local, sp)?,
             _ => local,
         };
         mounts.push((m.mount_path.trim_end_matches('/').to_string(), local));
@@ -841,6 +860,34 @@ mod tests {
             rewrite_paths("--other=/etc/nestplane/etcdx/a", &sorted),
             "--other=/etc/nestplane/etcdx/a"
         );
+    }
+
+    #[test]
+    fn joins_never_leave_the_base() {
+        let base = Path::new("/state/tenants/ns/c/volumes");
+        assert_eq!(safe_join(base, "etcd-ca").unwrap(), base.join("etcd-ca"));
+        assert_eq!(safe_join(base, "a/b").unwrap(), base.join("a/b"));
+        for bad in ["", "/etc", "../x", "a/../../x", ".", "./x", "a/.."] {
+            assert!(safe_join(base, bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn only_binary_names_are_executed() {
+        let c = |cmd: &str| Container {
+            name: "x".into(),
+            command: Some(vec![cmd.into(), "-c".into()]),
+            ..Default::default()
+        };
+        for bad in ["/bin/sh", "./sh", "../bin/sh", "bin/sh", "sh", "python3"] {
+            assert!(
+                matches!(
+                    program_for(&c(bad), "1.20.2"),
+                    Err(RuntimeError::Unsupported { .. })
+                ),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -1,0 +1,89 @@
+//! Files that hold keys: created with mode 0600 from the first byte (never written first and
+//! restricted after), replaced atomically, and directories that hold them 0700.
+
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+
+/// Write `data` to `path` so that no other user can ever read it: the bytes go to a temporary
+/// file in the same directory that is created with mode 0600 (`O_CREAT|O_EXCL`, whatever the
+/// umask), then renamed over `path`. Nothing is written when `path` already holds `data`.
+pub fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    if std::fs::read(path).ok().as_deref() == Some(data) {
+        return Ok(());
+    }
+    let tmp = path.with_extension("nestplane-tmp");
+    // A temporary file left by a crash may have any mode: never write into it.
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    // The mode given to open() is masked by the umask; it can only lose bits, so 0600 stays
+    // 0600 or less. Assert it rather than trust it.
+    let mode = f.metadata()?.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(std::io::Error::other(format!(
+            "{} was created with mode {mode:o}",
+            tmp.display()
+        )));
+    }
+    f.write_all(data)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path)
+}
+
+/// Create `dir` (and its parents) and restrict it to its owner (0700).
+pub fn mkdir_private(dir: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_files_are_0600_and_replaced_atomically() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tls.key");
+        write_private(&path, b"one").unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        // A world-readable leftover temporary file is never written into.
+        let tmp = path.with_extension("nestplane-tmp");
+        std::fs::write(&tmp, b"stale").unwrap();
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644)).unwrap();
+        write_private(&path, b"two").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"two");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert!(!tmp.exists());
+    }
+
+    #[test]
+    fn the_file_never_exists_with_a_wider_mode() {
+        // An existing file with a wide mode is replaced by a new 0600 inode, not chmodded in
+        // place after the write (a reader holding the old inode never sees the new bytes).
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ca.key");
+        std::fs::write(&path, b"old").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let mut reader = std::fs::File::open(&path).unwrap();
+        write_private(&path, b"secret").unwrap();
+        let mut seen = String::new();
+        std::io::Read::read_to_string(&mut reader, &mut seen).unwrap();
+        assert_eq!(
+            seen, "old",
+            "the world-readable inode never held the new key"
+        );
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+    }
+}
