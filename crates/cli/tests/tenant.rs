@@ -374,6 +374,18 @@ async fn bad_input_gets_conditions_and_events_and_others_keep_working() {
         },
     );
     assert!(got.contains("no-such-etcd"), "{got}");
+    // A reference that may still appear is not a terminal failure for Cluster API.
+    let failure = kubectl_ok(
+        &kc,
+        &[
+            "get",
+            "ncp",
+            "dangling",
+            "-o",
+            "jsonpath={.status.failureReason}",
+        ],
+    );
+    assert_eq!(failure, "", "failureReason is for what a person must fix");
     eventually(
         "an event for the dangling reference",
         Duration::from_secs(30),

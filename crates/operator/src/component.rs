@@ -318,6 +318,13 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Err
         nestplane_runtime::process::binary_for(c, &version.to_string())
             .map_err(RuntimeError::from)?;
     }
+    // Patches are judged before waiting for anything: a patch the runtime refuses is said at
+    // once, on a rendering with placeholder addresses (the check compares the patched objects
+    // with the same rendering, so addresses do not matter).
+    let patches = t.spec_of(c).map(|s| s.patches.clone()).unwrap_or_default();
+    if !patches.is_empty() {
+        check_patches(ctx, t, c, version, &patches)?;
+    }
     let waiting_for: Vec<String> = c
         .dependencies()
         .iter()
@@ -344,7 +351,6 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Err
         &t.cluster(),
         tenant::owner_ref(&t.ncp),
     );
-    let patches = t.spec_of(c).map(|s| s.patches.clone()).unwrap_or_default();
     if let Mode::Kubernetes(settings) = &ctx.mode {
         return crate::workloads::run::<K>(ctx, t, version, settings, &secrets, &patches).await;
     }
@@ -445,6 +451,36 @@ pub(crate) fn scale_refusal(t: &Tenant, c: Component) -> Option<String> {
     Some(format!(
         "etcd was formed with {members} member(s) and keeps them: changing replicas to {wanted} after bootstrap is refused, because new members would form a second cluster and the tenant's data would be lost; set replicas back to {members}"
     ))
+}
+
+/// Render `c` the way its runtime will and apply the patches under the runtime's policy.
+fn check_patches(
+    ctx: &Context,
+    t: &Tenant,
+    c: Component,
+    version: nestplane_render::KubeVersion,
+    patches: &[serde_json::Value],
+) -> Result<(), Error> {
+    use nestplane_render::policy::{self, Runtime};
+    let (input, runtime) = match &ctx.mode {
+        Mode::Kubernetes(settings) => (
+            crate::workloads::render_input(t, version, settings),
+            Runtime::Kubernetes,
+        ),
+        Mode::Process => {
+            let hosts = (1..=nestplane_runtime::process::MAX_REPLICAS)
+                .map(|i| std::net::Ipv4Addr::new(127, 0, 0, i))
+                .collect();
+            (
+                t.render_input(version, Network::Loopback { hosts }),
+                Runtime::Process,
+            )
+        }
+    };
+    let rendered = nestplane_render::render(c, &input)?;
+    let mut objects = nestplane_render::process_objects(&rendered, &input);
+    policy::apply_checked(objects.all_mut(), patches, runtime)?;
+    Ok(())
 }
 
 fn leaf(cn: &str, orgs: &[&str], sans: Sans, usage: Usage) -> LeafSpec {

@@ -34,19 +34,11 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         .map(|m| (reasons::INVALID_SPEC.to_string(), m));
     let paused = tenant.paused(None);
     if problem.is_none() && !paused {
-        let finalizers = ncp.finalizers();
-        if !finalizers.iter().any(|f| f == names::FINALIZER) {
-            let mut list = finalizers.to_vec();
-            list.push(names::FINALIZER.to_string());
+        if !ncp.finalizers().iter().any(|f| f == names::FINALIZER) {
             api.patch(
                 &name,
                 &PatchParams::default(),
-                // With the resourceVersion, a concurrent writer's entry is never dropped: the
-                // API server refuses a stale list (409) and the next pass starts from fresh.
-                &Patch::Merge(serde_json::json!({"metadata": {
-                    "finalizers": list,
-                    "resourceVersion": ncp.resource_version(),
-                }})),
+                &Patch::Merge(finalizer_patch(&ncp, true)),
             )
             .await?;
         }
@@ -188,6 +180,25 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
     } else {
         Action::requeue(Duration::from_secs(60))
     })
+}
+
+/// A merge patch that adds (or removes) nestplane's finalizer. It carries the
+/// resourceVersion it was computed from, so the API server refuses it (409) when another
+/// writer changed the list meanwhile, instead of dropping that writer's entry.
+pub fn finalizer_patch(ncp: &NestedControlPlane, add: bool) -> serde_json::Value {
+    let mut list: Vec<String> = ncp
+        .finalizers()
+        .iter()
+        .filter(|f| *f != names::FINALIZER)
+        .cloned()
+        .collect();
+    if add {
+        list.push(names::FINALIZER.to_string());
+    }
+    serde_json::json!({"metadata": {
+        "finalizers": list,
+        "resourceVersion": ncp.resource_version(),
+    }})
 }
 
 fn lookup_problems(t: &Tenant) -> Vec<(Component, String)> {
@@ -352,19 +363,10 @@ async fn cleanup(
                 .await?;
         }
     }
-    let remaining: Vec<String> = ncp
-        .finalizers()
-        .iter()
-        .filter(|f| *f != names::FINALIZER)
-        .cloned()
-        .collect();
     api.patch(
         &name,
         &PatchParams::default(),
-        &Patch::Merge(serde_json::json!({"metadata": {
-            "finalizers": remaining,
-            "resourceVersion": ncp.resource_version(),
-        }})),
+        &Patch::Merge(finalizer_patch(ncp, false)),
     )
     .await?;
     ctx.metrics.remove_tenant(&ns, &name);

@@ -592,7 +592,7 @@ mod tests {
 
     #[test]
     fn the_refusal_names_the_patch_that_crossed_the_line() {
-        let mut objs = vec![deployment(), service()];
+        let mut objs = [deployment(), service()];
         let patches = [
             container_patch(json!({"resources": {"limits": {"cpu": "1"}}})),
             pod_patch(json!({"hostPID": true})),

@@ -1,0 +1,554 @@
+//! Defects a review found, each shown against a real management plane and real tenants:
+//! patches that would run code on the host, etcd scaling that split the cluster, hostile
+//! input that crashed the operator, lost finalizer updates.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+use common::{Env, alive, events_for, eventually, kubectl, kubectl_ok, nestplane};
+use kube::api::{Api, Patch, PatchParams};
+use nestplane_api::{NestedControlPlane, NestedEtcd};
+
+const READY: Duration = Duration::from_secs(120);
+const NCP: &str = "apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane";
+
+/// `{.status.conditions[?(@.type==T)]}` as `reason|message`.
+fn condition(kc: &Path, kind: &str, name: &str, type_: &str) -> String {
+    let out = kubectl(
+        kc,
+        &[
+            "get",
+            kind,
+            name,
+            "-n",
+            "default",
+            "-o",
+            &format!(
+                "jsonpath={{.status.conditions[?(@.type==\"{type_}\")].reason}}|{{.status.conditions[?(@.type==\"{type_}\")].message}}"
+            ),
+        ],
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_patch_never_runs_code_on_the_host_and_what_runs_keeps_running() {
+    let env = Env::start(true).await;
+    env.create_ncp("default", "victim").await;
+    env.wait_ready("default", "victim", READY).await;
+    let kc = env.kubeconfig().to_path_buf();
+    let pid = env.pid("default", "victim", "apiserver", 0).unwrap();
+    let marker = env.state.path().join("owned");
+    let patch = serde_json::json!({"spec": {"patches": [{
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "victim-apiserver"},
+        "spec": {"template": {"spec": {"containers": [{
+            "name": "kube-apiserver",
+            "command": ["/bin/sh", "-c", format!("touch {}; sleep 3600", marker.display())]
+        }]}}}
+    }]}});
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "nestedapiserver",
+            "victim-apiserver",
+            "--type",
+            "merge",
+            "-p",
+            &patch.to_string(),
+        ],
+    );
+    let got = eventually(
+        "the patch is refused with InvalidSpec",
+        Duration::from_secs(60),
+        || {
+            let c = condition(&kc, "nestedapiserver", "victim-apiserver", "Ready");
+            c.starts_with("InvalidSpec|").then_some(c)
+        },
+    );
+    assert!(
+        got.contains("patch 0") && got.contains("command may not be changed"),
+        "{got}"
+    );
+    eventually(
+        "a Warning event names the patch",
+        Duration::from_secs(30),
+        || {
+            events_for(&kc, "default", "victim-apiserver")
+                .contains("Warning InvalidSpec: patch 0")
+                .then_some(())
+        },
+    );
+    // Give a wrongly accepted patch time to run, then look.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!marker.exists(), "the patch's command ran on the host");
+    assert!(alive(pid), "the running API server was left alone");
+    assert_eq!(env.pid("default", "victim", "apiserver", 0), Some(pid));
+    let tenant = env.tenant_kubeconfig("default", "victim").await;
+    kubectl_ok(&tenant, &["get", "ns", "default"]);
+
+    // A hostPath volume is refused the same way; removing the patches heals.
+    let host_path = serde_json::json!({"spec": {"patches": [{
+        "kind": "StatefulSet", "metadata": {"name": "victim-etcd"},
+        "spec": {"template": {"spec": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}}
+    }]}});
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "nestedetcd",
+            "victim-etcd",
+            "--type",
+            "merge",
+            "-p",
+            &host_path.to_string(),
+        ],
+    );
+    eventually("hostPath is refused", Duration::from_secs(60), || {
+        let c = condition(&kc, "nestedetcd", "victim-etcd", "Ready");
+        (c.starts_with("InvalidSpec|") && c.contains("volume \"root\"")).then_some(())
+    });
+    for kind in ["nestedetcd/victim-etcd", "nestedapiserver/victim-apiserver"] {
+        kubectl_ok(
+            &kc,
+            &[
+                "patch",
+                kind,
+                "--type",
+                "merge",
+                "-p",
+                r#"{"spec":{"patches":null}}"#,
+            ],
+        );
+    }
+    env.wait_ready("default", "victim", READY).await;
+    assert_eq!(env.pid("default", "victim", "apiserver", 0), Some(pid));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_membership_changes_are_refused_after_bootstrap_and_no_data_is_lost() {
+    let env = Env::start(true).await;
+    env.create_ncp("default", "solo").await;
+    env.wait_ready("default", "solo", READY).await;
+    let kc = env.kubeconfig().to_path_buf();
+    let tenant = env.tenant_kubeconfig("default", "solo").await;
+    kubectl_ok(&tenant, &["create", "namespace", "precious"]);
+
+    let etcds: Api<NestedEtcd> = Api::namespaced(env.client(), "default");
+    let scale = |n: i32| {
+        let etcds = etcds.clone();
+        async move {
+            etcds
+                .patch(
+                    "solo-etcd",
+                    &PatchParams::default(),
+                    &Patch::Merge(serde_json::json!({"spec": {"replicas": n}})),
+                )
+                .await
+                .unwrap();
+        }
+    };
+    scale(3).await;
+    let got = eventually(
+        "the membership change is refused",
+        Duration::from_secs(60),
+        || {
+            let c = condition(&kc, "nestedetcd", "solo-etcd", "Scaled");
+            c.starts_with("MembershipChangeRefused|").then_some(c)
+        },
+    );
+    assert!(got.contains("1 member") && got.contains("3"), "{got}");
+    eventually("a Warning event", Duration::from_secs(30), || {
+        events_for(&kc, "default", "solo-etcd")
+            .contains("Warning MembershipChangeRefused")
+            .then_some(())
+    });
+    // Give a wrongly started member time to appear.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        env.pid("default", "solo", "etcd", 1).is_none(),
+        "no second member process was started"
+    );
+
+    // One cluster with one member, and the data is there.
+    let client = env
+        .secret("default", "solo-apiserver-etcd-client")
+        .await
+        .unwrap();
+    let data = client.data.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for (k, f) in [
+        ("tls.crt", "c.crt"),
+        ("tls.key", "c.key"),
+        ("ca.crt", "ca.crt"),
+    ] {
+        std::fs::write(dir.path().join(f), &data[k].0).unwrap();
+    }
+    let etcd = etcds.get("solo-etcd").await.unwrap();
+    let addr = &etcd.status.as_ref().unwrap().addresses;
+    assert_eq!(addr.len(), 1, "{addr:?}");
+    let out = std::process::Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .arg(format!(
+            "--endpoints=https://{}:{}",
+            addr[0].ip.as_deref().unwrap(),
+            addr[0].port
+        ))
+        .arg(format!("--cacert={}", dir.path().join("ca.crt").display()))
+        .arg(format!("--cert={}", dir.path().join("c.crt").display()))
+        .arg(format!("--key={}", dir.path().join("c.key").display()))
+        .args(["member", "list"])
+        .output()
+        .expect("etcdctl not found: run scripts/install-deps.sh (installs etcd-client)");
+    let members = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{members}");
+    assert_eq!(members.lines().count(), 1, "{members}");
+    kubectl_ok(&tenant, &["get", "namespace", "precious"]);
+    let ncp = env.ncps("default").get("solo").await.unwrap();
+    assert!(ncp.status.unwrap().ready, "the control plane stayed ready");
+
+    // Back to the formed size: accepted again.
+    scale(1).await;
+    eventually("Scaled is True again", Duration::from_secs(60), || {
+        condition(&kc, "nestedetcd", "solo-etcd", "Scaled")
+            .starts_with("AsExpected|")
+            .then_some(())
+    });
+    kubectl_ok(&tenant, &["get", "namespace", "precious"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_finalizer_write_never_drops_another_writers_entry() {
+    let env = Env::start(false).await;
+    env.create_ncp("default", "shared").await;
+    let api = env.ncps("default");
+    let stale = api.get("shared").await.unwrap();
+    // Another controller adds its finalizer after we read.
+    api.patch(
+        "shared",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"metadata": {"finalizers": ["example.com/keep"]}})),
+    )
+    .await
+    .unwrap();
+    let err = api
+        .patch(
+            "shared",
+            &PatchParams::default(),
+            &Patch::Merge(nestplane_operator::ncp::finalizer_patch(&stale, true)),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, kube::Error::Api(e) if e.code == 409),
+        "{err}"
+    );
+    // The operator, starting from fresh reads, ends with both.
+    let mut env = env;
+    env.start_operator();
+    let fins = eventually_finalizers(&api, 2).await;
+    assert!(fins.contains(&"example.com/keep".to_string()), "{fins:?}");
+    assert!(
+        fins.contains(&nestplane_api::names::FINALIZER.to_string()),
+        "{fins:?}"
+    );
+}
+
+async fn eventually_finalizers(api: &Api<NestedControlPlane>, n: usize) -> Vec<String> {
+    for _ in 0..300 {
+        let o = api.get("shared").await.unwrap();
+        let f = o.metadata.finalizers.unwrap_or_default();
+        if f.len() >= n {
+            return f;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("finalizers did not converge");
+}
+
+/// One hostile case: YAML to apply, and which object must carry a condition about it.
+struct Case {
+    yaml: String,
+    /// (`kind`, `name`, condition type) that must report a problem, unless the API server
+    /// refused the YAML.
+    target: (&'static str, String, &'static str),
+}
+
+fn ncp_case(i: usize, spec: &str) -> Case {
+    let name = format!("bad-{i}");
+    Case {
+        yaml: format!("{NCP}\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n{spec}\n"),
+        target: ("ncp", name, "Available"),
+    }
+}
+
+/// A control plane whose other components cannot run (an unavailable version), and one
+/// component of `kind` with a hostile `spec` (plus its own runnable version unless the spec
+/// sets one).
+fn component_case(i: usize, kind: &'static str, spec: &str) -> Case {
+    let name = format!("bad-{i}");
+    let (short, field) = match kind {
+        "NestedEtcd" => ("etcd", "etcd"),
+        "NestedAPIServer" => ("apiserver", "apiserver"),
+        "NestedControllerManager" => ("controller-manager", "controllerManager"),
+        _ => ("scheduler", "scheduler"),
+    };
+    let comp = format!("{name}-{short}");
+    let version = if spec.contains("version:") || spec.contains("channel:") {
+        String::new()
+    } else {
+        "  version: v1.20.2\n".to_string()
+    };
+    Case {
+        yaml: format!(
+            "apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: {kind}\nmetadata:\n  name: {comp}\n  namespace: default\nspec:\n{version}{spec}\n---\n{NCP}\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  version: v1.99.0\n  {field}:\n    apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\n    kind: {kind}\n    name: {comp}\n"
+        ),
+        target: (
+            match kind {
+                "NestedEtcd" => "nestedetcd",
+                "NestedAPIServer" => "nestedapiserver",
+                "NestedControllerManager" => "nestedcontrollermanager",
+                _ => "nestedscheduler",
+            },
+            comp,
+            "Ready",
+        ),
+    }
+}
+
+fn json_str(s: &str) -> String {
+    serde_json::to_string(s).unwrap()
+}
+
+fn corpus() -> Vec<Case> {
+    let kinds = [
+        "NestedEtcd",
+        "NestedAPIServer",
+        "NestedControllerManager",
+        "NestedScheduler",
+    ];
+    let accents = format!("x{}", "é".repeat(600));
+    let huge = "v".repeat(200_000);
+    let mut cases = Vec::new();
+    let mut i = 0;
+    let mut next = || {
+        i += 1;
+        i
+    };
+    // The string that crashed the operator, on every kind, as channel and as version.
+    for k in kinds {
+        cases.push(component_case(
+            next(),
+            k,
+            &format!("  channel: {}", json_str(&accents)),
+        ));
+        cases.push(component_case(
+            next(),
+            k,
+            &format!("  version: {}", json_str(&accents)),
+        ));
+    }
+    // Versions: empty-ish, control characters, bidi overrides, shell, huge, unsupported.
+    for v in [
+        "v",
+        "1.20.2\u{0}",
+        "v1.20.2\u{7}\u{1b}[31m",
+        "v1.20.2\u{202e}",
+        "v1.20.2; rm -rf /",
+        "$(touch /tmp/x)",
+        "v999.0.0",
+        "v1.19.0",
+        "-1",
+        "v1.20.2-😀",
+        huge.as_str(),
+        "v1.20.2\r\nX-Injected: 1",
+    ] {
+        cases.push(ncp_case(next(), &format!("  version: {}", json_str(v))));
+    }
+    // Replica counts: negative, zero, too many, enormous, on every kind and the control plane.
+    for n in ["-1", "0", "8", "2147483647", "-2147483648"] {
+        cases.push(component_case(
+            next(),
+            "NestedEtcd",
+            &format!("  replicas: {n}"),
+        ));
+    }
+    for n in ["-5", "0", "99", "2147483647"] {
+        cases.push(ncp_case(
+            next(),
+            &format!("  version: v1.99.0\n  replicas: {n}"),
+        ));
+    }
+    cases.push(component_case(
+        next(),
+        "NestedScheduler",
+        "  replicas: 9999",
+    ));
+    // Patches: malformed, unknown targets, and everything the policy refuses.
+    let patches = [
+        r#""just a string""#,
+        "42",
+        "[1, 2]",
+        "{}",
+        r#"{"kind": "Deployment"}"#,
+        r#"{"kind": "Nope", "metadata": {"name": "x"}}"#,
+        r#"{"kind": "StatefulSet", "metadata": {"name": "TARGET"}, "spec": {"template": {"spec": {"containers": [{"name": "etcd", "command": ["/bin/sh", "-c", "id"]}]}}}}"#,
+        r#"{"kind": "StatefulSet", "metadata": {"name": "TARGET"}, "spec": {"template": {"spec": {"volumes": [{"name": "h", "hostPath": {"path": "/etc"}}]}}}}"#,
+        r#"{"kind": "StatefulSet", "metadata": {"name": "TARGET"}, "spec": {"template": {"spec": {"hostNetwork": true}}}}"#,
+        r#"{"kind": "StatefulSet", "metadata": {"name": "TARGET"}, "spec": {"template": {"spec": {"containers": [{"name": "etcd", "securityContext": {"privileged": true}}]}}}}"#,
+        r#"{"kind": "StatefulSet", "metadata": {"name": "TARGET"}, "spec": {"template": {"spec": {"containers": [{"name": "etcd", "env": [{"name": "LD_PRELOAD", "value": "/tmp/x.so"}]}]}}}}"#,
+        r#"{"kind": "StatefulSet", "metadata": {"name": "TARGET"}, "spec": {"template": {"spec": {"containers": [{"name": "etcd", "args": ["--data-dir=/etc"]}]}}}}"#,
+        r#"{"kind": "StatefulSet", "metadata": {"name": "TARGET"}, "spec": {"template": {"spec": {"containers": [{"name": "etcd", "$patch": "delete"}]}}}}"#,
+        r#"{"kind": "StatefulSet", "metadata": {"name": "TARGET"}, "spec": {"template": {"spec": {"containers": [{"name": "etcd", "volumeMounts": [{"name": "data", "mountPath": "/x", "subPath": "../../.."}]}]}}}}"#,
+        r#"{"kind": "StatefulSet", "metadata": {"name": "TARGET"}, "spec": {"template": {"spec": {"containers": [{"name": "etcd", "env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "other-ca", "key": "tls.key"}}}]}]}}}}"#,
+    ];
+    for p in patches {
+        let n = next();
+        let p = p.replace("TARGET", &format!("bad-{n}-etcd"));
+        cases.push(component_case(
+            n,
+            "NestedEtcd",
+            &format!("  patches:\n  - {p}"),
+        ));
+    }
+    // A deeply nested patch that also asks for the host's network.
+    let n = next();
+    let deep = format!(
+        r#"{{"kind": "StatefulSet", "metadata": {{"name": "bad-{n}-etcd"}}, "spec": {{"template": {{"spec": {{"hostNetwork": true, "a": {}}}}}}}}}"#,
+        "{\"a\": ".repeat(60) + "1" + &"}".repeat(60)
+    );
+    cases.push(component_case(
+        n,
+        "NestedEtcd",
+        &format!("  patches:\n  - {deep}"),
+    ));
+    // Names at every length limit: 34 (one past what derived names allow), 63, 253.
+    for len in [34, 63, 253] {
+        let name: String = "n".repeat(len);
+        cases.push(Case {
+            yaml: format!("{NCP}\nmetadata:\n  name: {name}\n  namespace: default\nspec: {{}}\n"),
+            target: ("ncp", name, "Available"),
+        });
+    }
+    // A reference into another namespace and a component name at the limit that is missing.
+    let n = next();
+    cases.push(ncp_case(
+        n,
+        "  etcd:\n    apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\n    kind: NestedEtcd\n    name: x\n    namespace: kube-system",
+    ));
+    let n = next();
+    cases.push(ncp_case(
+        n,
+        &format!(
+            "  etcd:\n    apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\n    kind: NestedEtcd\n    name: {}",
+            "e".repeat(253)
+        ),
+    ));
+    // An unknown service type.
+    cases.push(component_case(
+        next(),
+        "NestedAPIServer",
+        "  serviceType: Bogus",
+    ));
+    cases
+}
+
+fn spawn_operator(env: &Env) -> Child {
+    let kc = env.state.path().join("mgmt.kubeconfig");
+    std::fs::write(&kc, env.plane.kubeconfig()).unwrap();
+    nestplane()
+        .args([
+            "operator",
+            "--metrics-bind-address",
+            "127.0.0.1:0",
+            "--state-dir",
+        ])
+        .arg(env.operator_dir())
+        .env("KUBECONFIG", kc)
+        .env("RUST_BACKTRACE", "1")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(env.state.path().join("operator.log")).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_hostile_specs_never_crash_the_operator_or_touch_other_tenants() {
+    let env = Env::start(false).await;
+    let mut op = spawn_operator(&env);
+    env.create_ncp("default", "bystander").await;
+    env.wait_ready("default", "bystander", READY).await;
+    let pid = env.pid("default", "bystander", "etcd", 0).unwrap();
+    let ca = kubectl_ok(
+        env.kubeconfig(),
+        &["get", "secret", "bystander-ca", "-o", "jsonpath={.data}"],
+    );
+
+    let cases = corpus();
+    assert!(cases.len() >= 50, "{} cases", cases.len());
+    let kc = env.kubeconfig().to_path_buf();
+    let mut refused = Vec::new();
+    let mut accepted = Vec::new();
+    for case in &cases {
+        let out = common::kubectl_stdin(&kc, &["apply", "-f", "-"], Some(&case.yaml));
+        if out.status.success() {
+            accepted.push(case);
+        } else {
+            let err = String::from_utf8_lossy(&out.stderr).into_owned();
+            assert!(
+                !err.trim().is_empty(),
+                "a refusal says why: {}",
+                case.target.1
+            );
+            refused.push((case.target.1.clone(), err));
+        }
+    }
+    for case in &accepted {
+        let (kind, name, type_) = &case.target;
+        let got = eventually(
+            &format!("a condition on {kind}/{}", &name[..name.len().min(40)]),
+            Duration::from_secs(90),
+            || {
+                let c = condition(&kc, kind, name, type_);
+                let reason = c.split('|').next().unwrap_or_default().to_string();
+                (!reason.is_empty() && reason != "AsExpected").then_some(c)
+            },
+        );
+        assert!(
+            got.split('|').nth(1).is_some_and(|m| !m.is_empty()),
+            "{kind}/{name}: {got}"
+        );
+    }
+    assert!(
+        op.try_wait().unwrap().is_none(),
+        "the operator exited: {}",
+        std::fs::read_to_string(env.state.path().join("operator.log")).unwrap_or_default()
+    );
+    let log = std::fs::read_to_string(env.state.path().join("operator.log")).unwrap();
+    assert!(!log.contains("panicked"), "{log}");
+    // The bystander never noticed.
+    assert!(alive(pid));
+    assert_eq!(env.pid("default", "bystander", "etcd", 0), Some(pid));
+    let ncp = env.ncps("default").get("bystander").await.unwrap();
+    assert!(ncp.status.unwrap().ready);
+    assert_eq!(
+        kubectl_ok(
+            env.kubeconfig(),
+            &["get", "secret", "bystander-ca", "-o", "jsonpath={.data}"]
+        ),
+        ca
+    );
+    eprintln!(
+        "{} hostile specs: {} refused by the API server, {} reported by conditions",
+        cases.len(),
+        refused.len(),
+        accepted.len()
+    );
+    op.kill().unwrap();
+    op.wait().unwrap();
+}
