@@ -552,3 +552,82 @@ async fn fifty_hostile_specs_never_crash_the_operator_or_touch_other_tenants() {
     op.kill().unwrap();
     op.wait().unwrap();
 }
+
+fn signal(pid: u32, sig: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_failed_probe_is_not_an_outage() {
+    let env = Env::start(true).await;
+    env.create_ncp("default", "steady").await;
+    env.wait_ready("default", "steady", READY).await;
+    let etcd_pid = env.pid("default", "steady", "etcd", 0).unwrap();
+    let api_pid = env.pid("default", "steady", "apiserver", 0).unwrap();
+    let etcds: Api<NestedEtcd> = Api::namespaced(env.client(), "default");
+    // etcd stops answering for 5 seconds, and its controller looks right then (an annotation
+    // change makes it reconcile at once).
+    signal(etcd_pid, "-STOP");
+    etcds
+        .patch(
+            "steady-etcd",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {"poke": "1"}}})),
+        )
+        .await
+        .unwrap();
+    let ncps = env.ncps("default");
+    let mut saw_tolerated = false;
+    let start = std::time::Instant::now();
+    while start.elapsed() < Duration::from_secs(12) {
+        if start.elapsed() > Duration::from_secs(5) {
+            signal(etcd_pid, "-CONT");
+        }
+        let ncp = ncps.get("steady").await.unwrap();
+        let st = ncp.status.unwrap();
+        assert!(
+            st.ready,
+            "a 5-second blip made the control plane not ready: {:#?}",
+            st.conditions
+        );
+        let etcd = etcds.get("steady-etcd").await.unwrap();
+        let c = etcd.status.unwrap().common;
+        assert!(c.ready, "{:#?}", c.conditions);
+        saw_tolerated |= c
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.message.contains("tolerated"));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    signal(etcd_pid, "-CONT");
+    assert!(saw_tolerated, "the failed probe was seen and tolerated");
+    assert_eq!(env.pid("default", "steady", "apiserver", 0), Some(api_pid));
+    assert_eq!(env.pid("default", "steady", "etcd", 0), Some(etcd_pid));
+
+    // Sustained failure is reported: etcd stopped for good becomes not Ready.
+    signal(etcd_pid, "-STOP");
+    etcds
+        .patch(
+            "steady-etcd",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {"poke": "2"}}})),
+        )
+        .await
+        .unwrap();
+    let got = eventually(
+        "sustained failure makes etcd not Ready",
+        Duration::from_secs(60),
+        || {
+            let c = condition(env.kubeconfig(), "nestedetcd", "steady-etcd", "Ready");
+            c.starts_with("Provisioning|").then_some(c)
+        },
+    );
+    signal(etcd_pid, "-CONT");
+    assert!(got.contains("0/1"), "{got}");
+    env.wait_ready("default", "steady", READY).await;
+}

@@ -91,37 +91,50 @@ pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Resu
         return Ok(Action::await_change());
     }
     let tenant = Tenant::load(&ctx.client, ncp).await?;
-    let out = match run::<K>(&ctx, &tenant).await {
+    let key = crate::context::object_key(obj.as_ref());
+    let was_ready = obj.common_status().is_some_and(|s| s.ready);
+    let out = match run::<K>(&ctx, &tenant, &key).await {
         Ok(out) => out,
         Err(Error::Runtime(e @ RuntimeError::MissingBinary(_))) => Outcome::waiting(
             reasons::VERSION_UNAVAILABLE,
             e.to_string(),
-            Some(Duration::from_secs(30)),
+            Some(ctx.pacing.error(&key)),
             Some(EventType::Warning),
         ),
+        // A spec a person must fix: said once, looked at again when something changes.
         Err(e @ (Error::Patch(_) | Error::Render(_))) => Outcome::waiting(
             reasons::INVALID_SPEC,
             e.to_string(),
-            Some(Duration::from_secs(30)),
+            None,
             Some(EventType::Warning),
         ),
         Err(Error::Secret(e @ crate::secrets::SecretError::Invalid { .. })) => Outcome::waiting(
             reasons::INVALID_SPEC,
             e.to_string(),
-            Some(Duration::from_secs(30)),
+            Some(ctx.pacing.error(&key)),
             Some(EventType::Warning),
         ),
+        // A transient failure (the management API, the filesystem) does not make a Ready
+        // component not Ready: its status stays, and the pass is retried with backoff.
+        Err(e) if was_ready => {
+            ctx.metrics
+                .reconcile_failed(tenant::kind_of(K::COMPONENT), e.label());
+            return Err(e);
+        }
         Err(e) => {
             ctx.metrics
                 .reconcile_failed(tenant::kind_of(K::COMPONENT), e.label());
             Outcome::waiting(
                 reasons::RECONCILE_ERROR,
                 e.to_string(),
-                Some(Duration::from_secs(5)),
+                Some(ctx.pacing.error(&key)),
                 Some(EventType::Warning),
             )
         }
     };
+    if out.reason != reasons::RECONCILE_ERROR && out.reason != reasons::VERSION_UNAVAILABLE {
+        ctx.pacing.succeeded(&key);
+    }
     let status = out.to_status(obj.as_ref());
     write_status::<K>(&ctx, &obj, status, &out).await?;
     Ok(match out.requeue {
@@ -268,7 +281,7 @@ async fn write_status<K: ComponentKind>(
     Ok(())
 }
 
-async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Error> {
+async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<Outcome, Error> {
     let c = K::COMPONENT;
     if let Some(msg) = t.name_problem() {
         return Ok(Outcome::waiting(
@@ -336,11 +349,18 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Err
             format!("{} {}/{}", tenant::kind_of(*d), t.namespace(), name)
         })
         .collect();
-    if !waiting_for.is_empty() {
+    // Dependencies order creation only: a component that has been Ready keeps running and
+    // keeps its own readiness when a dependency blips (its own probes say whether it serves).
+    let started_before = t
+        .status_of(c)
+        .is_some_and(|s| s.ready || s.version.is_some());
+    if !waiting_for.is_empty() && !started_before {
+        // A dependency's status change reaches this component through its control plane's
+        // watch; the requeue is only a safety net, backed off.
         return Ok(Outcome::waiting(
             reasons::WAITING_FOR_DEPENDENCIES,
             format!("waiting for {} to be Ready", waiting_for.join(" and ")),
-            Some(Duration::from_secs(2)),
+            Some(ctx.pacing.starting(key)),
             None,
         ));
     }
@@ -352,14 +372,15 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Err
         tenant::owner_ref(&t.ncp),
     );
     if let Mode::Kubernetes(settings) = &ctx.mode {
-        return crate::workloads::run::<K>(ctx, t, version, settings, &secrets, &patches).await;
+        return crate::workloads::run::<K>(ctx, t, version, settings, &secrets, &patches, key)
+            .await;
     }
 
-    let key = TenantKey {
+    let tkey = TenantKey {
         namespace: t.namespace(),
         cluster: t.cluster(),
     };
-    let hosts = ctx.runtime.hosts(&key)?;
+    let hosts = ctx.runtime.hosts(&tkey)?;
     let input = t.render_input(
         version,
         Network::Loopback {
@@ -387,7 +408,7 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Err
     .await?;
     let data = secrets.data(&rendered.secrets).await?;
     ctx.runtime
-        .ensure(&key, &rendered, &version.to_string(), &data)
+        .ensure(&tkey, &rendered, &version.to_string(), &data)
         .await?;
 
     let mut service = None;
@@ -398,10 +419,21 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Err
     let healthy =
         nestplane_runtime::process::healthy_count(&endpoints, cluster_ca_pem.as_deref()).await;
     let replicas = rendered.replicas as usize;
-    let ready = healthy >= replicas && replicas > 0;
-    if ready {
-        ctx.runtime.mark_healthy(&key, c);
+    let probe_ok = healthy >= replicas && replicas > 0;
+    if probe_ok {
+        ctx.runtime.mark_healthy(&tkey, c);
     }
+    let verdict = ctx.pacing.probe(key, t.ready(c), probe_ok);
+    let ready = verdict.ready;
+    // While a failed probe is tolerated, the counts stay what they were (no flapping of the
+    // contract's replica fields); the message says what was seen.
+    let healthy = if ready && !probe_ok {
+        t.status_of(c)
+            .and_then(|s| s.ready_replicas)
+            .unwrap_or(replicas as i32) as usize
+    } else {
+        healthy
+    };
     let addresses = if c == Component::Etcd {
         hosts
             .iter()
@@ -424,7 +456,13 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Err
         } else {
             reasons::PROVISIONING
         },
-        message: if ready {
+        message: if ready && !probe_ok {
+            format!(
+                "{replicas}/{replicas} replicas answered their health endpoint; {} consecutive failed probe(s) tolerated (not Ready after {})",
+                verdict.failures,
+                crate::pacing::FAILURES_BEFORE_NOT_READY
+            )
+        } else if ready {
             format!("{replicas}/{replicas} replicas answer their health endpoint")
         } else {
             format!("{healthy}/{replicas} replicas answer their health endpoint")
@@ -432,10 +470,12 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant) -> Result<Outcome, Err
         version: ready.then(|| version.to_string()),
         addresses,
         service,
-        requeue: Some(if ready {
+        requeue: Some(if probe_ok {
             HEALTH_INTERVAL
+        } else if ready {
+            crate::pacing::RECHECK
         } else {
-            STARTING_INTERVAL
+            ctx.pacing.starting(key)
         }),
         event: None,
         scale_refused: scale_refusal(t, c),

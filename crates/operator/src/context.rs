@@ -212,6 +212,18 @@ pub struct Context {
     pub recorder: Recorder,
     /// Metrics.
     pub metrics: Metrics,
+    /// Per-object backoff and health hysteresis.
+    pub pacing: crate::pacing::Pacing,
+}
+
+/// `Kind/namespace/name`: the key of an object in per-object state.
+pub fn object_key<K: kube::Resource<DynamicType = ()>>(obj: &K) -> String {
+    format!(
+        "{}/{}/{}",
+        K::kind(&()),
+        obj.meta().namespace.as_deref().unwrap_or_default(),
+        obj.meta().name.as_deref().unwrap_or_default()
+    )
 }
 
 impl Context {
@@ -230,6 +242,7 @@ impl Context {
             mode,
             recorder,
             metrics: Metrics::default(),
+            pacing: Default::default(),
         }
     }
 

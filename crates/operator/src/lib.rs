@@ -8,6 +8,7 @@ pub mod component;
 pub mod context;
 pub mod crds;
 pub mod ncp;
+pub mod pacing;
 pub mod secrets;
 pub mod server;
 pub mod status;
@@ -17,7 +18,6 @@ pub mod workloads;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
@@ -59,12 +59,13 @@ where
     }
 }
 
-fn error_policy<K>(obj: Arc<K>, err: &Error, _ctx: Arc<Context>) -> Action
+fn error_policy<K>(obj: Arc<K>, err: &Error, ctx: Arc<Context>) -> Action
 where
     K: kube::Resource<DynamicType = ()>,
 {
-    tracing::warn!(object = %kube::ResourceExt::name_any(obj.as_ref()), error = %err, "reconcile failed");
-    Action::requeue(Duration::from_secs(5))
+    let delay = ctx.pacing.error(&context::object_key(obj.as_ref()));
+    tracing::warn!(object = %kube::ResourceExt::name_any(obj.as_ref()), error = %err, retry_in = ?delay, "reconcile failed");
+    Action::requeue(delay)
 }
 
 /// Run the controllers until `shutdown` is cancelled; then stop every tenant process.

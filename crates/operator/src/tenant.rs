@@ -235,6 +235,19 @@ impl Tenant {
         }
     }
 
+    /// The status of `c`, when found and written.
+    pub fn status_of(&self, c: Component) -> Option<&ComponentStatus> {
+        match c {
+            Component::Etcd => self.etcd.found().and_then(|k| k.common_status()),
+            Component::ApiServer => self.apiserver.found().and_then(|k| k.common_status()),
+            Component::ControllerManager => self
+                .controller_manager
+                .found()
+                .and_then(|k| k.common_status()),
+            Component::Scheduler => self.scheduler.found().and_then(|k| k.common_status()),
+        }
+    }
+
     /// Whether `c` reports Ready.
     pub fn ready(&self, c: Component) -> bool {
         match c {

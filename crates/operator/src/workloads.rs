@@ -14,7 +14,7 @@ use nestplane_render::{KubeVersion, Network, RenderInput, SECRETS_CHECKSUM_ANNOT
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use crate::component::{HEALTH_INTERVAL, Outcome, STARTING_INTERVAL, ensure_secrets};
+use crate::component::{HEALTH_INTERVAL, Outcome, ensure_secrets};
 use crate::context::{Context, Error, KubernetesSettings};
 use crate::crds::FIELD_MANAGER;
 use crate::secrets::ClusterSecrets;
@@ -152,6 +152,7 @@ pub(crate) async fn run<K: ComponentKind>(
     settings: &KubernetesSettings,
     secrets: &ClusterSecrets,
     patches: &[Value],
+    key: &str,
 ) -> Result<Outcome, Error> {
     let c = K::COMPONENT;
     let ns = t.namespace();
@@ -250,10 +251,12 @@ pub(crate) async fn run<K: ComponentKind>(
         version: ready.then(|| version.to_string()),
         addresses,
         service,
+        // A rollout's progress reaches this component through the workload watch; the
+        // requeue is a backed-off safety net.
         requeue: Some(if ready {
             HEALTH_INTERVAL
         } else {
-            STARTING_INTERVAL * 4
+            ctx.pacing.starting(key)
         }),
         event: None,
         scale_refused: crate::component::scale_refusal(t, c),

@@ -779,10 +779,14 @@ pub async fn healthy_count(
     let Ok(client) = builder.build() else {
         return 0;
     };
-    let checks = endpoints.iter().map(|e| {
+    // Every replica is probed at once: a component's check takes one timeout at most, not one
+    // per replica.
+    let mut checks = tokio::task::JoinSet::new();
+    for e in endpoints {
         let client = client.clone();
-        async move {
-            match client.get(&e.url).send().await {
+        let url = e.url.clone();
+        checks.spawn(async move {
+            match client.get(&url).send().await {
                 Ok(resp) if resp.status().is_success() => {
                     let body = resp.text().await.unwrap_or_default();
                     // etcd answers {"health":"true"}; Kubernetes components answer "ok".
@@ -790,27 +794,9 @@ pub async fn healthy_count(
                 }
                 _ => false,
             }
-        }
-    });
-    futures_join_all(checks)
-        .await
-        .into_iter()
-        .filter(|ok| *ok)
-        .count()
-}
-
-async fn futures_join_all<F: std::future::Future<Output = bool>>(
-    futs: impl Iterator<Item = F>,
-) -> Vec<bool> {
-    let mut handles = Vec::new();
-    for f in futs {
-        handles.push(f);
+        });
     }
-    let mut out = Vec::with_capacity(handles.len());
-    for h in handles {
-        out.push(h.await);
-    }
-    out
+    checks.join_all().await.into_iter().filter(|ok| *ok).count()
 }
 
 #[cfg(test)]
