@@ -62,6 +62,16 @@ struct OperatorArgs {
     /// Address of `/metrics`, `/healthz` and `/readyz`.
     #[arg(long, default_value = "127.0.0.1:8080")]
     metrics_bind_address: std::net::SocketAddr,
+    /// Reconcile only while holding a Lease, so that one of several replicas acts. Default:
+    /// on inside a cluster (`KUBERNETES_SERVICE_HOST` set), off elsewhere.
+    #[arg(long)]
+    leader_elect: Option<bool>,
+    /// Namespace of the leader election Lease (default: `$POD_NAMESPACE`, else `default`).
+    #[arg(long, env = "POD_NAMESPACE")]
+    leader_election_namespace: Option<String>,
+    /// Name of the leader election Lease.
+    #[arg(long, default_value = "nestplane-leader")]
+    leader_election_id: String,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -120,6 +130,25 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
         }
         _ => nestplane_operator::Mode::Process,
     };
+    let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+    let leader_election = args.leader_elect.unwrap_or(in_cluster).then(|| {
+        let identity = std::env::var("POD_NAME").unwrap_or_else(|_| {
+            format!(
+                "{}-{}",
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .unwrap_or_default()
+                    .trim(),
+                std::process::id()
+            )
+        });
+        nestplane_operator::leader::LeaderElection::new(
+            args.leader_election_namespace
+                .as_deref()
+                .unwrap_or("default"),
+            &args.leader_election_id,
+            &identity,
+        )
+    });
     nestplane_operator::run(
         client,
         nestplane_operator::Config {
@@ -128,6 +157,7 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
             state_dir,
             metrics_addr: Some(args.metrics_bind_address),
             mode,
+            leader_election,
         },
         token,
     )

@@ -631,3 +631,246 @@ async fn one_failed_probe_is_not_an_outage() {
     assert!(got.contains("0/1"), "{got}");
     env.wait_ready("default", "steady", READY).await;
 }
+
+/// The body and status line of `GET http://addr/path`.
+fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
+        return String::new();
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    );
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+fn free_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_watch_fails_readyz_and_is_counted() {
+    let env = Env::start(false).await;
+    let kc = env.kubeconfig().to_path_buf();
+    // The shipped role, less every permission on NestedSchedulers.
+    let role = std::fs::read_to_string(common::repo().join("config/rbac/role.yaml"))
+        .unwrap()
+        .replace(", nestedschedulers/status", "")
+        .replace(", nestedschedulers/finalizers", "")
+        .replace(", nestedschedulers]", "]")
+        .replace("name: manager-role", "name: limited");
+    assert!(!role.contains("nestedschedulers"));
+    common::kubectl_stdin(&kc, &["apply", "-f", "-"], Some(&role));
+    kubectl_ok(
+        &kc,
+        &["create", "serviceaccount", "limited", "-n", "default"],
+    );
+    kubectl_ok(
+        &kc,
+        &[
+            "create",
+            "clusterrolebinding",
+            "limited",
+            "--clusterrole=limited",
+            "--serviceaccount=default:limited",
+        ],
+    );
+    let sa = env
+        .plane
+        .service_account_kubeconfig("default", "limited")
+        .await
+        .unwrap();
+    let client = nestplane_localplane::client_from_kubeconfig(&sa)
+        .await
+        .unwrap();
+    let addr = free_addr();
+    let state = tempfile::tempdir().unwrap();
+    let op = nestplane_operator::Operator::start(
+        client,
+        nestplane_operator::Config {
+            state_dir: state.path().to_path_buf(),
+            metrics_addr: Some(addr),
+            ..Default::default()
+        },
+    );
+    let body = eventually("/readyz fails", Duration::from_secs(60), || {
+        let r = http_get(addr, "/readyz");
+        r.starts_with("HTTP/1.1 503").then_some(r)
+    });
+    assert!(
+        body.contains("nestedschedulers") && body.contains("forbidden"),
+        "{body}"
+    );
+    let metrics = http_get(addr, "/metrics");
+    assert!(
+        metrics.contains("nestplane_watch_failures_total{kind=\"NestedScheduler\"}"),
+        "{metrics}"
+    );
+    assert!(http_get(addr, "/healthz").starts_with("HTTP/1.1 200"));
+    op.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_filtered_operators_never_touch_each_others_tenants() {
+    let env = Env::start(false).await;
+    let start = |filter: &str, dir: &Path| {
+        nestplane_operator::Operator::start(
+            env.client(),
+            nestplane_operator::Config {
+                state_dir: dir.to_path_buf(),
+                watch_filter: Some(filter.into()),
+                ..Default::default()
+            },
+        )
+    };
+    let (a_dir, b_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = start("a", a_dir.path());
+    let b = start("b", b_dir.path());
+    env.apply(&format!(
+        "{NCP}\nmetadata:\n  name: alpha\n  namespace: default\n  labels:\n    cluster.x-k8s.io/watch-filter: a\nspec:\n  version: v1.20.2\n"
+    ));
+    env.apply(&format!(
+        "{NCP}\nmetadata:\n  name: beta\n  namespace: default\n  labels:\n    cluster.x-k8s.io/watch-filter: b\nspec:\n  version: v1.20.2\n"
+    ));
+    env.wait_ready("default", "alpha", READY).await;
+    env.wait_ready("default", "beta", READY).await;
+    let tenant = |dir: &Path, name: &str| dir.join("tenants/default").join(name).exists();
+    assert!(tenant(a_dir.path(), "alpha") && !tenant(a_dir.path(), "beta"));
+    assert!(tenant(b_dir.path(), "beta") && !tenant(b_dir.path(), "alpha"));
+    // Each tenant answers (no second set of processes fought over it).
+    for name in ["alpha", "beta"] {
+        let kc = env.tenant_kubeconfig("default", name).await;
+        kubectl_ok(&kc, &["get", "ns", "default"]);
+    }
+    a.stop().await.unwrap();
+    b.stop().await.unwrap();
+}
+
+fn lease_holder(kc: &Path) -> String {
+    let out = kubectl(
+        kc,
+        &[
+            "get",
+            "lease",
+            "nestplane-test",
+            "-n",
+            "default",
+            "-o",
+            "jsonpath={.spec.holderIdentity}",
+        ],
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_leader_reconciles_and_a_standby_takes_over() {
+    use nestplane_operator::leader::LeaderElection;
+    let env = Env::start(false).await;
+    let kc = env.kubeconfig().to_path_buf();
+    let le = |id: &str| LeaderElection {
+        lease_duration: Duration::from_secs(4),
+        renew_deadline: Duration::from_secs(3),
+        retry_period: Duration::from_millis(500),
+        ..LeaderElection::new("default", "nestplane-test", id)
+    };
+    let start = |id: &str, dir: &Path| {
+        nestplane_operator::Operator::start(
+            env.client(),
+            nestplane_operator::Config {
+                state_dir: dir.to_path_buf(),
+                leader_election: Some(le(id)),
+                ..Default::default()
+            },
+        )
+    };
+    // Both replicas on one host share the state directory (a rolling update of a host
+    // operator): the tenant keeps its addresses and data across the hand-over.
+    let dir = env.operator_dir();
+    let a = start("a", &dir);
+    eventually("a leads", Duration::from_secs(30), || {
+        (lease_holder(&kc) == "a").then_some(())
+    });
+    let b = start("b", &dir);
+    env.create_ncp("default", "led").await;
+    env.wait_ready("default", "led", READY).await;
+    let key = nestplane_runtime::process::TenantKey {
+        namespace: "default".into(),
+        cluster: "led".into(),
+    };
+    use nestplane_api::names::Component;
+    assert!(a.runtime().is_running(&key, Component::Etcd).await);
+    for c in Component::ALL {
+        assert!(
+            !b.runtime().is_running(&key, c).await,
+            "the standby runs nothing"
+        );
+    }
+    assert_eq!(lease_holder(&kc), "a");
+    let ca = kubectl_ok(&kc, &["get", "secret", "led-ca", "-o", "jsonpath={.data}"]);
+    let tenant_kc = env.tenant_kubeconfig("default", "led").await;
+    kubectl_ok(&tenant_kc, &["create", "namespace", "kept"]);
+
+    // The leader stops cleanly: it releases the Lease and the standby takes over at once.
+    a.stop().await.unwrap();
+    eventually("b leads", Duration::from_secs(15), || {
+        (lease_holder(&kc) == "b").then_some(())
+    });
+    for _ in 0..600 {
+        if b.runtime().is_running(&key, Component::ApiServer).await {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(b.runtime().is_running(&key, Component::ApiServer).await);
+    eventually(
+        "the tenant answers under b",
+        Duration::from_secs(120),
+        || {
+            kubectl(&tenant_kc, &["get", "ns", "kept"])
+                .status
+                .success()
+                .then_some(())
+        },
+    );
+    assert_eq!(
+        kubectl_ok(&kc, &["get", "secret", "led-ca", "-o", "jsonpath={.data}"]),
+        ca,
+        "the CA survived the hand-over byte for byte"
+    );
+
+    // A leader that finds the Lease taken stops reconciling by itself.
+    let now = k8s_openapi::jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%S.%6fZ")
+        .to_string();
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "lease",
+            "nestplane-test",
+            "-n",
+            "default",
+            "--type",
+            "merge",
+            "-p",
+            &serde_json::json!({"spec": {
+                "holderIdentity": "intruder",
+                "renewTime": now,
+                "leaseDurationSeconds": 3600
+            }})
+            .to_string(),
+        ],
+    );
+    eventually("b gives up", Duration::from_secs(60), || {
+        b.is_finished().then_some(())
+    });
+    let err = b.stop().await.unwrap_err();
+    assert!(err.to_string().contains("leadership lost"), "{err}");
+}

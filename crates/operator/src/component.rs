@@ -5,32 +5,26 @@
 //! controller-manager and scheduler until the API server is Ready. A component is Ready only
 //! when every replica answers its health endpoint.
 
-use std::collections::BTreeMap;
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ObjectReference, Service};
+use k8s_openapi::api::core::v1::ObjectReference;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use nestplane_api::conditions::{self, reasons, types};
-use nestplane_api::names::{self, Component, SecretPurpose, ports};
+use nestplane_api::names::Component;
 use nestplane_api::{ComponentStatus, NestedControlPlane, NestedEtcdAddress};
-use nestplane_pki::{LeafSpec, Usage};
-use nestplane_render::{Network, RenderInput, Sans};
-use nestplane_runtime::process::{RuntimeError, TenantKey};
+use nestplane_runtime::process::RuntimeError;
 
-use crate::context::{Context, Error, Mode};
-use crate::crds::FIELD_MANAGER;
-use crate::secrets::{ClusterSecrets, KubeconfigSpec, Leaf};
+use crate::context::Context;
+use crate::error::Error;
+use crate::runtime::{Observation, Pass};
 use crate::tenant::{self, ComponentKind, Tenant};
 
 /// How often a Ready component's health is re-checked.
 pub const HEALTH_INTERVAL: Duration = Duration::from_secs(10);
-/// How often a component that is starting is re-checked.
-pub const STARTING_INTERVAL: Duration = Duration::from_millis(500);
 
 /// The outcome of one pass, before it becomes status.
 pub(crate) struct Outcome {
@@ -74,6 +68,10 @@ pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Resu
     let _timer = ctx.metrics.reconcile_started(tenant::kind_of(K::COMPONENT));
     let ns = obj.namespace().unwrap_or_default();
     let Some(owner) = tenant::controller_of(obj.as_ref()) else {
+        // With a watch filter, an unowned component is nobody's business of this operator's.
+        if ctx.watch_filter.is_some() {
+            return Ok(Action::await_change());
+        }
         let out = Outcome::waiting(
             reasons::WAITING_FOR_OWNER,
             "no NestedControlPlane references and owns this component yet".into(),
@@ -87,7 +85,8 @@ pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Resu
     let Some(ncp) = ncps.get_opt(&owner.name).await? else {
         return Ok(Action::await_change());
     };
-    if ncp.metadata.deletion_timestamp.is_some() {
+    // Another operator's control plane (its watch filter): not a single write from here.
+    if ncp.metadata.deletion_timestamp.is_some() || !ctx.selects(&ncp) {
         return Ok(Action::await_change());
     }
     let tenant = Tenant::load(&ctx.client, ncp).await?;
@@ -281,23 +280,53 @@ async fn write_status<K: ComponentKind>(
     Ok(())
 }
 
+/// The pipeline of one pass: gate (name, pause, version, replicas, patches, dependencies) →
+/// run (the runtime issues certificates, renders, applies or starts, observes) → judge
+/// (hysteresis) → the outcome that becomes status.
 async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<Outcome, Error> {
     let c = K::COMPONENT;
+    let (version, patches) = match gate(ctx, t, c, key)? {
+        Gate::Proceed { version, patches } => (version, patches),
+        Gate::Stop(out) => return Ok(*out),
+    };
+    let seen = ctx
+        .runtime
+        .run(Pass {
+            client: &ctx.client,
+            tenant: t,
+            component: c,
+            version,
+            patches: &patches,
+        })
+        .await?;
+    Ok(judge(ctx, t, c, key, version, seen))
+}
+
+enum Gate {
+    Proceed {
+        version: nestplane_render::KubeVersion,
+        patches: Vec<serde_json::Value>,
+    },
+    Stop(Box<Outcome>),
+}
+
+/// Whether component `c` may run now; every refusal is an outcome a person can act on.
+fn gate(ctx: &Context, t: &Tenant, c: Component, key: &str) -> Result<Gate, Error> {
+    let stop = |reason, msg, requeue, event| {
+        Ok(Gate::Stop(Box::new(Outcome::waiting(
+            reason, msg, requeue, event,
+        ))))
+    };
     if let Some(msg) = t.name_problem() {
-        return Ok(Outcome::waiting(
-            reasons::INVALID_SPEC,
-            msg,
-            None,
-            Some(EventType::Warning),
-        ));
+        return stop(reasons::INVALID_SPEC, msg, None, Some(EventType::Warning));
     }
     if t.paused(Some(c)) {
-        return Ok(Outcome::waiting(
+        return stop(
             reasons::PAUSED,
             "reconciliation is paused".into(),
             None,
             None,
-        ));
+        );
     }
     let version = match t.version(c) {
         Ok(v) => v,
@@ -307,36 +336,30 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<O
             } else {
                 reasons::VERSION_UNAVAILABLE
             };
-            return Ok(Outcome::waiting(
-                reason,
-                msg,
-                None,
-                Some(EventType::Warning),
-            ));
+            return stop(reason, msg, None, Some(EventType::Warning));
         }
     };
     if let Some(msg) = t
         .replicas_problem(c)
         .filter(|_| t.etcd_members().is_none() || c != Component::Etcd)
     {
-        return Ok(Outcome::waiting(
-            reasons::INVALID_SPEC,
-            msg,
-            None,
-            Some(EventType::Warning),
-        ));
+        return stop(reasons::INVALID_SPEC, msg, None, Some(EventType::Warning));
     }
     // Say at once when this version cannot run here, rather than after the dependencies.
-    if ctx.mode == Mode::Process {
-        nestplane_runtime::process::binary_for(c, &version.to_string())
-            .map_err(RuntimeError::from)?;
-    }
+    ctx.runtime.can_run(c, &version)?;
     // Patches are judged before waiting for anything: a patch the runtime refuses is said at
-    // once, on a rendering with placeholder addresses (the check compares the patched objects
-    // with the same rendering, so addresses do not matter).
+    // once, on a rendering with placeholder addresses (the judge compares the patched
+    // objects with the same rendering, so addresses do not matter).
     let patches = t.spec_of(c).map(|s| s.patches.clone()).unwrap_or_default();
     if !patches.is_empty() {
-        check_patches(ctx, t, c, version, &patches)?;
+        let input = ctx.runtime.check_input(t, version);
+        let rendered = nestplane_render::render(c, &input)?;
+        let mut objects = nestplane_render::process_objects(&rendered, &input);
+        nestplane_render::policy::apply_checked(
+            objects.all_mut(),
+            &patches,
+            ctx.runtime.patch_policy(),
+        )?;
     }
     let waiting_for: Vec<String> = c
         .dependencies()
@@ -357,120 +380,60 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<O
     if !waiting_for.is_empty() && !started_before {
         // A dependency's status change reaches this component through its control plane's
         // watch; the requeue is only a safety net, backed off.
-        return Ok(Outcome::waiting(
+        return stop(
             reasons::WAITING_FOR_DEPENDENCIES,
             format!("waiting for {} to be Ready", waiting_for.join(" and ")),
             Some(ctx.pacing.starting(key)),
             None,
-        ));
+        );
     }
+    Ok(Gate::Proceed { version, patches })
+}
 
-    let secrets = ClusterSecrets::new(
-        ctx.client.clone(),
-        &t.namespace(),
-        &t.cluster(),
-        tenant::owner_ref(&t.ncp),
-    );
-    if let Mode::Kubernetes(settings) = &ctx.mode {
-        return crate::workloads::run::<K>(ctx, t, version, settings, &secrets, &patches, key)
-            .await;
-    }
-
-    let tkey = TenantKey {
-        namespace: t.namespace(),
-        cluster: t.cluster(),
-    };
-    let hosts = ctx.runtime.hosts(&tkey)?;
-    let input = t.render_input(
-        version,
-        Network::Loopback {
-            hosts: hosts.clone(),
-        },
-    );
-    let mut rendered = nestplane_render::render(c, &input)?;
-    // The same patches as the workloads get; the process runtime runs the patched template.
-    if !patches.is_empty() {
-        let mut objects = nestplane_render::process_objects(&rendered, &input);
-        nestplane_render::policy::apply_checked(
-            objects.all_mut(),
-            &patches,
-            nestplane_render::policy::Runtime::Process,
-        )?;
-        rendered.pod_template = objects.pod_template()?;
-    }
-    let cluster_ca_pem = ensure_secrets(
-        c,
-        t,
-        &input,
-        endpoint_host(&input).into_iter().collect(),
-        &secrets,
-    )
-    .await?;
-    let data = secrets.data(&rendered.secrets).await?;
-    ctx.runtime
-        .ensure(&tkey, &rendered, &version.to_string(), &data)
-        .await?;
-
-    let mut service = None;
-    if c == Component::ApiServer {
-        service = Some(ensure_apiserver_service(ctx, t, &hosts).await?);
-    }
-    let endpoints = nestplane_render::health_endpoints(c, &input);
-    let healthy =
-        nestplane_runtime::process::healthy_count(&endpoints, cluster_ca_pem.as_deref()).await;
-    let replicas = rendered.replicas as usize;
-    let probe_ok = healthy >= replicas && replicas > 0;
-    if probe_ok {
-        ctx.runtime.mark_healthy(&tkey, c);
-    }
-    let verdict = ctx.pacing.probe(key, t.ready(c), probe_ok);
+/// Turn what the runtime saw into an outcome: once Ready, only sustained failure (see
+/// [`crate::pacing`]) makes a component not Ready, and while a failed probe is tolerated the
+/// counts stay what they were (no flapping of the contract's replica fields).
+fn judge(
+    ctx: &Context,
+    t: &Tenant,
+    c: Component,
+    key: &str,
+    version: nestplane_render::KubeVersion,
+    seen: Observation,
+) -> Outcome {
+    let verdict = ctx.pacing.probe(key, t.ready(c), seen.ok);
     let ready = verdict.ready;
-    // While a failed probe is tolerated, the counts stay what they were (no flapping of the
-    // contract's replica fields); the message says what was seen.
-    let healthy = if ready && !probe_ok {
+    let desired = seen.desired;
+    let healthy = if ready && !seen.ok {
         t.status_of(c)
             .and_then(|s| s.ready_replicas)
-            .unwrap_or(replicas as i32) as usize
+            .unwrap_or(desired as i32)
     } else {
-        healthy
+        seen.healthy as i32
     };
-    let addresses = if c == Component::Etcd {
-        hosts
-            .iter()
-            .take(replicas)
-            .enumerate()
-            .map(|(i, h)| NestedEtcdAddress {
-                ip: Some(h.to_string()),
-                hostname: Some(format!("{}-{i}", rendered.workload_name)),
-                port: ports::ETCD_CLIENT,
-            })
-            .collect()
+    let message = if ready && !seen.ok {
+        format!(
+            "{desired}/{desired} {} until now; {} consecutive failed probe(s) tolerated (not Ready after {})",
+            seen.counting,
+            verdict.failures,
+            crate::pacing::FAILURES_BEFORE_NOT_READY
+        )
     } else {
-        vec![]
+        format!("{}/{desired} {}", seen.healthy, seen.counting)
     };
-    Ok(Outcome {
+    Outcome {
         ready,
-        ready_replicas: healthy as i32,
+        ready_replicas: healthy,
         reason: if ready {
             reasons::AS_EXPECTED
         } else {
             reasons::PROVISIONING
         },
-        message: if ready && !probe_ok {
-            format!(
-                "{replicas}/{replicas} replicas answered their health endpoint; {} consecutive failed probe(s) tolerated (not Ready after {})",
-                verdict.failures,
-                crate::pacing::FAILURES_BEFORE_NOT_READY
-            )
-        } else if ready {
-            format!("{replicas}/{replicas} replicas answer their health endpoint")
-        } else {
-            format!("{healthy}/{replicas} replicas answer their health endpoint")
-        },
+        message,
         version: ready.then(|| version.to_string()),
-        addresses,
-        service,
-        requeue: Some(if probe_ok {
+        addresses: seen.addresses,
+        service: seen.service,
+        requeue: Some(if seen.ok {
             HEALTH_INTERVAL
         } else if ready {
             crate::pacing::RECHECK
@@ -479,7 +442,7 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<O
         }),
         event: None,
         scale_refused: scale_refusal(t, c),
-    })
+    }
 }
 
 /// The message of a refused etcd membership change, if the spec asks for one.
@@ -491,271 +454,4 @@ pub(crate) fn scale_refusal(t: &Tenant, c: Component) -> Option<String> {
     Some(format!(
         "etcd was formed with {members} member(s) and keeps them: changing replicas to {wanted} after bootstrap is refused, because new members would form a second cluster and the tenant's data would be lost; set replicas back to {members}"
     ))
-}
-
-/// Render `c` the way its runtime will and apply the patches under the runtime's policy.
-fn check_patches(
-    ctx: &Context,
-    t: &Tenant,
-    c: Component,
-    version: nestplane_render::KubeVersion,
-    patches: &[serde_json::Value],
-) -> Result<(), Error> {
-    use nestplane_render::policy::{self, Runtime};
-    let (input, runtime) = match &ctx.mode {
-        Mode::Kubernetes(settings) => (
-            crate::workloads::render_input(t, version, settings),
-            Runtime::Kubernetes,
-        ),
-        Mode::Process => {
-            let hosts = (1..=nestplane_runtime::process::MAX_REPLICAS)
-                .map(|i| std::net::Ipv4Addr::new(127, 0, 0, i))
-                .collect();
-            (
-                t.render_input(version, Network::Loopback { hosts }),
-                Runtime::Process,
-            )
-        }
-    };
-    let rendered = nestplane_render::render(c, &input)?;
-    let mut objects = nestplane_render::process_objects(&rendered, &input);
-    policy::apply_checked(objects.all_mut(), patches, runtime)?;
-    Ok(())
-}
-
-fn leaf(cn: &str, orgs: &[&str], sans: Sans, usage: Usage) -> LeafSpec {
-    LeafSpec {
-        common_name: cn.into(),
-        organizations: orgs.iter().map(|s| s.to_string()).collect(),
-        dns_names: sans.dns,
-        ips: sans.ips,
-        usage,
-    }
-}
-
-fn no_sans() -> Sans {
-    Sans {
-        dns: vec![],
-        ips: vec![],
-    }
-}
-
-/// The endpoint host of the control plane (the first API server replica's address).
-pub fn endpoint_host(input: &RenderInput) -> Option<String> {
-    match &input.network {
-        Network::Loopback { hosts } => hosts.first().map(|h| h.to_string()),
-        Network::Cluster => None,
-    }
-}
-
-/// Create or renew the secrets component `c` needs; returns the cluster CA (PEM) for
-/// health checks over HTTPS.
-pub(crate) async fn ensure_secrets(
-    c: Component,
-    t: &Tenant,
-    input: &RenderInput,
-    hosts: Vec<String>,
-    s: &ClusterSecrets,
-) -> Result<Option<String>, Error> {
-    let cluster = t.cluster();
-    match c {
-        Component::Etcd => {
-            let ca = s.ca(SecretPurpose::EtcdCa).await?;
-            let sans = nestplane_render::etcd_sans(input);
-            s.leaf(
-                &Leaf {
-                    purpose: SecretPurpose::EtcdServer,
-                    ca: SecretPurpose::EtcdCa,
-                    spec: leaf(
-                        &format!("{cluster}-etcd"),
-                        &[],
-                        sans.clone(),
-                        Usage::ServerAndClient,
-                    ),
-                },
-                &ca,
-            )
-            .await?;
-            s.leaf(
-                &Leaf {
-                    purpose: SecretPurpose::EtcdPeer,
-                    ca: SecretPurpose::EtcdCa,
-                    spec: leaf(
-                        &format!("{cluster}-etcd-peer"),
-                        &[],
-                        sans,
-                        Usage::ServerAndClient,
-                    ),
-                },
-                &ca,
-            )
-            .await?;
-            Ok(None)
-        }
-        Component::ApiServer => {
-            let ca = s.ca(SecretPurpose::ClusterCa).await?;
-            let etcd_ca = s.ca(SecretPurpose::EtcdCa).await?;
-            let proxy_ca = s.ca(SecretPurpose::FrontProxyCa).await?;
-            s.ca(SecretPurpose::ServiceAccount).await?;
-            // The first address is the endpoint; the others are further names it answers to.
-            let host = hosts.first().cloned();
-            let mut sans = nestplane_render::apiserver_sans(input, host.as_deref());
-            for h in hosts.iter().skip(1) {
-                match h.parse::<IpAddr>() {
-                    Ok(ip) if !sans.ips.contains(&ip) => sans.ips.push(ip),
-                    Ok(_) => {}
-                    Err(_) if !sans.dns.contains(h) => sans.dns.push(h.clone()),
-                    Err(_) => {}
-                }
-            }
-            s.leaf(
-                &Leaf {
-                    purpose: SecretPurpose::ApiServer,
-                    ca: SecretPurpose::ClusterCa,
-                    spec: leaf("kube-apiserver", &[], sans, Usage::Server),
-                },
-                &ca,
-            )
-            .await?;
-            s.leaf(
-                &Leaf {
-                    purpose: SecretPurpose::ApiServerEtcdClient,
-                    ca: SecretPurpose::EtcdCa,
-                    spec: leaf(
-                        "kube-apiserver-etcd-client",
-                        &["system:masters"],
-                        no_sans(),
-                        Usage::Client,
-                    ),
-                },
-                &etcd_ca,
-            )
-            .await?;
-            s.leaf(
-                &Leaf {
-                    purpose: SecretPurpose::ApiServerKubeletClient,
-                    ca: SecretPurpose::ClusterCa,
-                    spec: leaf(
-                        "kube-apiserver-kubelet-client",
-                        &["system:masters"],
-                        no_sans(),
-                        Usage::Client,
-                    ),
-                },
-                &ca,
-            )
-            .await?;
-            s.leaf(
-                &Leaf {
-                    purpose: SecretPurpose::FrontProxyClient,
-                    ca: SecretPurpose::FrontProxyCa,
-                    spec: leaf("front-proxy-client", &[], no_sans(), Usage::Client),
-                },
-                &proxy_ca,
-            )
-            .await?;
-            let server = match (&host, &t.ncp.spec.control_plane_endpoint) {
-                (_, Some(ep)) if !ep.host.is_empty() => format!("https://{}:{}", ep.host, ep.port),
-                (Some(h), _) => format!("https://{h}:{}", ports::APISERVER),
-                _ => nestplane_render::apiserver_internal_url(input),
-            };
-            s.kubeconfig(
-                &KubeconfigSpec {
-                    purpose: SecretPurpose::AdminKubeconfig,
-                    server,
-                    user: "kubernetes-admin".into(),
-                    groups: vec!["system:masters".into()],
-                },
-                &ca,
-            )
-            .await?;
-            Ok(Some(ca.cert_pem))
-        }
-        Component::ControllerManager | Component::Scheduler => {
-            let ca = s.ca(SecretPurpose::ClusterCa).await?;
-            let server = nestplane_render::apiserver_internal_url(input);
-            let (kc, serving, user, sans) = if c == Component::ControllerManager {
-                (
-                    SecretPurpose::ControllerManagerKubeconfig,
-                    SecretPurpose::ControllerManagerServing,
-                    "system:kube-controller-manager",
-                    nestplane_render::controller_manager_sans(input),
-                )
-            } else {
-                (
-                    SecretPurpose::SchedulerKubeconfig,
-                    SecretPurpose::SchedulerServing,
-                    "system:kube-scheduler",
-                    nestplane_render::scheduler_sans(input),
-                )
-            };
-            s.kubeconfig(
-                &KubeconfigSpec {
-                    purpose: kc,
-                    server,
-                    user: user.into(),
-                    groups: vec![],
-                },
-                &ca,
-            )
-            .await?;
-            s.leaf(
-                &Leaf {
-                    purpose: serving,
-                    ca: SecretPurpose::ClusterCa,
-                    spec: leaf(user, &[], sans, Usage::Server),
-                },
-                &ca,
-            )
-            .await?;
-            Ok(Some(ca.cert_pem))
-        }
-    }
-}
-
-/// The process runtime has no Service of its own: a selector-less Service named
-/// `<cluster>-apiserver` stands for the tenant API server (annotated with its URL), so
-/// `NestedAPIServer.status.apiserverService` points at a real object.
-async fn ensure_apiserver_service(
-    ctx: &Context,
-    t: &Tenant,
-    hosts: &[std::net::Ipv4Addr],
-) -> Result<ObjectReference, Error> {
-    let name = Component::ApiServer.workload_name(&t.cluster());
-    let ns = t.namespace();
-    let url = hosts
-        .first()
-        .map(|h| format!("https://{}:{}", IpAddr::V4(*h), ports::APISERVER))
-        .unwrap_or_default();
-    let svc: Service = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {
-            "name": name,
-            "namespace": ns,
-            "labels": BTreeMap::from([
-                (names::CLUSTER_NAME_LABEL, t.cluster()),
-                (names::COMPONENT_LABEL, Component::ApiServer.short_name().to_string()),
-                (names::MANAGED_BY_LABEL, names::MANAGED_BY.to_string()),
-            ]),
-            "annotations": {"nestplane.io/endpoint": url},
-            "ownerReferences": [tenant::owner_ref(&t.ncp)],
-        },
-        "spec": {"ports": [{"name": "https", "port": ports::APISERVER, "targetPort": ports::APISERVER, "protocol": "TCP"}]}
-    }))
-    .map_err(|e| Error::Internal(e.to_string()))?;
-    let api: Api<Service> = Api::namespaced(ctx.client.clone(), &ns);
-    api.patch(
-        &name,
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&svc),
-    )
-    .await?;
-    Ok(ObjectReference {
-        api_version: Some("v1".into()),
-        kind: Some("Service".into()),
-        name: Some(name),
-        namespace: Some(ns),
-        ..ObjectReference::default()
-    })
 }

@@ -14,42 +14,10 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-/// Errors of a reconcile pass. None of them carries secret material.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// The management API failed.
-    #[error("management API: {0}")]
-    Kube(#[from] kube::Error),
-    /// Secrets could not be read or written.
-    #[error(transparent)]
-    Secret(#[from] crate::secrets::SecretError),
-    /// Rendering failed.
-    #[error("rendering: {0}")]
-    Render(#[from] nestplane_render::RenderError),
-    /// The runtime failed.
-    #[error(transparent)]
-    Runtime(#[from] nestplane_runtime::process::RuntimeError),
-    /// A user patch cannot be applied.
-    #[error(transparent)]
-    Patch(#[from] nestplane_render::PatchError),
-    /// A bug.
-    #[error("internal: {0}")]
-    Internal(String),
-}
+pub use crate::error::Error;
 
-impl Error {
-    /// A short stable label for metrics.
-    pub fn label(&self) -> &'static str {
-        match self {
-            Error::Kube(_) => "kube",
-            Error::Secret(_) => "secret",
-            Error::Render(_) => "render",
-            Error::Runtime(e) => e.label(),
-            Error::Patch(_) => "patch",
-            Error::Internal(_) => "internal",
-        }
-    }
-}
+/// Cluster API's label for running several providers side by side (`--watch-filter`).
+pub const WATCH_FILTER_LABEL: &str = "cluster.x-k8s.io/watch-filter";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabel {
@@ -75,6 +43,7 @@ pub struct Metrics {
     failures: Family<FailureLabel, Counter>,
     duration: Family<KindLabel, Histogram>,
     tenant_ready: Family<TenantLabel, Gauge<i64, AtomicI64>>,
+    watch_failures: Family<KindLabel, Counter>,
     registry: Arc<Registry>,
 }
 
@@ -86,6 +55,7 @@ impl Default for Metrics {
             Histogram::new([0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0])
         });
         let tenant_ready = Family::<TenantLabel, Gauge<i64, AtomicI64>>::default();
+        let watch_failures = Family::<KindLabel, Counter>::default();
         let mut registry = Registry::with_prefix("nestplane");
         registry.register("reconciles", "Reconcile passes by kind", reconciles.clone());
         registry.register(
@@ -103,11 +73,17 @@ impl Default for Metrics {
             "1 when a tenant control plane is Ready",
             tenant_ready.clone(),
         );
+        registry.register(
+            "watch_failures",
+            "Failed watches (list or watch refused, connection lost) by controller",
+            watch_failures.clone(),
+        );
         Metrics {
             reconciles,
             failures,
             duration,
             tenant_ready,
+            watch_failures,
             registry: Arc::new(registry),
         }
     }
@@ -156,6 +132,15 @@ impl Metrics {
             .set(i64::from(ready));
     }
 
+    /// Count a failed watch of a controller.
+    pub fn watch_failed(&self, controller: &str) {
+        self.watch_failures
+            .get_or_create(&KindLabel {
+                kind: controller.into(),
+            })
+            .inc();
+    }
+
     /// Forget a deleted tenant.
     pub fn remove_tenant(&self, namespace: &str, cluster: &str) {
         self.tenant_ready.remove(&TenantLabel {
@@ -172,6 +157,44 @@ impl Metrics {
     }
 }
 
+/// What `/readyz` reports: the operator is not ready while one of its watches failed
+/// recently (an RBAC refusal, a lost connection): it would act on a stale view.
+#[derive(Clone, Default)]
+pub struct Health {
+    failures: Arc<std::sync::Mutex<std::collections::BTreeMap<String, (Instant, String)>>>,
+}
+
+/// How long a watch failure keeps `/readyz` failing (the watchers retry with backoff, so a
+/// failure that persists is seen again well within this window).
+pub const WATCH_FAILURE_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
+
+impl Health {
+    /// Record a failed watch of `controller`.
+    pub fn watch_failed(&self, controller: &str, message: String) {
+        self.failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(controller.to_string(), (Instant::now(), message));
+    }
+
+    /// Recent failures, one line each; empty when ready.
+    pub fn problems(&self) -> Vec<String> {
+        self.failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, (at, _))| at.elapsed() < WATCH_FAILURE_WINDOW)
+            .map(|(c, (at, m))| {
+                format!(
+                    "{c}: watch failed {}s ago: {}",
+                    at.elapsed().as_secs(),
+                    nestplane_api::conditions::cut(m, 500)
+                )
+            })
+            .collect()
+    }
+}
+
 /// Where tenant components run.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum Mode {
@@ -182,38 +205,25 @@ pub enum Mode {
     Kubernetes(KubernetesSettings),
 }
 
-/// Settings of the `kubernetes` runtime.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KubernetesSettings {
-    /// Registry the component images come from.
-    pub image_registry: String,
-    /// Size of each etcd member's volume.
-    pub etcd_storage: String,
-}
-
-impl Default for KubernetesSettings {
-    fn default() -> Self {
-        KubernetesSettings {
-            image_registry: nestplane_render::DEFAULT_IMAGE_REGISTRY.into(),
-            etcd_storage: nestplane_render::workload::DEFAULT_ETCD_STORAGE.into(),
-        }
-    }
-}
+pub use crate::workloads::KubernetesSettings;
 
 /// Shared by every reconciler.
 pub struct Context {
     /// The management cluster.
     pub client: kube::Client,
-    /// The process runtime (used in [`Mode::Process`]).
-    pub runtime: Arc<ProcessRuntime>,
-    /// Which runtime runs the components.
-    pub mode: Mode,
+    /// Where components run.
+    pub runtime: Arc<dyn crate::runtime::Runtime>,
     /// Events.
     pub recorder: Recorder,
     /// Metrics.
     pub metrics: Metrics,
     /// Per-object backoff and health hysteresis.
     pub pacing: crate::pacing::Pacing,
+    /// Watch failures, for `/readyz`.
+    pub health: Health,
+    /// Only control planes labelled `cluster.x-k8s.io/watch-filter=<value>`, and the
+    /// components they control, are reconciled.
+    pub watch_filter: Option<String>,
 }
 
 /// `Kind/namespace/name`: the key of an object in per-object state.
@@ -228,7 +238,11 @@ pub fn object_key<K: kube::Resource<DynamicType = ()>>(obj: &K) -> String {
 
 impl Context {
     /// A context for `client` and `runtime`.
-    pub fn new(client: kube::Client, runtime: Arc<ProcessRuntime>, mode: Mode) -> Self {
+    pub fn new(client: kube::Client, processes: Arc<ProcessRuntime>, mode: Mode) -> Self {
+        let runtime: Arc<dyn crate::runtime::Runtime> = match mode {
+            Mode::Process => Arc::new(crate::process::Processes::new(processes)),
+            Mode::Kubernetes(settings) => Arc::new(crate::workloads::Workloads::new(settings)),
+        };
         let recorder = Recorder::new(
             client.clone(),
             Reporter {
@@ -239,10 +253,24 @@ impl Context {
         Context {
             client,
             runtime,
-            mode,
             recorder,
             metrics: Metrics::default(),
             pacing: Default::default(),
+            health: Health::default(),
+            watch_filter: None,
+        }
+    }
+
+    /// Whether this operator reconciles `ncp` (its watch filter matches).
+    pub fn selects(&self, ncp: &nestplane_api::NestedControlPlane) -> bool {
+        match &self.watch_filter {
+            None => true,
+            Some(f) => ncp
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(WATCH_FILTER_LABEL))
+                .is_some_and(|v| v == f),
         }
     }
 

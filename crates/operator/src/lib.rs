@@ -7,8 +7,12 @@
 pub mod component;
 pub mod context;
 pub mod crds;
+pub mod error;
+pub mod leader;
 pub mod ncp;
 pub mod pacing;
+pub mod process;
+pub mod runtime;
 pub mod secrets;
 pub mod server;
 pub mod status;
@@ -47,6 +51,8 @@ pub struct Config {
     pub metrics_addr: Option<SocketAddr>,
     /// Where components run.
     pub mode: Mode,
+    /// Reconcile only while holding this Lease (several replicas: one leads).
+    pub leader_election: Option<leader::LeaderElection>,
 }
 
 fn api<K>(client: &kube::Client, ns: &Option<String>) -> Api<K>
@@ -68,6 +74,29 @@ where
     Action::requeue(delay)
 }
 
+/// How long reconciles in flight may take to finish after a stop was asked for.
+pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// What a controller's stream yields, made visible: a failed watch (an RBAC refusal, a lost
+/// connection) is logged, counted, and fails `/readyz`; reconcile errors are already counted
+/// and backed off by the error policy.
+fn report<T, E: std::fmt::Display>(
+    controller: impl Into<String>,
+    ctx: &Arc<Context>,
+) -> impl FnMut(Result<T, kube::runtime::controller::Error<E, watcher::Error>>) -> std::future::Ready<()>
+{
+    let controller = controller.into();
+    let ctx = ctx.clone();
+    move |r| {
+        if let Err(kube::runtime::controller::Error::QueueError(e)) = r {
+            tracing::error!(controller = %controller, error = %e, "watch failed");
+            ctx.metrics.watch_failed(&controller);
+            ctx.health.watch_failed(&controller, e.to_string());
+        }
+        std::future::ready(())
+    }
+}
+
 /// Run the controllers until `shutdown` is cancelled; then stop every tenant process.
 pub async fn run(
     client: kube::Client,
@@ -85,24 +114,51 @@ pub async fn run_with(
     runtime: Arc<ProcessRuntime>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        runtime.clone(),
-        config.mode.clone(),
-    ));
+    let mut ctx = Context::new(client.clone(), runtime.clone(), config.mode.clone());
+    ctx.watch_filter = config.watch_filter.clone();
+    let ctx = Arc::new(ctx);
     if let Some(addr) = config.metrics_addr {
         let metrics = ctx.metrics.clone();
+        let health = ctx.health.clone();
         let token = shutdown.clone();
         tokio::spawn(async move {
-            if let Err(e) = server::serve(addr, metrics, token).await {
+            if let Err(e) = server::serve(addr, metrics, health, token).await {
                 tracing::error!(error = %e, %addr, "metrics server failed");
             }
         });
     }
+    // With leader election, nothing below runs (no reconcile, no write) until this replica
+    // leads, and everything stops the moment it does not.
+    let stop = CancellationToken::new();
+    let lost = CancellationToken::new();
+    let release = CancellationToken::new();
+    let mut keeper = None;
+    if let Some(le) = &config.leader_election {
+        if !leader::acquire(&client, le, &shutdown).await {
+            return Ok(());
+        }
+        keeper = Some(tokio::spawn(leader::keep(
+            client.clone(),
+            le.clone(),
+            lost.clone(),
+            release.clone(),
+        )));
+    }
+    {
+        let (stop, lost, shutdown) = (stop.clone(), lost.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = shutdown.cancelled() => {}
+                _ = lost.cancelled() => {}
+            }
+            stop.cancel();
+        });
+    }
+    let shutdown = stop;
     let ns = &config.namespace;
     let mut ncp_watch = watcher::Config::default();
     if let Some(f) = &config.watch_filter {
-        ncp_watch = ncp_watch.labels(&format!("cluster.x-k8s.io/watch-filter={f}"));
+        ncp_watch = ncp_watch.labels(&format!("{}={f}", context::WATCH_FILTER_LABEL));
     }
     let wc = watcher::Config::default;
     let ncp_ctl = Controller::new(api::<NestedControlPlane>(&client, ns), ncp_watch);
@@ -150,7 +206,7 @@ pub async fn run_with(
         )
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(ncp::reconcile, error_policy, ctx.clone())
-        .for_each(|_| async {});
+        .for_each(report("NestedControlPlane", &ctx));
 
     // A change of the control plane (version, replicas, pause) reaches its components.
     fn refs<K: tenant::ComponentKind>(ncp: NestedControlPlane) -> Option<ObjectRef<K>> {
@@ -175,17 +231,38 @@ pub async fn run_with(
             };
             ctl.graceful_shutdown_on(shutdown.clone().cancelled_owned())
                 .run(component::reconcile::<$k>, error_policy, ctx.clone())
-                .for_each(|_| async {})
+                .for_each(report(<$k as kube::Resource>::kind(&()).to_string(), &ctx))
         }};
     }
-    tokio::join!(
-        ncp_ctl,
-        component_controller!(NestedEtcd),
-        component_controller!(NestedAPIServer),
-        component_controller!(NestedControllerManager),
-        component_controller!(NestedScheduler),
-    );
+    let controllers = async {
+        tokio::join!(
+            ncp_ctl,
+            component_controller!(NestedEtcd),
+            component_controller!(NestedAPIServer),
+            component_controller!(NestedControllerManager),
+            component_controller!(NestedScheduler),
+        )
+    };
+    // Reconciles in flight get a grace period to finish; a controller whose watch keeps
+    // failing does not end by itself, so it is dropped after that.
+    tokio::select! {
+        _ = controllers => {}
+        _ = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        } => tracing::warn!("controllers did not stop within {SHUTDOWN_GRACE:?}; stopping them"),
+    }
     runtime.shutdown().await;
+    // Processes are down: the Lease can go to the next leader.
+    release.cancel();
+    if let Some(k) = keeper {
+        let _ = k.await;
+    }
+    if lost.is_cancelled() {
+        return Err(Error::Internal(
+            "leadership lost: stopped reconciling so that the new leader alone writes".into(),
+        ));
+    }
     Ok(())
 }
 
@@ -212,6 +289,11 @@ impl Operator {
     /// The process runtime (start-up times, pids).
     pub fn runtime(&self) -> &Arc<ProcessRuntime> {
         &self.runtime
+    }
+
+    /// Whether the controllers have stopped by themselves (leadership lost, a fatal error).
+    pub fn is_finished(&self) -> bool {
+        self.handle.is_finished()
     }
 
     /// Stop the controllers and every tenant process.

@@ -4,17 +4,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Secret, Service};
+use k8s_openapi::api::core::v1::{Secret, Service};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Resource, ResourceExt};
+use nestplane_api::NestedControlPlane;
 use nestplane_api::conditions::{self, reasons, types};
-use nestplane_api::names::{self, Component, ports};
-use nestplane_api::{ApiEndpoint, NestedControlPlane};
-use nestplane_runtime::process::TenantKey;
+use nestplane_api::names::{self, Component};
 
-use crate::context::{Context, Error, Mode};
+use crate::context::{Context, Error};
 use crate::status::{self, Observed};
 use crate::tenant::{self, ComponentKind, Lookup, Tenant};
 
@@ -56,30 +55,7 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             adopt::<nestplane_api::NestedScheduler>(&ctx, &tenant, &tenant.scheduler).await?;
 
         // The provider owns the endpoint.
-        let want = match &ctx.mode {
-            Mode::Process => {
-                let key = TenantKey {
-                    namespace: ns.clone(),
-                    cluster: name.clone(),
-                };
-                // A control plane of this name may have been deleted before; this one runs.
-                ctx.runtime.revive(&key);
-                let hosts = ctx.runtime.hosts(&key)?;
-                hosts.first().map(|h| ApiEndpoint {
-                    host: h.to_string(),
-                    port: ports::APISERVER,
-                })
-            }
-            // The endpoint follows the API server's Service once it exists.
-            Mode::Kubernetes(_) => {
-                let services: Api<Service> = Api::namespaced(ctx.client.clone(), &ns);
-                services
-                    .get_opt(&Component::ApiServer.workload_name(&name))
-                    .await?
-                    .as_ref()
-                    .and_then(crate::workloads::service_endpoint)
-            }
-        };
+        let want = ctx.runtime.endpoint(&ctx.client, &ncp).await?;
         if let Some(want) = want
             && tenant.ncp.spec.control_plane_endpoint.as_ref() != Some(&want)
         {
@@ -307,14 +283,7 @@ async fn cleanup(
     if !ncp.finalizers().iter().any(|f| f == names::FINALIZER) {
         return Ok(Action::await_change());
     }
-    if ctx.mode == Mode::Process {
-        ctx.runtime
-            .remove(&TenantKey {
-                namespace: ns.clone(),
-                cluster: name.clone(),
-            })
-            .await?;
-    }
+    ctx.runtime.remove(&ctx.client, ncp).await?;
     let uid = ncp.uid().unwrap_or_default();
     let selector = format!(
         "{}={name},{}={}",
@@ -347,20 +316,6 @@ async fn cleanup(
             let _ = services
                 .delete(&s.name_any(), &DeleteParams::default())
                 .await;
-        }
-    }
-    // etcd's volumes outlive its StatefulSet (Kubernetes keeps claims of deleted
-    // StatefulSets); they are this tenant's data and go with it.
-    if matches!(ctx.mode, Mode::Kubernetes(_)) {
-        let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
-        for pvc in claims
-            .list(&ListParams::default().labels(&selector))
-            .await?
-            .items
-        {
-            claims
-                .delete(&pvc.name_any(), &DeleteParams::default())
-                .await?;
         }
     }
     api.patch(

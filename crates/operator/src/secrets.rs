@@ -47,6 +47,13 @@ pub enum SecretError {
     /// Certificate generation failed.
     #[error("certificates: {0}")]
     Pki(#[from] pki::PkiError),
+    /// A certificate plan named a CA after what it signs (a bug in the plan).
+    #[error("certificate plan: {0:?} is used before it is issued")]
+    Plan(SecretPurpose),
+}
+
+fn plan_order(p: SecretPurpose) -> SecretError {
+    SecretError::Plan(p)
 }
 
 /// The secrets of one cluster.
@@ -317,6 +324,54 @@ impl ClusterSecrets {
         self.apply(&secret).await?;
         tracing::info!(secret = %spec.purpose.secret_name(&self.cluster), "issued kubeconfig");
         Ok(value)
+    }
+
+    /// Walk a certificate plan (CAs first, then what they sign); returns the PEM of the CA
+    /// that verifies the component's health endpoint, when it has one.
+    pub async fn issue(
+        &self,
+        plan: &nestplane_render::certificates::Plan,
+    ) -> Result<Option<String>, SecretError> {
+        use nestplane_render::certificates::Issue;
+        let mut cas: std::collections::BTreeMap<SecretPurpose, CertKey> = Default::default();
+        for item in &plan.items {
+            match item {
+                Issue::Ca(p) => {
+                    let ca = self.ca(*p).await?;
+                    cas.insert(*p, ca);
+                }
+                Issue::Leaf { purpose, ca, spec } => {
+                    let signer = cas.get(ca).ok_or_else(|| plan_order(*ca))?;
+                    let leaf = Leaf {
+                        purpose: *purpose,
+                        ca: *ca,
+                        spec: spec.clone(),
+                    };
+                    self.leaf(&leaf, signer).await?;
+                }
+                Issue::Kubeconfig {
+                    purpose,
+                    server,
+                    user,
+                    groups,
+                } => {
+                    let signer = cas
+                        .get(&SecretPurpose::ClusterCa)
+                        .ok_or_else(|| plan_order(SecretPurpose::ClusterCa))?;
+                    let spec = KubeconfigSpec {
+                        purpose: *purpose,
+                        server: server.clone(),
+                        user: user.clone(),
+                        groups: groups.clone(),
+                    };
+                    self.kubeconfig(&spec, signer).await?;
+                }
+            }
+        }
+        Ok(plan
+            .health_ca
+            .and_then(|p| cas.get(&p))
+            .map(|ca| ca.cert_pem.clone()))
     }
 
     /// The data of the named secrets (for mounting).

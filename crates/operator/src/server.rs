@@ -5,12 +5,13 @@ use std::net::SocketAddr;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
-use crate::context::Metrics;
+use crate::context::{Health, Metrics};
 
 /// Serve until `shutdown` is cancelled.
 pub async fn serve(
     addr: SocketAddr,
     metrics: Metrics,
+    health: Health,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
@@ -20,6 +21,7 @@ pub async fn serve(
             _ = shutdown.cancelled() => return Ok(()),
         };
         let metrics = metrics.clone();
+        let health = health.clone();
         tokio::spawn(async move {
             let mut buf = [0u8; 2048];
             let n = sock.read(&mut buf).await.unwrap_or(0);
@@ -31,7 +33,15 @@ pub async fn serve(
                     "application/openmetrics-text; version=1.0.0; charset=utf-8",
                     metrics.encode(),
                 ),
-                "/healthz" | "/readyz" | "/livez" => ("200 OK", "text/plain", "ok".to_string()),
+                "/healthz" | "/livez" => ("200 OK", "text/plain", "ok".to_string()),
+                "/readyz" => match health.problems() {
+                    p if p.is_empty() => ("200 OK", "text/plain", "ok".to_string()),
+                    p => (
+                        "503 Service Unavailable",
+                        "text/plain",
+                        format!("not ready:\n{}\n", p.join("\n")),
+                    ),
+                },
                 _ => ("404 Not Found", "text/plain", "not found".to_string()),
             };
             let resp = format!(

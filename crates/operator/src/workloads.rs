@@ -3,22 +3,42 @@
 //! runtime runs, patched by the component's `spec.patches`, applied server-side, and Ready
 //! when the workload reports every replica updated and ready.
 
+use futures::FutureExt;
+use futures::future::BoxFuture;
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
-use k8s_openapi::api::core::v1::{ObjectReference, Service};
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolumeClaim, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::api::{Api, Patch, PatchParams};
-use nestplane_api::conditions::reasons;
-use nestplane_api::names::{Component, ports};
-use nestplane_api::{ApiEndpoint, NestedEtcdAddress};
-use nestplane_render::{KubeVersion, Network, RenderInput, SECRETS_CHECKSUM_ANNOTATION};
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use nestplane_api::names::{self, Component, ports};
+use nestplane_api::{ApiEndpoint, NestedControlPlane, NestedEtcdAddress};
+use nestplane_render::{KubeVersion, Network, RenderInput, SECRETS_CHECKSUM_ANNOTATION, policy};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use crate::component::{HEALTH_INTERVAL, Outcome, ensure_secrets};
-use crate::context::{Context, Error, KubernetesSettings};
 use crate::crds::FIELD_MANAGER;
+use crate::error::Error;
+use crate::runtime::{Observation, Pass, Runtime};
 use crate::secrets::ClusterSecrets;
 use crate::tenant::{ComponentKind, Lookup, Tenant};
+
+/// Settings of the `kubernetes` runtime.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KubernetesSettings {
+    /// Registry the component images come from.
+    pub image_registry: String,
+    /// Size of each etcd member's volume.
+    pub etcd_storage: String,
+}
+
+impl Default for KubernetesSettings {
+    fn default() -> Self {
+        KubernetesSettings {
+            image_registry: nestplane_render::DEFAULT_IMAGE_REGISTRY.into(),
+            etcd_storage: nestplane_render::workload::DEFAULT_ETCD_STORAGE.into(),
+        }
+    }
+}
 
 /// The render input of a tenant on the Cluster network.
 pub fn render_input(
@@ -108,21 +128,21 @@ fn checksum(data: &nestplane_runtime::process::SecretData) -> String {
     format!("{:x}", h.finalize())
 }
 
-async fn apply(ctx: &Context, ns: &str, obj: &Value) -> Result<Value, Error> {
+async fn apply(client: &kube::Client, ns: &str, obj: &Value) -> Result<Value, Error> {
     let name = name_of(obj);
     let pp = PatchParams::apply(FIELD_MANAGER).force();
     let kind = obj.get("kind").and_then(Value::as_str).unwrap_or_default();
     let out = match kind {
         "StatefulSet" => {
-            let api: Api<StatefulSet> = Api::namespaced(ctx.client.clone(), ns);
+            let api: Api<StatefulSet> = Api::namespaced(client.clone(), ns);
             serde_json::to_value(api.patch(&name, &pp, &Patch::Apply(obj)).await?)
         }
         "Deployment" => {
-            let api: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
+            let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
             serde_json::to_value(api.patch(&name, &pp, &Patch::Apply(obj)).await?)
         }
         "Service" => {
-            let api: Api<Service> = Api::namespaced(ctx.client.clone(), ns);
+            let api: Api<Service> = Api::namespaced(client.clone(), ns);
             serde_json::to_value(api.patch(&name, &pp, &Patch::Apply(obj)).await?)
         }
         other => return Err(Error::Internal(format!("cannot apply a {other}"))),
@@ -144,26 +164,101 @@ fn rollout(workload: &Value, desired: u32) -> (i32, bool) {
     (ready as i32, done)
 }
 
-/// One pass of component `K` in the `kubernetes` runtime.
-pub(crate) async fn run<K: ComponentKind>(
-    ctx: &Context,
-    t: &Tenant,
-    version: KubeVersion,
-    settings: &KubernetesSettings,
-    secrets: &ClusterSecrets,
-    patches: &[Value],
-    key: &str,
-) -> Result<Outcome, Error> {
-    let c = K::COMPONENT;
+/// Components as workloads in the management cluster.
+pub struct Workloads {
+    settings: KubernetesSettings,
+}
+
+impl Workloads {
+    /// Workloads with these settings.
+    pub fn new(settings: KubernetesSettings) -> Self {
+        Workloads { settings }
+    }
+}
+
+impl Runtime for Workloads {
+    fn patch_policy(&self) -> policy::Runtime {
+        policy::Runtime::Kubernetes
+    }
+
+    fn check_input(&self, t: &Tenant, version: KubeVersion) -> RenderInput {
+        render_input(t, version, &self.settings)
+    }
+
+    fn can_run(&self, _c: Component, _version: &KubeVersion) -> Result<(), Error> {
+        // Images are the platform's business: a missing one shows in the rollout.
+        Ok(())
+    }
+
+    fn run<'a>(&'a self, pass: Pass<'a>) -> BoxFuture<'a, Result<Observation, Error>> {
+        run(pass, &self.settings).boxed()
+    }
+
+    fn endpoint<'a>(
+        &'a self,
+        client: &'a kube::Client,
+        ncp: &'a NestedControlPlane,
+    ) -> BoxFuture<'a, Result<Option<ApiEndpoint>, Error>> {
+        async move {
+            // The endpoint follows the API server's Service once it exists.
+            let services: Api<Service> =
+                Api::namespaced(client.clone(), &ncp.namespace().unwrap_or_default());
+            Ok(services
+                .get_opt(&Component::ApiServer.workload_name(&ncp.name_any()))
+                .await?
+                .as_ref()
+                .and_then(service_endpoint))
+        }
+        .boxed()
+    }
+
+    fn remove<'a>(
+        &'a self,
+        client: &'a kube::Client,
+        ncp: &'a NestedControlPlane,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        async move {
+            // etcd's volumes outlive its StatefulSet (Kubernetes keeps claims of deleted
+            // StatefulSets); they are this tenant's data and go with it. Workloads and
+            // Services go by garbage collection (owner chain).
+            let ns = ncp.namespace().unwrap_or_default();
+            let selector = format!(
+                "{}={},{}={}",
+                names::CLUSTER_NAME_LABEL,
+                ncp.name_any(),
+                names::MANAGED_BY_LABEL,
+                names::MANAGED_BY
+            );
+            let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &ns);
+            for pvc in claims
+                .list(&ListParams::default().labels(&selector))
+                .await?
+                .items
+            {
+                claims
+                    .delete(&pvc.name_any(), &DeleteParams::default())
+                    .await?;
+            }
+            Ok(())
+        }
+        .boxed()
+    }
+}
+
+/// One pass of a component in the `kubernetes` runtime.
+async fn run(pass: Pass<'_>, settings: &KubernetesSettings) -> Result<Observation, Error> {
+    let Pass {
+        client,
+        tenant: t,
+        component: c,
+        version,
+        patches,
+    } = pass;
     let ns = t.namespace();
     let input = render_input(t, version, settings);
     let rendered = nestplane_render::render(c, &input)?;
     let mut objects = nestplane_render::objects(&rendered, &input, "", &settings.etcd_storage);
-    nestplane_render::policy::apply_checked(
-        objects.all_mut(),
-        patches,
-        nestplane_render::policy::Runtime::Kubernetes,
-    )?;
+    policy::apply_checked(objects.all_mut(), patches, policy::Runtime::Kubernetes)?;
     let owner = owner_of(t, c)
         .ok_or_else(|| Error::Internal(format!("{c:?} object vanished during reconcile")))?;
     for o in objects.all_mut() {
@@ -173,7 +268,7 @@ pub(crate) async fn run<K: ComponentKind>(
     // Services first: the API server's address goes into its certificate.
     let mut applied_services = Vec::new();
     for s in &objects.services {
-        let svc: Service = serde_json::from_value(apply(ctx, &ns, s).await?)
+        let svc: Service = serde_json::from_value(apply(client, &ns, s).await?)
             .map_err(|e| Error::Internal(e.to_string()))?;
         applied_services.push(svc);
     }
@@ -181,7 +276,23 @@ pub(crate) async fn run<K: ComponentKind>(
         .iter()
         .find(|s| s.metadata.name.as_deref() == Some(&rendered.workload_name));
     let hosts = api_service.map(service_addresses).unwrap_or_default();
-    ensure_secrets(c, t, &input, hosts, secrets).await?;
+    let secrets = ClusterSecrets::new(
+        client.clone(),
+        &ns,
+        &t.cluster(),
+        crate::tenant::owner_ref(&t.ncp),
+    );
+    let plan = nestplane_render::certificates::plan(
+        c,
+        &input,
+        &hosts,
+        t.ncp
+            .spec
+            .control_plane_endpoint
+            .as_ref()
+            .map(|e| (e.host.as_str(), e.port)),
+    );
+    secrets.issue(&plan).await?;
     let data = secrets.data(&rendered.secrets).await?;
     let annotations = &mut objects.workload["spec"]["template"]["metadata"]["annotations"];
     if !annotations.is_object() {
@@ -194,8 +305,8 @@ pub(crate) async fn run<K: ComponentKind>(
         .pointer("/spec/replicas")
         .and_then(Value::as_u64)
         .unwrap_or(u64::from(rendered.replicas)) as u32;
-    let applied = apply(ctx, &ns, &objects.workload).await?;
-    let (ready_replicas, ready) = rollout(&applied, desired);
+    let applied = apply(client, &ns, &objects.workload).await?;
+    let (ready_replicas, ok) = rollout(&applied, desired);
     let kind = applied
         .get("kind")
         .and_then(Value::as_str)
@@ -229,36 +340,20 @@ pub(crate) async fn run<K: ComponentKind>(
         uid: s.metadata.uid.clone(),
         ..ObjectReference::default()
     });
-    Ok(Outcome {
-        ready,
-        ready_replicas,
-        reason: if ready {
-            reasons::AS_EXPECTED
-        } else {
-            reasons::PROVISIONING
-        },
-        message: if ready {
-            format!(
-                "{ready_replicas}/{desired} replicas of {kind} {} are updated and ready",
-                rendered.workload_name
-            )
-        } else {
-            format!(
-                "waiting for {kind} {}: {ready_replicas}/{desired} replicas ready, rollout of the newest spec not complete",
-                rendered.workload_name
-            )
-        },
-        version: ready.then(|| version.to_string()),
+    Ok(Observation {
+        desired,
+        healthy: ready_replicas.max(0) as u32,
+        ok,
+        counting: format!(
+            "replicas of {kind} {} are updated and ready{}",
+            rendered.workload_name,
+            if ok {
+                ""
+            } else {
+                " (rollout of the newest spec not complete)"
+            }
+        ),
         addresses,
         service,
-        // A rollout's progress reaches this component through the workload watch; the
-        // requeue is a backed-off safety net.
-        requeue: Some(if ready {
-            HEALTH_INTERVAL
-        } else {
-            ctx.pacing.starting(key)
-        }),
-        event: None,
-        scale_refused: crate::component::scale_refusal(t, c),
     })
 }

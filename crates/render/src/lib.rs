@@ -20,6 +20,7 @@
 #![warn(missing_docs)]
 
 mod addressing;
+pub mod certificates;
 pub mod channels;
 mod components;
 mod error;

@@ -1,0 +1,38 @@
+//! The error of a reconcile pass.
+
+/// Errors of a reconcile pass. None of them carries secret material.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The management API failed.
+    #[error("management API: {0}")]
+    Kube(#[from] kube::Error),
+    /// Secrets could not be read or written.
+    #[error(transparent)]
+    Secret(#[from] crate::secrets::SecretError),
+    /// Rendering failed.
+    #[error("rendering: {0}")]
+    Render(#[from] nestplane_render::RenderError),
+    /// The runtime failed.
+    #[error(transparent)]
+    Runtime(#[from] nestplane_runtime::process::RuntimeError),
+    /// A user patch cannot be applied.
+    #[error(transparent)]
+    Patch(#[from] nestplane_render::PatchError),
+    /// A bug.
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+impl Error {
+    /// A short stable label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Error::Kube(_) => "kube",
+            Error::Secret(_) => "secret",
+            Error::Render(_) => "render",
+            Error::Runtime(e) => e.label(),
+            Error::Patch(_) => "patch",
+            Error::Internal(_) => "internal",
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! Leader election on a `coordination.k8s.io/v1` Lease, so that of several operator replicas
+//! (a rolling update, or two replicas for availability) exactly one reconciles: only the
+//! leader issues certificates, runs processes and writes status.
+//!
+//! The same protocol as client-go's leaderelection: a candidate takes the Lease when it is
+//! free or its holder has not renewed it for `lease_duration`; the leader renews every
+//! `retry_period` and gives up leadership (stops its controllers) when it could not renew for
+//! `renew_deadline`. Every write carries the Lease's resourceVersion, so two candidates never
+//! both win. A leader that stops cleanly releases the Lease so the next one takes over at once.
+
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{Api, PostParams};
+use tokio_util::sync::CancellationToken;
+
+/// Leader election settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaderElection {
+    /// Namespace of the Lease.
+    pub namespace: String,
+    /// Name of the Lease.
+    pub name: String,
+    /// This candidate's identity (the pod name, or host and pid).
+    pub identity: String,
+    /// How long a Lease stays valid without renewal.
+    pub lease_duration: Duration,
+    /// How long the leader keeps trying to renew before it gives up leadership.
+    pub renew_deadline: Duration,
+    /// How often candidates retry and the leader renews.
+    pub retry_period: Duration,
+}
+
+impl LeaderElection {
+    /// client-go's defaults (15 s, 10 s, 2 s) for a Lease `name` in `namespace`.
+    pub fn new(namespace: &str, name: &str, identity: &str) -> Self {
+        LeaderElection {
+            namespace: namespace.into(),
+            name: name.into(),
+            identity: identity.into(),
+            lease_duration: Duration::from_secs(15),
+            renew_deadline: Duration::from_secs(10),
+            retry_period: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What a candidate does with the Lease as it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// No Lease: create it, holding it.
+    Create,
+    /// We hold it: renew.
+    Renew,
+    /// Free or expired: take it over.
+    TakeOver,
+    /// Someone else holds it and renewed it recently.
+    Wait,
+}
+
+/// Pure: what `me` does with `spec` at `now`.
+pub fn decide(spec: Option<&LeaseSpec>, me: &str, now: Timestamp) -> Decision {
+    let Some(spec) = spec else {
+        return Decision::Create;
+    };
+    let holder = spec.holder_identity.as_deref().unwrap_or("");
+    if holder == me {
+        return Decision::Renew;
+    }
+    if holder.is_empty() {
+        return Decision::TakeOver;
+    }
+    let renewed = spec
+        .renew_time
+        .as_ref()
+        .or(spec.acquire_time.as_ref())
+        .map(|t| t.0);
+    let duration = SignedDuration::from_secs(i64::from(spec.lease_duration_seconds.unwrap_or(15)));
+    match renewed {
+        Some(t) if t + duration > now => Decision::Wait,
+        _ => Decision::TakeOver,
+    }
+}
+
+fn held_spec(cfg: &LeaderElection, previous: Option<&LeaseSpec>, now: Timestamp) -> LeaseSpec {
+    let ours = previous.is_some_and(|p| p.holder_identity.as_deref() == Some(&cfg.identity));
+    let transitions = previous.and_then(|p| p.lease_transitions).unwrap_or(0);
+    LeaseSpec {
+        holder_identity: Some(cfg.identity.clone()),
+        lease_duration_seconds: Some(cfg.lease_duration.as_secs() as i32),
+        acquire_time: if ours {
+            previous.and_then(|p| p.acquire_time.clone())
+        } else {
+            Some(MicroTime(now))
+        },
+        renew_time: Some(MicroTime(now)),
+        lease_transitions: Some(if ours || previous.is_none() {
+            transitions
+        } else {
+            transitions + 1
+        }),
+        ..LeaseSpec::default()
+    }
+}
+
+/// One attempt to acquire or renew; true when we hold the Lease afterwards.
+async fn try_hold(api: &Api<Lease>, cfg: &LeaderElection) -> Result<bool, kube::Error> {
+    let now = Timestamp::now();
+    let current = api.get_opt(&cfg.name).await?;
+    let decision = decide(
+        current.as_ref().and_then(|l| l.spec.as_ref()),
+        &cfg.identity,
+        now,
+    );
+    match (decision, current) {
+        (Decision::Wait, _) => Ok(false),
+        (Decision::Create, _) => {
+            let lease = Lease {
+                metadata: kube::api::ObjectMeta {
+                    name: Some(cfg.name.clone()),
+                    namespace: Some(cfg.namespace.clone()),
+                    ..Default::default()
+                },
+                spec: Some(held_spec(cfg, None, now)),
+            };
+            match api.create(&PostParams::default(), &lease).await {
+                Ok(_) => Ok(true),
+                Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+                Err(e) => Err(e),
+            }
+        }
+        (_, Some(mut lease)) => {
+            // Replace with the resourceVersion we read: a concurrent candidate makes this 409.
+            lease.spec = Some(held_spec(cfg, lease.spec.as_ref(), now));
+            match api.replace(&cfg.name, &PostParams::default(), &lease).await {
+                Ok(_) => Ok(true),
+                Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+                Err(e) => Err(e),
+            }
+        }
+        (_, None) => Ok(false),
+    }
+}
+
+/// Wait until this candidate leads (or `shutdown`); returns false on shutdown.
+pub async fn acquire(
+    client: &kube::Client,
+    cfg: &LeaderElection,
+    shutdown: &CancellationToken,
+) -> bool {
+    let api: Api<Lease> = Api::namespaced(client.clone(), &cfg.namespace);
+    let mut waiting_logged = false;
+    loop {
+        match try_hold(&api, cfg).await {
+            Ok(true) => {
+                tracing::info!(lease = %cfg.name, identity = %cfg.identity, "became the leader");
+                return true;
+            }
+            Ok(false) if !waiting_logged => {
+                tracing::info!(lease = %cfg.name, "another replica leads; standing by");
+                waiting_logged = true;
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(lease = %cfg.name, error = %e, "cannot read or write the lease")
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(cfg.retry_period) => {}
+            _ = shutdown.cancelled() => return false,
+        }
+    }
+}
+
+/// Renew while leading; cancels `lost` when renewal failed for `renew_deadline` (another
+/// replica may take over: this one must stop writing at once). On `release` (the controllers
+/// and processes have stopped) gives the Lease up and returns.
+pub async fn keep(
+    client: kube::Client,
+    cfg: LeaderElection,
+    lost: CancellationToken,
+    release: CancellationToken,
+) {
+    let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
+    let mut last_renewal = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(cfg.retry_period) => {}
+            _ = release.cancelled() => {
+                give_up(&api, &cfg).await;
+                return;
+            }
+        }
+        match try_hold(&api, &cfg).await {
+            Ok(true) => last_renewal = tokio::time::Instant::now(),
+            Ok(false) => {
+                tracing::error!(lease = %cfg.name, "another replica took the lease; stopping");
+                lost.cancel();
+                return;
+            }
+            Err(e) => tracing::warn!(lease = %cfg.name, error = %e, "cannot renew the lease"),
+        }
+        if last_renewal.elapsed() > cfg.renew_deadline {
+            tracing::error!(lease = %cfg.name, "could not renew the lease in time; stopping");
+            lost.cancel();
+            return;
+        }
+    }
+}
+
+/// Give the Lease up (holder cleared), so a standby takes over without waiting for expiry.
+async fn give_up(api: &Api<Lease>, cfg: &LeaderElection) {
+    let Ok(Some(mut lease)) = api.get_opt(&cfg.name).await else {
+        return;
+    };
+    let Some(spec) = lease.spec.as_mut() else {
+        return;
+    };
+    if spec.holder_identity.as_deref() != Some(&cfg.identity) {
+        return;
+    }
+    spec.holder_identity = None;
+    spec.acquire_time = None;
+    spec.renew_time = None;
+    if let Err(e) = api.replace(&cfg.name, &PostParams::default(), &lease).await {
+        tracing::warn!(lease = %cfg.name, error = %e, "cannot release the lease");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(s: i64) -> Timestamp {
+        Timestamp::from_second(s).unwrap_or(Timestamp::UNIX_EPOCH)
+    }
+
+    fn held(by: &str, renewed: i64) -> LeaseSpec {
+        LeaseSpec {
+            holder_identity: Some(by.into()),
+            lease_duration_seconds: Some(15),
+            renew_time: Some(MicroTime(at(renewed))),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_fresh_lease_of_another_is_respected_and_an_expired_one_taken() {
+        assert_eq!(decide(None, "a", at(100)), Decision::Create);
+        assert_eq!(decide(Some(&held("a", 90)), "a", at(100)), Decision::Renew);
+        assert_eq!(decide(Some(&held("b", 90)), "a", at(100)), Decision::Wait);
+        assert_eq!(
+            decide(Some(&held("b", 80)), "a", at(100)),
+            Decision::TakeOver
+        );
+        let released = LeaseSpec::default();
+        assert_eq!(decide(Some(&released), "a", at(100)), Decision::TakeOver);
+    }
+
+    #[test]
+    fn taking_over_counts_a_transition_and_renewing_keeps_the_acquire_time() {
+        let cfg = LeaderElection::new("ns", "l", "a");
+        let mut theirs = held("b", 10);
+        theirs.lease_transitions = Some(4);
+        let taken = held_spec(&cfg, Some(&theirs), at(100));
+        assert_eq!(taken.lease_transitions, Some(5));
+        assert_eq!(taken.acquire_time, Some(MicroTime(at(100))));
+        let renewed = held_spec(&cfg, Some(&taken), at(102));
+        assert_eq!(renewed.lease_transitions, Some(5));
+        assert_eq!(renewed.acquire_time, Some(MicroTime(at(100))));
+        assert_eq!(renewed.renew_time, Some(MicroTime(at(102))));
+    }
+}

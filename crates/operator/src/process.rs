@@ -1,0 +1,226 @@
+//! The `process` runtime behind the [`Runtime`] seam: the rendered, patched pod template runs
+//! as supervised local processes ([`ProcessRuntime`]); a component is healthy when every
+//! replica answers its health endpoint.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::{ObjectReference, Service};
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams};
+use nestplane_api::names::{self, Component, ports};
+use nestplane_api::{ApiEndpoint, NestedControlPlane, NestedEtcdAddress};
+use nestplane_render::{KubeVersion, Network, RenderInput, policy};
+use nestplane_runtime::process::{self, ProcessRuntime, RuntimeError, TenantKey};
+
+use crate::crds::FIELD_MANAGER;
+use crate::error::Error;
+use crate::runtime::{Observation, Pass, Runtime};
+use crate::secrets::ClusterSecrets;
+use crate::tenant::{self, Tenant};
+
+/// Components as local processes.
+pub struct Processes {
+    processes: Arc<ProcessRuntime>,
+}
+
+impl Processes {
+    /// Components run by `processes`.
+    pub fn new(processes: Arc<ProcessRuntime>) -> Self {
+        Processes { processes }
+    }
+}
+
+fn tenant_key(ncp: &NestedControlPlane) -> TenantKey {
+    TenantKey {
+        namespace: ncp.namespace().unwrap_or_default(),
+        cluster: ncp.name_any(),
+    }
+}
+
+impl Runtime for Processes {
+    fn patch_policy(&self) -> policy::Runtime {
+        policy::Runtime::Process
+    }
+
+    fn check_input(&self, t: &Tenant, version: KubeVersion) -> RenderInput {
+        let hosts = (1..=process::MAX_REPLICAS)
+            .map(|i| Ipv4Addr::new(127, 0, 0, i))
+            .collect();
+        t.render_input(version, Network::Loopback { hosts })
+    }
+
+    fn can_run(&self, c: Component, version: &KubeVersion) -> Result<(), Error> {
+        process::binary_for(c, &version.to_string()).map_err(RuntimeError::from)?;
+        Ok(())
+    }
+
+    fn run<'a>(&'a self, pass: Pass<'a>) -> BoxFuture<'a, Result<Observation, Error>> {
+        self.run_pass(pass).boxed()
+    }
+
+    fn endpoint<'a>(
+        &'a self,
+        _client: &'a kube::Client,
+        ncp: &'a NestedControlPlane,
+    ) -> BoxFuture<'a, Result<Option<ApiEndpoint>, Error>> {
+        async move {
+            let key = tenant_key(ncp);
+            // A control plane of this name may have been deleted before; this one runs.
+            self.processes.revive(&key);
+            let hosts = self.processes.hosts(&key)?;
+            Ok(hosts.first().map(|h| ApiEndpoint {
+                host: h.to_string(),
+                port: ports::APISERVER,
+            }))
+        }
+        .boxed()
+    }
+
+    fn remove<'a>(
+        &'a self,
+        _client: &'a kube::Client,
+        ncp: &'a NestedControlPlane,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        async move {
+            self.processes.remove(&tenant_key(ncp)).await?;
+            Ok(())
+        }
+        .boxed()
+    }
+}
+
+impl Processes {
+    async fn run_pass(&self, pass: Pass<'_>) -> Result<Observation, Error> {
+        let Pass {
+            client,
+            tenant: t,
+            component: c,
+            version,
+            patches,
+        } = pass;
+        let key = tenant_key(&t.ncp);
+        let hosts = self.processes.hosts(&key)?;
+        let input = t.render_input(
+            version,
+            Network::Loopback {
+                hosts: hosts.clone(),
+            },
+        );
+        let mut rendered = nestplane_render::render(c, &input)?;
+        // The same patches as the workloads get; the process runtime runs the patched
+        // template.
+        if !patches.is_empty() {
+            let mut objects = nestplane_render::process_objects(&rendered, &input);
+            policy::apply_checked(objects.all_mut(), patches, policy::Runtime::Process)?;
+            rendered.pod_template = objects.pod_template()?;
+        }
+        let secrets = ClusterSecrets::new(
+            client.clone(),
+            &t.namespace(),
+            &t.cluster(),
+            tenant::owner_ref(&t.ncp),
+        );
+        let endpoint_host: Vec<String> = hosts.first().map(|h| h.to_string()).into_iter().collect();
+        let plan = nestplane_render::certificates::plan(
+            c,
+            &input,
+            &endpoint_host,
+            t.ncp
+                .spec
+                .control_plane_endpoint
+                .as_ref()
+                .map(|e| (e.host.as_str(), e.port)),
+        );
+        let health_ca = secrets.issue(&plan).await?;
+        let data = secrets.data(&rendered.secrets).await?;
+        self.processes
+            .ensure(&key, &rendered, &version.to_string(), &data)
+            .await?;
+
+        let service = if c == Component::ApiServer {
+            Some(ensure_apiserver_service(client, t, &hosts).await?)
+        } else {
+            None
+        };
+        let endpoints = nestplane_render::health_endpoints(c, &input);
+        let healthy = process::healthy_count(&endpoints, health_ca.as_deref()).await as u32;
+        let desired = rendered.replicas;
+        let ok = healthy >= desired && desired > 0;
+        if ok {
+            self.processes.mark_healthy(&key, c);
+        }
+        let addresses = if c == Component::Etcd {
+            hosts
+                .iter()
+                .take(desired as usize)
+                .enumerate()
+                .map(|(i, h)| NestedEtcdAddress {
+                    ip: Some(h.to_string()),
+                    hostname: Some(format!("{}-{i}", rendered.workload_name)),
+                    port: ports::ETCD_CLIENT,
+                })
+                .collect()
+        } else {
+            vec![]
+        };
+        Ok(Observation {
+            desired,
+            healthy,
+            ok,
+            counting: "replicas answer their health endpoint".into(),
+            addresses,
+            service,
+        })
+    }
+}
+
+/// The process runtime has no Service of its own: a selector-less Service named
+/// `<cluster>-apiserver` stands for the tenant API server (annotated with its URL), so
+/// `NestedAPIServer.status.apiserverService` points at a real object.
+async fn ensure_apiserver_service(
+    client: &kube::Client,
+    t: &Tenant,
+    hosts: &[Ipv4Addr],
+) -> Result<ObjectReference, Error> {
+    let name = Component::ApiServer.workload_name(&t.cluster());
+    let ns = t.namespace();
+    let url = hosts
+        .first()
+        .map(|h| format!("https://{}:{}", IpAddr::V4(*h), ports::APISERVER))
+        .unwrap_or_default();
+    let svc: Service = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "labels": BTreeMap::from([
+                (names::CLUSTER_NAME_LABEL, t.cluster()),
+                (names::COMPONENT_LABEL, Component::ApiServer.short_name().to_string()),
+                (names::MANAGED_BY_LABEL, names::MANAGED_BY.to_string()),
+            ]),
+            "annotations": {"nestplane.io/endpoint": url},
+            "ownerReferences": [tenant::owner_ref(&t.ncp)],
+        },
+        "spec": {"ports": [{"name": "https", "port": ports::APISERVER, "targetPort": ports::APISERVER, "protocol": "TCP"}]}
+    }))
+    .map_err(|e| Error::Internal(e.to_string()))?;
+    let api: Api<Service> = Api::namespaced(client.clone(), &ns);
+    api.patch(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&svc),
+    )
+    .await?;
+    Ok(ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Service".into()),
+        name: Some(name),
+        namespace: Some(ns),
+        ..ObjectReference::default()
+    })
+}

@@ -1,0 +1,87 @@
+//! Where components run: one seam, two implementations.
+//!
+//! The component reconciler decides *whether* a component may run (owner, pause, version,
+//! patches, dependencies) and turns what it observes into status. A [`Runtime`] makes it run
+//! and reports what it sees:
+//!
+//! - [`crate::process::Processes`]: the rendered pod template as supervised local processes;
+//!   health from each replica's health endpoint;
+//! - [`crate::workloads::Workloads`]: the same rendering as a StatefulSet or Deployment plus
+//!   Services in the management cluster; health from the rollout.
+//!
+//! Both issue the component's certificates from the same pure plan
+//! ([`nestplane_render::certificates::plan`]) and judge patches under their own policy
+//! ([`nestplane_render::policy`]).
+
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::ObjectReference;
+use nestplane_api::names::Component;
+use nestplane_api::{ApiEndpoint, NestedControlPlane, NestedEtcdAddress};
+use nestplane_render::{KubeVersion, RenderInput, policy};
+use serde_json::Value;
+
+use crate::error::Error;
+use crate::tenant::Tenant;
+
+/// One pass of one component, as the reconciler hands it to the runtime.
+pub struct Pass<'a> {
+    /// The management cluster.
+    pub client: &'a kube::Client,
+    /// The tenant, with every component as read at the start of the pass.
+    pub tenant: &'a Tenant,
+    /// Which component.
+    pub component: Component,
+    /// The Kubernetes version it runs.
+    pub version: KubeVersion,
+    /// Its `spec.patches` (already judged acceptable by [`Runtime::patch_policy`]).
+    pub patches: &'a [Value],
+}
+
+/// What a runtime saw after making a component run.
+#[derive(Clone, Debug, Default)]
+pub struct Observation {
+    /// Replicas that should run.
+    pub desired: u32,
+    /// Replicas that are healthy (answer their health endpoint, or ready in the rollout).
+    pub healthy: u32,
+    /// The runtime's own verdict: every desired replica healthy (and, for workloads, the
+    /// newest spec rolled out).
+    pub ok: bool,
+    /// What `healthy/desired` counts, for a person ("replicas answer their health endpoint").
+    pub counting: String,
+    /// etcd's member addresses.
+    pub addresses: Vec<NestedEtcdAddress>,
+    /// The API server's Service.
+    pub service: Option<ObjectReference>,
+}
+
+/// Where components run.
+pub trait Runtime: Send + Sync {
+    /// Which patch policy applies.
+    fn patch_policy(&self) -> policy::Runtime;
+
+    /// The render input for judging patches early (addresses may be placeholders: the judge
+    /// compares a rendering with its patched self).
+    fn check_input(&self, t: &Tenant, version: KubeVersion) -> RenderInput;
+
+    /// Fail at once when `version` of `c` cannot run here (a missing binary).
+    fn can_run(&self, c: Component, version: &KubeVersion) -> Result<(), Error>;
+
+    /// Issue certificates, render, patch, apply or start, and observe.
+    fn run<'a>(&'a self, pass: Pass<'a>) -> BoxFuture<'a, Result<Observation, Error>>;
+
+    /// Where the control plane is reached, once known (the provider owns the endpoint).
+    fn endpoint<'a>(
+        &'a self,
+        client: &'a kube::Client,
+        ncp: &'a NestedControlPlane,
+    ) -> BoxFuture<'a, Result<Option<ApiEndpoint>, Error>>;
+
+    /// Remove what this runtime made for a deleted control plane and that owner references
+    /// do not remove (processes and data; etcd's volume claims).
+    fn remove<'a>(
+        &'a self,
+        client: &'a kube::Client,
+        ncp: &'a NestedControlPlane,
+    ) -> BoxFuture<'a, Result<(), Error>>;
+}

@@ -1,0 +1,279 @@
+//! Which certificates and kubeconfigs a component needs, as data (pure). The operator walks
+//! the plan in order: CAs first (created once, never regenerated), then leaves and kubeconfigs
+//! signed by them (reissued when half their life is gone, their SANs change or their CA
+//! changed).
+
+use std::net::IpAddr;
+
+use nestplane_api::names::{Component, SecretPurpose, ports};
+use nestplane_pki::{LeafSpec, Usage};
+
+use crate::{RenderInput, Sans};
+
+/// One thing to keep current.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Issue {
+    /// A CA (or the service-account key pair): created when missing, never replaced.
+    Ca(SecretPurpose),
+    /// A leaf certificate signed by `ca`.
+    Leaf {
+        /// Which secret.
+        purpose: SecretPurpose,
+        /// Which CA signs it.
+        ca: SecretPurpose,
+        /// Subject, SANs, usage.
+        spec: LeafSpec,
+    },
+    /// A kubeconfig with a client certificate signed by the cluster CA.
+    Kubeconfig {
+        /// Which secret.
+        purpose: SecretPurpose,
+        /// The API server URL.
+        server: String,
+        /// Client certificate subject.
+        user: String,
+        /// Client certificate organizations (groups).
+        groups: Vec<String>,
+    },
+}
+
+/// The certificates of one component, and which CA verifies its health endpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// In order: every CA before what it signs.
+    pub items: Vec<Issue>,
+    /// The CA that verifies the component's HTTPS health endpoint (`None`: etcd's health is
+    /// served over plain HTTP on its metrics port).
+    pub health_ca: Option<SecretPurpose>,
+}
+
+fn leaf(cn: &str, orgs: &[&str], sans: Sans, usage: Usage) -> LeafSpec {
+    LeafSpec {
+        common_name: cn.into(),
+        organizations: orgs.iter().map(|s| s.to_string()).collect(),
+        dns_names: sans.dns,
+        ips: sans.ips,
+        usage,
+    }
+}
+
+/// The plan for component `c`. `hosts` are the addresses the API server is reached at (the
+/// first is the endpoint; the others are added to its SANs); `endpoint` is the control plane's
+/// `spec.controlPlaneEndpoint` when set (the admin kubeconfig points there).
+pub fn plan(
+    c: Component,
+    input: &RenderInput,
+    hosts: &[String],
+    endpoint: Option<(&str, i32)>,
+) -> Plan {
+    let cluster = &input.cluster;
+    let none = Sans::default;
+    match c {
+        Component::Etcd => {
+            let sans = crate::etcd_sans(input);
+            Plan {
+                items: vec![
+                    Issue::Ca(SecretPurpose::EtcdCa),
+                    Issue::Leaf {
+                        purpose: SecretPurpose::EtcdServer,
+                        ca: SecretPurpose::EtcdCa,
+                        spec: leaf(
+                            &format!("{cluster}-etcd"),
+                            &[],
+                            sans.clone(),
+                            Usage::ServerAndClient,
+                        ),
+                    },
+                    Issue::Leaf {
+                        purpose: SecretPurpose::EtcdPeer,
+                        ca: SecretPurpose::EtcdCa,
+                        spec: leaf(
+                            &format!("{cluster}-etcd-peer"),
+                            &[],
+                            sans,
+                            Usage::ServerAndClient,
+                        ),
+                    },
+                ],
+                health_ca: None,
+            }
+        }
+        Component::ApiServer => {
+            let host = hosts.first().map(String::as_str);
+            let mut sans = crate::apiserver_sans(input, host);
+            for h in hosts.iter().skip(1) {
+                match h.parse::<IpAddr>() {
+                    Ok(ip) if !sans.ips.contains(&ip) => sans.ips.push(ip),
+                    Ok(_) => {}
+                    Err(_) if !sans.dns.contains(h) => sans.dns.push(h.clone()),
+                    Err(_) => {}
+                }
+            }
+            let server = match (host, endpoint) {
+                (_, Some((h, port))) if !h.is_empty() => format!("https://{h}:{port}"),
+                (Some(h), _) => format!("https://{h}:{}", ports::APISERVER),
+                _ => crate::apiserver_internal_url(input),
+            };
+            Plan {
+                items: vec![
+                    Issue::Ca(SecretPurpose::ClusterCa),
+                    Issue::Ca(SecretPurpose::EtcdCa),
+                    Issue::Ca(SecretPurpose::FrontProxyCa),
+                    Issue::Ca(SecretPurpose::ServiceAccount),
+                    Issue::Leaf {
+                        purpose: SecretPurpose::ApiServer,
+                        ca: SecretPurpose::ClusterCa,
+                        spec: leaf("kube-apiserver", &[], sans, Usage::Server),
+                    },
+                    Issue::Leaf {
+                        purpose: SecretPurpose::ApiServerEtcdClient,
+                        ca: SecretPurpose::EtcdCa,
+                        spec: leaf(
+                            "kube-apiserver-etcd-client",
+                            &["system:masters"],
+                            none(),
+                            Usage::Client,
+                        ),
+                    },
+                    Issue::Leaf {
+                        purpose: SecretPurpose::ApiServerKubeletClient,
+                        ca: SecretPurpose::ClusterCa,
+                        spec: leaf(
+                            "kube-apiserver-kubelet-client",
+                            &["system:masters"],
+                            none(),
+                            Usage::Client,
+                        ),
+                    },
+                    Issue::Leaf {
+                        purpose: SecretPurpose::FrontProxyClient,
+                        ca: SecretPurpose::FrontProxyCa,
+                        spec: leaf("front-proxy-client", &[], none(), Usage::Client),
+                    },
+                    Issue::Kubeconfig {
+                        purpose: SecretPurpose::AdminKubeconfig,
+                        server,
+                        user: "kubernetes-admin".into(),
+                        groups: vec!["system:masters".into()],
+                    },
+                ],
+                health_ca: Some(SecretPurpose::ClusterCa),
+            }
+        }
+        Component::ControllerManager | Component::Scheduler => {
+            let (kubeconfig, serving, user, sans) = if c == Component::ControllerManager {
+                (
+                    SecretPurpose::ControllerManagerKubeconfig,
+                    SecretPurpose::ControllerManagerServing,
+                    "system:kube-controller-manager",
+                    crate::controller_manager_sans(input),
+                )
+            } else {
+                (
+                    SecretPurpose::SchedulerKubeconfig,
+                    SecretPurpose::SchedulerServing,
+                    "system:kube-scheduler",
+                    crate::scheduler_sans(input),
+                )
+            };
+            Plan {
+                items: vec![
+                    Issue::Ca(SecretPurpose::ClusterCa),
+                    Issue::Kubeconfig {
+                        purpose: kubeconfig,
+                        server: crate::apiserver_internal_url(input),
+                        user: user.into(),
+                        groups: vec![],
+                    },
+                    Issue::Leaf {
+                        purpose: serving,
+                        ca: SecretPurpose::ClusterCa,
+                        spec: leaf(user, &[], sans, Usage::Server),
+                    },
+                ],
+                health_ca: Some(SecretPurpose::ClusterCa),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::{KubeVersion, Network};
+    use std::net::Ipv4Addr;
+
+    fn input() -> RenderInput {
+        RenderInput::new(
+            "demo",
+            "default",
+            KubeVersion::new(1, 20, 2),
+            Network::Loopback {
+                hosts: vec![Ipv4Addr::new(127, 9, 9, 1), Ipv4Addr::new(127, 9, 9, 2)],
+            },
+        )
+    }
+
+    #[test]
+    fn every_ca_comes_before_what_it_signs() {
+        for c in Component::ALL {
+            let p = plan(c, &input(), &["127.9.9.1".into()], None);
+            let mut seen = Vec::new();
+            for item in &p.items {
+                match item {
+                    Issue::Ca(ca) => seen.push(*ca),
+                    Issue::Leaf { ca, .. } => assert!(seen.contains(ca), "{c:?}: {item:?}"),
+                    Issue::Kubeconfig { .. } => {
+                        assert!(seen.contains(&SecretPurpose::ClusterCa), "{c:?}")
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_admin_kubeconfig_points_at_the_endpoint_and_extra_hosts_are_sans() {
+        let hosts = [
+            "127.9.9.1".to_string(),
+            "10.96.0.7".into(),
+            "api.example".into(),
+        ];
+        let p = plan(Component::ApiServer, &input(), &hosts, None);
+        let serving = p
+            .items
+            .iter()
+            .find_map(|i| match i {
+                Issue::Leaf {
+                    purpose: SecretPurpose::ApiServer,
+                    spec,
+                    ..
+                } => Some(spec.clone()),
+                _ => None,
+            })
+            .unwrap();
+        assert!(serving.ips.contains(&"10.96.0.7".parse().unwrap()));
+        assert!(serving.dns_names.contains(&"api.example".to_string()));
+        let admin = |p: &Plan| {
+            p.items
+                .iter()
+                .find_map(|i| match i {
+                    Issue::Kubeconfig { server, user, .. } if user == "kubernetes-admin" => {
+                        Some(server.clone())
+                    }
+                    _ => None,
+                })
+                .unwrap()
+        };
+        assert_eq!(admin(&p), "https://127.9.9.1:6443");
+        let p = plan(
+            Component::ApiServer,
+            &input(),
+            &hosts,
+            Some(("lb.example", 443)),
+        );
+        assert_eq!(admin(&p), "https://lb.example:443");
+        assert_eq!(p.health_ca, Some(SecretPurpose::ClusterCa));
+        assert_eq!(plan(Component::Etcd, &input(), &[], None).health_ca, None);
+    }
+}
