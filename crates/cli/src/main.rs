@@ -158,6 +158,7 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
             metrics_addr: Some(args.metrics_bind_address),
             mode,
             leader_election,
+            clock: Default::default(),
         },
         token,
     )

@@ -874,3 +874,188 @@ async fn only_the_leader_reconciles_and_a_standby_takes_over() {
     let err = b.stop().await.unwrap_err();
     assert!(err.to_string().contains("leadership lost"), "{err}");
 }
+
+/// `tls.crt` (or, for kubeconfigs, `value`) of a secret.
+fn cert_of(kc: &Path, secret: &str) -> String {
+    let key = if secret.ends_with("kubeconfig") {
+        "value"
+    } else {
+        "tls\\.crt"
+    };
+    let out = kubectl(
+        kc,
+        &[
+            "get",
+            "secret",
+            secret,
+            "-n",
+            "default",
+            "-o",
+            &format!("jsonpath={{.data.{key}}}"),
+        ],
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The certificate the API server at `host:6443` serves (PEM), by `openssl s_client`.
+fn served_cert(host: &str) -> String {
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "openssl s_client -connect {host}:6443 </dev/null 2>/dev/null | openssl x509"
+        ))
+        .output()
+        .expect("openssl not found: apt-get install openssl");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewal_reissues_client_certificates_without_an_outage_and_keeps_the_cas() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
+    let mut env = Env::start(false).await;
+    let offset = Arc::new(AtomicI64::new(0));
+    env.operator = Some(nestplane_operator::Operator::start(
+        env.client(),
+        nestplane_operator::Config {
+            state_dir: env.operator_dir(),
+            clock: nestplane_operator::clock::Clock::offset(offset.clone()),
+            ..Default::default()
+        },
+    ));
+    env.create_ncp("default", "renew").await;
+    let ncp = env.wait_ready("default", "renew", READY).await;
+    let host = ncp.spec.control_plane_endpoint.unwrap().host;
+    let kc = env.kubeconfig().to_path_buf();
+    let cas = ["renew-ca", "renew-etcd", "renew-proxy", "renew-sa"];
+    let ca_before: Vec<String> = cas
+        .iter()
+        .map(|s| kubectl_ok(&kc, &["get", "secret", s, "-o", "jsonpath={.data}"]))
+        .collect();
+    let renewed = [
+        "renew-kubeconfig",
+        "renew-apiserver",
+        "renew-apiserver-etcd-client",
+        "renew-controller-manager-kubeconfig",
+        "renew-scheduler-kubeconfig",
+    ];
+    let before: Vec<String> = renewed.iter().map(|s| cert_of(&kc, s)).collect();
+    let pid = |c: &str| env.pid("default", "renew", c, 0).unwrap();
+    let (etcd, api, cm, sched) = (
+        pid("etcd"),
+        pid("apiserver"),
+        pid("controller-manager"),
+        pid("scheduler"),
+    );
+
+    // A client that keeps talking to the tenant the whole time, with the admin kubeconfig as
+    // it was before the renewal.
+    let tenant = env.tenant_kubeconfig("default", "renew").await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let client = {
+        let (stop, ok, failed, tenant) = (stop.clone(), ok.clone(), failed.clone(), tenant.clone());
+        std::thread::spawn(move || {
+            let mut errors = Vec::new();
+            while !stop.load(Ordering::SeqCst) {
+                let out = kubectl(&tenant, &["get", "--raw", "/api/v1/namespaces/default"]);
+                if out.status.success() {
+                    ok.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    failed.fetch_add(1, Ordering::SeqCst);
+                    errors.push(String::from_utf8_lossy(&out.stderr).into_owned());
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            errors
+        })
+    };
+
+    // 200 days later: every 1-year client certificate is past half its life.
+    offset.store(200 * 86_400, Ordering::SeqCst);
+    let poke = |n: &str| {
+        for kind in [
+            "nestedetcd/renew-etcd",
+            "nestedapiserver/renew-apiserver",
+            "nestedcontrollermanager/renew-controller-manager",
+            "nestedscheduler/renew-scheduler",
+        ] {
+            kubectl_ok(
+                &kc,
+                &["annotate", "--overwrite", kind, &format!("poke={n}")],
+            );
+        }
+    };
+    poke("1");
+    eventually(
+        "every client certificate and kubeconfig is reissued",
+        Duration::from_secs(90),
+        || {
+            renewed
+                .iter()
+                .zip(&before)
+                .all(|(s, b)| cert_of(&kc, s) != *b)
+                .then_some(())
+        },
+    );
+    // Back to the real time: the new certificates are fresh.
+    offset.store(0, Ordering::SeqCst);
+    poke("2");
+    eventually(
+        "the API server serves its new certificate",
+        Duration::from_secs(120),
+        || {
+            let secret = cert_of(&kc, "renew-apiserver");
+            let pem = String::from_utf8(base64_decode(&secret)).unwrap_or_default();
+            let served = served_cert(&host);
+            (!served.is_empty() && pem.trim() == served).then_some(())
+        },
+    );
+    eventually(
+        "controller-manager and scheduler restarted with their new kubeconfigs",
+        Duration::from_secs(120),
+        || {
+            (env.pid("default", "renew", "controller-manager", 0)
+                .is_some_and(|p| p != cm)
+                && env
+                    .pid("default", "renew", "scheduler", 0)
+                    .is_some_and(|p| p != sched))
+            .then_some(())
+        },
+    );
+    env.wait_ready("default", "renew", READY).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::SeqCst);
+    let errors = client.join().unwrap();
+    assert!(ok.load(Ordering::SeqCst) > 20, "the client ran");
+    assert_eq!(
+        failed.load(Ordering::SeqCst),
+        0,
+        "the tenant API failed during renewal: {errors:?}"
+    );
+    assert_eq!(pid("etcd"), etcd, "etcd reloaded its certificates in place");
+    assert_eq!(pid("apiserver"), api, "the API server reloaded in place");
+    let ca_after: Vec<String> = cas
+        .iter()
+        .map(|s| kubectl_ok(&kc, &["get", "secret", s, "-o", "jsonpath={.data}"]))
+        .collect();
+    assert_eq!(ca_before, ca_after, "the CAs are byte-identical");
+    // The reissued admin kubeconfig works too.
+    let fresh = env.tenant_kubeconfig("default", "renew").await;
+    kubectl_ok(&fresh, &["get", "ns", "default"]);
+}
+
+fn base64_decode(s: &str) -> Vec<u8> {
+    let out = std::process::Command::new("base64")
+        .arg("-d")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(s.as_bytes())?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    out.stdout
+}

@@ -293,6 +293,7 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<O
         .runtime
         .run(Pass {
             client: &ctx.client,
+            clock: &ctx.clock,
             tenant: t,
             component: c,
             version,

@@ -224,6 +224,8 @@ pub struct Context {
     /// Only control planes labelled `cluster.x-k8s.io/watch-filter=<value>`, and the
     /// components they control, are reconciled.
     pub watch_filter: Option<String>,
+    /// When certificates are due.
+    pub clock: crate::clock::Clock,
 }
 
 /// `Kind/namespace/name`: the key of an object in per-object state.
@@ -258,6 +260,7 @@ impl Context {
             pacing: Default::default(),
             health: Health::default(),
             watch_filter: None,
+            clock: Default::default(),
         }
     }
 

@@ -4,6 +4,7 @@
 //! Each controller reads, calls the pure core (`render`, `pki`, [`status`]), applies, and
 //! writes status only when it changed.
 
+pub mod clock;
 pub mod component;
 pub mod context;
 pub mod crds;
@@ -53,6 +54,8 @@ pub struct Config {
     pub mode: Mode,
     /// Reconcile only while holding this Lease (several replicas: one leads).
     pub leader_election: Option<leader::LeaderElection>,
+    /// When certificates are due (the system clock unless a test moves it).
+    pub clock: clock::Clock,
 }
 
 fn api<K>(client: &kube::Client, ns: &Option<String>) -> Api<K>
@@ -116,6 +119,7 @@ pub async fn run_with(
 ) -> Result<(), Error> {
     let mut ctx = Context::new(client.clone(), runtime.clone(), config.mode.clone());
     ctx.watch_filter = config.watch_filter.clone();
+    ctx.clock = config.clock.clone();
     let ctx = Arc::new(ctx);
     if let Some(addr) = config.metrics_addr {
         let metrics = ctx.metrics.clone();

@@ -97,6 +97,7 @@ impl Processes {
     async fn run_pass(&self, pass: Pass<'_>) -> Result<Observation, Error> {
         let Pass {
             client,
+            clock,
             tenant: t,
             component: c,
             version,
@@ -123,6 +124,7 @@ impl Processes {
             &t.namespace(),
             &t.cluster(),
             tenant::owner_ref(&t.ncp),
+            clock.clone(),
         );
         let endpoint_host: Vec<String> = hosts.first().map(|h| h.to_string()).into_iter().collect();
         let plan = nestplane_render::certificates::plan(
@@ -137,8 +139,13 @@ impl Processes {
         );
         let health_ca = secrets.issue(&plan).await?;
         let data = secrets.data(&rendered.secrets).await?;
+        let endpoints = nestplane_render::health_endpoints(c, &input);
+        let probe = process::Probe {
+            endpoints: endpoints.clone(),
+            ca_pem: health_ca.clone(),
+        };
         self.processes
-            .ensure(&key, &rendered, &version.to_string(), &data)
+            .ensure(&key, &rendered, &version.to_string(), &data, &probe)
             .await?;
 
         let service = if c == Component::ApiServer {
@@ -146,7 +153,6 @@ impl Processes {
         } else {
             None
         };
-        let endpoints = nestplane_render::health_endpoints(c, &input);
         let healthy = process::healthy_count(&endpoints, health_ca.as_deref()).await as u32;
         let desired = rendered.replicas;
         let ok = healthy >= desired && desired > 0;

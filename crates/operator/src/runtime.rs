@@ -27,6 +27,8 @@ use crate::tenant::Tenant;
 pub struct Pass<'a> {
     /// The management cluster.
     pub client: &'a kube::Client,
+    /// When certificates are due.
+    pub clock: &'a crate::clock::Clock,
     /// The tenant, with every component as read at the start of the pass.
     pub tenant: &'a Tenant,
     /// Which component.

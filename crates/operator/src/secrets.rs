@@ -62,6 +62,7 @@ pub struct ClusterSecrets {
     api: Api<Secret>,
     cluster: String,
     owner: OwnerReference,
+    clock: crate::clock::Clock,
 }
 
 /// A leaf certificate to keep current.
@@ -107,11 +108,13 @@ impl ClusterSecrets {
         namespace: &str,
         cluster: &str,
         owner: OwnerReference,
+        clock: crate::clock::Clock,
     ) -> Self {
         ClusterSecrets {
             api: Api::namespaced(client, namespace),
             cluster: cluster.to_string(),
             owner,
+            clock,
         }
     }
 
@@ -248,7 +251,10 @@ impl ClusterSecrets {
                 .as_ref()
                 .and_then(|a| a.get(CA_HASH_ANNOTATION))
                 == Some(&want_hash);
-            if same_ca && !pki::needs_renewal(&cert_pem, now) && sans_match(&cert_pem, &leaf.spec) {
+            if same_ca
+                && !pki::needs_renewal(&cert_pem, self.clock.now())
+                && sans_match(&cert_pem, &leaf.spec)
+            {
                 return Ok(CertKey { cert_pem, key_pem });
             }
         }
@@ -283,7 +289,7 @@ impl ClusterSecrets {
                 text(&existing, names::TLS_CRT),
             ) && ann.get(CA_HASH_ANNOTATION) == Some(&want_hash)
                 && ann.get(SERVER_ANNOTATION) == Some(&spec.server)
-                && !pki::needs_renewal(&cert_pem, now)
+                && !pki::needs_renewal(&cert_pem, self.clock.now())
             {
                 return Ok(value);
             }

@@ -249,6 +249,7 @@ impl Runtime for Workloads {
 async fn run(pass: Pass<'_>, settings: &KubernetesSettings) -> Result<Observation, Error> {
     let Pass {
         client,
+        clock,
         tenant: t,
         component: c,
         version,
@@ -281,6 +282,7 @@ async fn run(pass: Pass<'_>, settings: &KubernetesSettings) -> Result<Observatio
         &ns,
         &t.cluster(),
         crate::tenant::owner_ref(&t.ncp),
+        clock.clone(),
     );
     let plan = nestplane_render::certificates::plan(
         c,

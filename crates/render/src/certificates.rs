@@ -47,6 +47,15 @@ pub struct Plan {
     pub health_ca: Option<SecretPurpose>,
 }
 
+/// Whether `c` picks up renewed certificates from its files without a restart. etcd reads its
+/// serving, peer and client certificates on every TLS handshake; kube-apiserver watches its
+/// serving certificate and client CA files, and its etcd client (etcd's transport) reads its
+/// certificate on every new connection. kube-controller-manager and kube-scheduler load their
+/// kubeconfig's client certificate once, so they are restarted (one replica at a time).
+pub fn reloads_certificates(c: Component) -> bool {
+    matches!(c, Component::Etcd | Component::ApiServer)
+}
+
 fn leaf(cn: &str, orgs: &[&str], sans: Sans, usage: Usage) -> LeafSpec {
     LeafSpec {
         common_name: cn.into(),

@@ -104,15 +104,38 @@ struct Replica {
     restarts: Arc<Mutex<u32>>,
 }
 
+#[derive(Default)]
 struct Group {
-    hash: String,
+    /// Hash of the pod template and the program: a change restarts every replica.
+    template: String,
+    /// Hash of the mounted secrets: a change rewrites the files, and restarts the replicas
+    /// of components that read their certificates only at start.
+    secrets: String,
     replicas: Vec<Replica>,
 }
+
+type GroupKey = (TenantKey, Component);
+
+/// How the runtime checks one replica's health while it rolls replicas one at a time.
+#[derive(Clone, Debug, Default)]
+pub struct Probe {
+    /// One endpoint per replica, in replica order.
+    pub endpoints: Vec<nestplane_render::HealthEndpoint>,
+    /// The CA that verifies HTTPS endpoints.
+    pub ca_pem: Option<String>,
+}
+
+/// How long a rolling restart waits for a restarted replica to become healthy before it
+/// goes on to the next one.
+pub const ROLL_WAIT: Duration = Duration::from_secs(60);
 
 /// Supervises the processes of every tenant.
 pub struct ProcessRuntime {
     state_dir: PathBuf,
-    groups: tokio::sync::Mutex<HashMap<(TenantKey, Component), Group>>,
+    /// One lock per component: a slow stop or a rolling restart of one component never holds
+    /// up another (the map itself is locked only to find or remove a group).
+    groups: Mutex<HashMap<GroupKey, Arc<tokio::sync::Mutex<Group>>>>,
+    hosts_cache: Mutex<HashMap<TenantKey, Vec<Ipv4Addr>>>,
     alloc: Mutex<()>,
     startups: Mutex<HashMap<(TenantKey, Component), Startup>>,
     /// Tenants removed in this process's life: a reconcile already in flight must not bring
@@ -136,8 +159,11 @@ impl std::fmt::Debug for ProcessRuntime {
 pub enum Ensured {
     /// Already running with this template and these secrets.
     Unchanged,
-    /// Processes were started or restarted.
+    /// Processes were started or restarted (one replica at a time when they ran before).
     Started,
+    /// Only certificates changed, and the component reloads them from its files: the files
+    /// were rewritten and nothing was restarted.
+    Reloaded,
 }
 
 impl ProcessRuntime {
@@ -146,6 +172,7 @@ impl ProcessRuntime {
         ProcessRuntime {
             state_dir: state_dir.into(),
             groups: Default::default(),
+            hosts_cache: Default::default(),
             alloc: Mutex::new(()),
             startups: Mutex::new(HashMap::new()),
             removed: Mutex::new(Default::default()),
@@ -188,6 +215,14 @@ impl ProcessRuntime {
     pub fn hosts(&self, key: &TenantKey) -> Result<Vec<Ipv4Addr>, RuntimeError> {
         let _guard = self.alloc.lock().unwrap_or_else(|e| e.into_inner());
         self.check_alive(key)?;
+        if let Some(h) = self
+            .hosts_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+        {
+            return Ok(h.clone());
+        }
         let dir = self.tenant_dir(key);
         let file = dir.join("network.json");
         let block = match std::fs::read_to_string(&file)
@@ -207,9 +242,14 @@ impl ProcessRuntime {
                 b
             }
         };
-        Ok((1..=MAX_REPLICAS)
+        let hosts: Vec<Ipv4Addr> = (1..=MAX_REPLICAS)
             .map(|i| Ipv4Addr::new(127, block[0], block[1], i))
-            .collect())
+            .collect();
+        self.hosts_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.clone(), hosts.clone());
+        Ok(hosts)
     }
 
     fn used_blocks(&self) -> Vec<[u8; 2]> {
@@ -233,14 +273,46 @@ impl ProcessRuntime {
         used
     }
 
-    /// Run `rendered` (for Kubernetes `version`) with `secrets`; restarts the replicas when the
-    /// template or a mounted secret changed, starts missing replicas, stops extra ones.
+    fn group(&self, gk: &GroupKey) -> Arc<tokio::sync::Mutex<Group>> {
+        self.groups
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(gk.clone())
+            .or_default()
+            .clone()
+    }
+
+    fn take_groups(&self, f: impl Fn(&GroupKey) -> bool) -> Vec<Arc<tokio::sync::Mutex<Group>>> {
+        let mut m = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        let keys: Vec<GroupKey> = m.keys().filter(|k| f(k)).cloned().collect();
+        keys.into_iter().filter_map(|k| m.remove(&k)).collect()
+    }
+
+    fn existing(&self, gk: &GroupKey) -> Option<Arc<tokio::sync::Mutex<Group>>> {
+        self.groups
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(gk)
+            .cloned()
+    }
+
+    /// Run `rendered` (for Kubernetes `version`) with `secrets`.
+    ///
+    /// - First start: every replica at once (an etcd cluster forms only with all members).
+    /// - Template changed: replicas are replaced one at a time, each waiting (up to
+    ///   [`ROLL_WAIT`]) until the new one answers `probe` before the next stops, so a
+    ///   multi-replica component never loses more than one replica (etcd keeps quorum).
+    /// - Only secrets changed: the files are rewritten in place; etcd and kube-apiserver read
+    ///   their certificates from the files on every new connection, so they keep running
+    ///   ([`Ensured::Reloaded`]); other components roll as above.
+    /// - Replica count changed: missing replicas start, extra ones stop; the others stay.
     pub async fn ensure(
         &self,
         key: &TenantKey,
         rendered: &Rendered,
         version: &str,
         secrets: &SecretData,
+        probe: &Probe,
     ) -> Result<Ensured, RuntimeError> {
         let hosts = self.hosts(key)?;
         let component = rendered.component;
@@ -252,66 +324,109 @@ impl ProcessRuntime {
             .ok_or_else(|| RuntimeError::Unsupported {
                 component: rendered.workload_name.clone(),
                 reason: "no container".into(),
-            })?;
-        let program = program_for(container, version)?;
+            })?
+            .clone();
+        let program = program_for(&container, version)?;
 
-        let mut hasher = Sha256::new();
-        hasher.update(nestplane_render::template_hash(rendered));
-        hasher.update(program.display().to_string());
+        let mut th = Sha256::new();
+        th.update(nestplane_render::template_hash(rendered));
+        th.update(program.display().to_string());
+        let template = format!("{:x}", th.finalize());
+        let mut sh = Sha256::new();
         for name in mounted_secrets(&rendered.pod_template) {
             let data = secrets
                 .get(&name)
                 .ok_or_else(|| RuntimeError::MissingSecret(name.clone()))?;
-            hasher.update(name.as_bytes());
+            sh.update(name.as_bytes());
             for (k, v) in data {
-                hasher.update(k.as_bytes());
-                hasher.update(v);
+                sh.update(k.as_bytes());
+                sh.update(v);
             }
         }
-        let hash = format!("{:x}", hasher.finalize());
+        let secrets_hash = format!("{:x}", sh.finalize());
 
-        let mut groups = self.groups.lock().await;
-        // `remove` marks the tenant before it takes this lock.
-        self.check_alive(key)?;
         let gk = (key.clone(), component);
+        let group = self.group(&gk);
+        let mut g = group.lock().await;
+        // `remove` marks the tenant before it takes the groups.
+        self.check_alive(key)?;
         let replicas = rendered.replicas as usize;
-        if let Some(g) = groups.get(&gk)
-            && g.hash == hash
-            && g.replicas.len() == replicas
-        {
+        if g.template == template && g.secrets == secrets_hash && g.replicas.len() == replicas {
             return Ok(Ensured::Unchanged);
         }
-        if let Some(old) = groups.remove(&gk) {
-            stop_group(old).await;
-        }
-        let mut group = Group {
-            hash,
-            replicas: Vec::new(),
-        };
-        for i in 0..replicas {
-            let host = *hosts.get(i).ok_or_else(|| RuntimeError::Unsupported {
+        if replicas > hosts.len() {
+            return Err(RuntimeError::Unsupported {
                 component: rendered.workload_name.clone(),
                 reason: format!("at most {MAX_REPLICAS} replicas"),
-            })?;
-            let pod_name = format!("{}-{i}", rendered.workload_name);
-            let dir = self.tenant_dir(key).join(&pod_name);
-            let spec = prepare_replica(
-                &dir,
-                &pod_name,
-                host,
-                &rendered.pod_template,
-                container,
-                &program,
-                secrets,
-            )?;
-            group.replicas.push(supervise(spec, dir.join("pid")));
+            });
         }
-        groups.insert(gk.clone(), group);
-        self.startups
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(gk, (std::time::Instant::now(), None));
-        Ok(Ensured::Started)
+        // Directories, secret files and process specs: filesystem work, off the async
+        // workers.
+        let specs = {
+            let dir = self.tenant_dir(key);
+            let workload = rendered.workload_name.clone();
+            let template = rendered.pod_template.clone();
+            let (program, secrets) = (program.clone(), secrets.clone());
+            let hosts = hosts.clone();
+            tokio::task::spawn_blocking(move || {
+                (0..replicas)
+                    .map(|i| {
+                        let pod_name = format!("{workload}-{i}");
+                        let rdir = dir.join(&pod_name);
+                        prepare_replica(
+                            &rdir, &pod_name, hosts[i], &template, &container, &program, &secrets,
+                        )
+                        .map(|spec| (spec, rdir.join("pid")))
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .await
+            .map_err(|e| RuntimeError::Io {
+                context: "preparing replicas".into(),
+                source: std::io::Error::other(e.to_string()),
+            })??
+        };
+
+        let first_start = g.replicas.is_empty();
+        let template_changed = g.template != template;
+        let secrets_changed = g.secrets != secrets_hash;
+        let reloads = nestplane_render::certificates::reloads_certificates(component);
+        let restart_running = template_changed || (secrets_changed && !reloads);
+        // Extra replicas go first (from the highest index).
+        while g.replicas.len() > replicas {
+            if let Some(r) = g.replicas.pop() {
+                stop_replica(r).await;
+            }
+        }
+        let mut restarted = false;
+        for (i, (spec, pidfile)) in specs.into_iter().enumerate() {
+            if i < g.replicas.len() {
+                if !restart_running {
+                    continue;
+                }
+                // The old process must be gone before the new one binds its ports.
+                stop_replica(g.replicas.remove(i)).await;
+                g.replicas.insert(i, supervise(spec, pidfile));
+                restarted = true;
+                if !first_start {
+                    wait_healthy(probe, i).await;
+                }
+            } else {
+                g.replicas.push(supervise(spec, pidfile));
+                restarted = true;
+            }
+        }
+        g.template = template;
+        g.secrets = secrets_hash;
+        if restarted {
+            self.startups
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(gk, (std::time::Instant::now(), None));
+            Ok(Ensured::Started)
+        } else {
+            Ok(Ensured::Reloaded)
+        }
     }
 
     /// Record that every replica of a component answered its health endpoint; the first time
@@ -334,45 +449,41 @@ impl ProcessRuntime {
 
     /// Process ids of the running replicas of a component (index = replica).
     pub async fn pids(&self, key: &TenantKey, component: Component) -> Vec<Option<u32>> {
-        let groups = self.groups.lock().await;
-        groups
-            .get(&(key.clone(), component))
-            .map(|g| {
-                g.replicas
-                    .iter()
-                    .map(|r| *r.pid.lock().unwrap_or_else(|e| e.into_inner()))
-                    .collect()
-            })
-            .unwrap_or_default()
+        let Some(g) = self.existing(&(key.clone(), component)) else {
+            return vec![];
+        };
+        let g = g.lock().await;
+        g.replicas
+            .iter()
+            .map(|r| *r.pid.lock().unwrap_or_else(|e| e.into_inner()))
+            .collect()
     }
 
     /// How often the replicas of a component were restarted after exiting.
     pub async fn restarts(&self, key: &TenantKey, component: Component) -> u32 {
-        let groups = self.groups.lock().await;
-        groups
-            .get(&(key.clone(), component))
-            .map(|g| {
-                g.replicas
-                    .iter()
-                    .map(|r| *r.restarts.lock().unwrap_or_else(|e| e.into_inner()))
-                    .sum()
-            })
-            .unwrap_or(0)
+        let Some(g) = self.existing(&(key.clone(), component)) else {
+            return 0;
+        };
+        let g = g.lock().await;
+        g.replicas
+            .iter()
+            .map(|r| *r.restarts.lock().unwrap_or_else(|e| e.into_inner()))
+            .sum()
     }
 
     /// Whether the component has supervised replicas.
     pub async fn is_running(&self, key: &TenantKey, component: Component) -> bool {
-        self.groups
-            .lock()
-            .await
-            .contains_key(&(key.clone(), component))
+        match self.existing(&(key.clone(), component)) {
+            Some(g) => !g.lock().await.replicas.is_empty(),
+            None => false,
+        }
     }
 
     /// Stop the processes of one component.
     pub async fn stop_component(&self, key: &TenantKey, component: Component) {
-        let g = self.groups.lock().await.remove(&(key.clone(), component));
-        if let Some(g) = g {
-            stop_group(g).await;
+        let gk = (key.clone(), component);
+        for g in self.take_groups(|k| *k == gk) {
+            stop_group(&mut *g.lock().await).await;
         }
     }
 
@@ -384,38 +495,63 @@ impl ProcessRuntime {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .insert(key.clone());
+            self.hosts_cache
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(key);
         }
-        let mut stopped = Vec::new();
-        {
-            let mut groups = self.groups.lock().await;
-            let keys: Vec<_> = groups.keys().filter(|(k, _)| k == key).cloned().collect();
-            for k in keys {
-                if let Some(g) = groups.remove(&k) {
-                    stopped.push(g);
-                }
-            }
-        }
-        for g in stopped {
-            stop_group(g).await;
-        }
+        let groups = self.take_groups(|(k, _)| k == key);
+        futures_util_join(groups.iter().map(|g| async move {
+            stop_group(&mut *g.lock().await).await;
+        }))
+        .await;
         let dir = self.tenant_dir(key);
-        match std::fs::remove_dir_all(&dir) {
+        tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(RuntimeError::Io {
                 context: format!("removing {}", dir.display()),
                 source: e,
             }),
-        }
+        })
+        .await
+        .map_err(|e| RuntimeError::Io {
+            context: "removing a tenant".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?
     }
 
-    /// Stop every process of every tenant (data stays).
+    /// Stop every process of every tenant (data stays), all components at once.
     pub async fn shutdown(&self) {
-        let all: Vec<Group> = self.groups.lock().await.drain().map(|(_, g)| g).collect();
-        for g in all {
-            stop_group(g).await;
-        }
+        let groups = self.take_groups(|_| true);
+        futures_util_join(groups.iter().map(|g| async move {
+            stop_group(&mut *g.lock().await).await;
+        }))
+        .await;
     }
+}
+
+/// Await every future concurrently.
+async fn futures_util_join<F: std::future::Future<Output = ()>>(futs: impl Iterator<Item = F>) {
+    let mut set = Vec::new();
+    for f in futs {
+        set.push(Box::pin(f));
+    }
+    // Polled together: each one's stop runs while the others wait.
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for f in set.iter_mut() {
+            if f.as_mut().poll(cx).is_pending() {
+                pending = true;
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
 }
 
 fn pick_block(used: &[[u8; 2]]) -> Option<[u8; 2]> {
@@ -755,13 +891,35 @@ async fn sleep_or_stop(stopped: &mut watch::Receiver<bool>, d: Duration) -> bool
     }
 }
 
-async fn stop_group(g: Group) {
+async fn stop_group(g: &mut Group) {
     for r in &g.replicas {
         let _ = r.stop.send(true);
     }
-    for r in g.replicas {
+    for r in g.replicas.drain(..) {
         let _ = r.task.await;
     }
+    g.template.clear();
+    g.secrets.clear();
+}
+
+async fn stop_replica(r: Replica) {
+    let _ = r.stop.send(true);
+    let _ = r.task.await;
+}
+
+/// Wait until replica `i` answers its health endpoint (at most [`ROLL_WAIT`]).
+async fn wait_healthy(probe: &Probe, i: usize) {
+    let Some(ep) = probe.endpoints.get(i) else {
+        return;
+    };
+    let deadline = tokio::time::Instant::now() + ROLL_WAIT;
+    while tokio::time::Instant::now() < deadline {
+        if healthy_count(std::slice::from_ref(ep), probe.ca_pem.as_deref()).await == 1 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    tracing::warn!(endpoint = %ep.url, "replica not healthy after {ROLL_WAIT:?}; rolling on");
 }
 
 /// Check the health endpoints of a component; returns how many answered healthy.
