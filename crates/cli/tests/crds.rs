@@ -143,3 +143,27 @@ async fn crds_install_samples_apply_scale_and_validate() {
     );
     let _ = Duration::from_secs(0);
 }
+
+/// The README's test command ends with the run that counts every test, so the last summary
+/// line CI reads is the real count (doc tests run first).
+#[test]
+fn the_test_command_ends_with_the_counting_run() {
+    let script = std::fs::read_to_string(common::repo().join("scripts/test.sh")).unwrap();
+    let runs: Vec<&str> = script
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("cargo nextest run") || l.starts_with("cargo test"))
+        .collect();
+    let nextest = runs
+        .iter()
+        .position(|l| l.starts_with("cargo nextest run"))
+        .expect("a nextest run");
+    let doc = runs
+        .iter()
+        .position(|l| l.contains("--doc"))
+        .expect("a doc-test run");
+    assert!(
+        doc < nextest,
+        "doc tests run before the counting run: {runs:?}"
+    );
+}

@@ -1059,3 +1059,45 @@ fn base64_decode(s: &str) -> Vec<u8> {
         .unwrap();
     out.stdout
 }
+
+/// GET requests the management API server has served for `resources`, from its metrics.
+fn gets(kc: &Path, resources: &[&str]) -> u64 {
+    let metrics = kubectl_ok(kc, &["get", "--raw", "/metrics"]);
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("apiserver_request_total{") && l.contains("verb=\"GET\""))
+        .filter(|l| {
+            resources
+                .iter()
+                .any(|r| l.contains(&format!("resource=\"{r}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steady_tenant_is_watched_not_polled() {
+    let env = Env::start(true).await;
+    env.create_ncp("default", "quiet").await;
+    env.wait_ready("default", "quiet", READY).await;
+    let kc = env.kubeconfig().to_path_buf();
+    let resources = [
+        "nestedcontrolplanes",
+        "nestedetcds",
+        "nestedapiservers",
+        "nestedcontrollermanagers",
+        "nestedschedulers",
+        "secrets",
+    ];
+    // Let start-up settle, then count over three health passes of every component.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let before = gets(&kc, &resources);
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let during = gets(&kc, &resources) - before;
+    assert!(
+        during <= 2,
+        "{during} GETs of control planes, components and secrets in 30s of steady state (reads must come from the watch caches)"
+    );
+    let ncp = env.ncps("default").get("quiet").await.unwrap();
+    assert!(ncp.status.unwrap().ready);
+}

@@ -15,7 +15,7 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use nestplane_api::conditions::{self, reasons, types};
 use nestplane_api::names::Component;
-use nestplane_api::{ComponentStatus, NestedControlPlane, NestedEtcdAddress};
+use nestplane_api::{ComponentStatus, NestedEtcdAddress};
 use nestplane_runtime::process::RuntimeError;
 
 use crate::context::Context;
@@ -81,15 +81,14 @@ pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Resu
         write_status::<K>(&ctx, &obj, out.to_status(obj.as_ref()), &out).await?;
         return Ok(Action::await_change());
     };
-    let ncps: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &ns);
-    let Some(ncp) = ncps.get_opt(&owner.name).await? else {
+    let Some(ncp) = ctx.caches.ncp(&ctx.client, &ns, &owner.name).await? else {
         return Ok(Action::await_change());
     };
     // Another operator's control plane (its watch filter): not a single write from here.
     if ncp.metadata.deletion_timestamp.is_some() || !ctx.selects(&ncp) {
         return Ok(Action::await_change());
     }
-    let tenant = Tenant::load(&ctx.client, ncp).await?;
+    let tenant = Tenant::load(&ctx.client, &ctx.caches, ncp).await?;
     let key = crate::context::object_key(obj.as_ref());
     let was_ready = obj.common_status().is_some_and(|s| s.ready);
     let out = match run::<K>(&ctx, &tenant, &key).await {
@@ -294,6 +293,7 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<O
         .run(Pass {
             client: &ctx.client,
             clock: &ctx.clock,
+            secrets: ctx.caches.secrets.get(),
             tenant: t,
             component: c,
             version,

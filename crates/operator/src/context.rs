@@ -226,6 +226,8 @@ pub struct Context {
     pub watch_filter: Option<String>,
     /// When certificates are due.
     pub clock: crate::clock::Clock,
+    /// The watches' caches, read instead of the API server.
+    pub caches: crate::tenant::Caches,
 }
 
 /// `Kind/namespace/name`: the key of an object in per-object state.
@@ -261,6 +263,7 @@ impl Context {
             health: Health::default(),
             watch_filter: None,
             clock: Default::default(),
+            caches: Default::default(),
         }
     }
 

@@ -167,6 +167,7 @@ pub async fn run_with(
     let wc = watcher::Config::default;
     let ncp_ctl = Controller::new(api::<NestedControlPlane>(&client, ns), ncp_watch);
     let ncps = ncp_ctl.store();
+    let _ = ctx.caches.ncps.set(ncps.clone());
     // A component change reaches every control plane that references it, owned or not (so
     // creating a component that a reference was waiting for heals the control plane).
     fn referencing<K: tenant::ComponentKind>(
@@ -221,11 +222,9 @@ pub async fn run_with(
     let workloads = matches!(config.mode, Mode::Kubernetes(_));
     macro_rules! component_controller {
         ($k:ty) => {{
-            let ctl = Controller::new(api::<$k>(&client, ns), wc()).watches(
-                api::<NestedControlPlane>(&client, ns),
-                wc(),
-                refs::<$k>,
-            );
+            let ctl = Controller::new(api::<$k>(&client, ns), wc());
+            let _ = <$k as tenant::ComponentKind>::cache_slot(&ctx.caches).set(ctl.store());
+            let ctl = ctl.watches(api::<NestedControlPlane>(&client, ns), wc(), refs::<$k>);
             // In the kubernetes runtime a workload's rollout reaches its component.
             let ctl = if workloads {
                 ctl.owns(api::<StatefulSet>(&client, ns), wc())
@@ -238,8 +237,35 @@ pub async fn run_with(
                 .for_each(report(<$k as kube::Resource>::kind(&()).to_string(), &ctx))
         }};
     }
+    // nestplane's own secrets, cached: a pass reads certificates from here.
+    let (secret_reader, secret_writer) = kube::runtime::reflector::store();
+    let _ = ctx.caches.secrets.set(secret_reader);
+    let secret_watch = kube::runtime::reflector(
+        secret_writer,
+        watcher(
+            api::<k8s_openapi::api::core::v1::Secret>(&client, ns),
+            wc().labels(&format!(
+                "{}={}",
+                nestplane_api::names::MANAGED_BY_LABEL,
+                nestplane_api::names::MANAGED_BY
+            )),
+        ),
+    )
+    .take_until(shutdown.clone().cancelled_owned())
+    .for_each({
+        let ctx = ctx.clone();
+        move |r| {
+            if let Err(e) = r {
+                tracing::error!(error = %e, "secret watch failed");
+                ctx.metrics.watch_failed("Secret");
+                ctx.health.watch_failed("Secret", e.to_string());
+            }
+            std::future::ready(())
+        }
+    });
     let controllers = async {
         tokio::join!(
+            secret_watch,
             ncp_ctl,
             component_controller!(NestedEtcd),
             component_controller!(NestedAPIServer),

@@ -27,7 +27,7 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         return cleanup(&ncp, &ctx, &api).await;
     }
 
-    let mut tenant = Tenant::load(&ctx.client, (*ncp).clone()).await?;
+    let mut tenant = Tenant::load(&ctx.client, &ctx.caches, (*ncp).clone()).await?;
     let mut problem = tenant
         .name_problem()
         .map(|m| (reasons::INVALID_SPEC.to_string(), m));
@@ -69,7 +69,8 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         }
         if changed {
             let fresh = api.get(&name).await?;
-            tenant = Tenant::load(&ctx.client, fresh).await?;
+            // Just written: read past the caches.
+            tenant = Tenant::load(&ctx.client, &Default::default(), fresh).await?;
         }
         for (c, msg) in lookup_problems(&tenant) {
             ctx.event(

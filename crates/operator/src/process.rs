@@ -98,6 +98,7 @@ impl Processes {
         let Pass {
             client,
             clock,
+            secrets: cache,
             tenant: t,
             component: c,
             version,
@@ -125,7 +126,8 @@ impl Processes {
             &t.cluster(),
             tenant::owner_ref(&t.ncp),
             clock.clone(),
-        );
+        )
+        .with_cache(cache.cloned());
         let endpoint_host: Vec<String> = hosts.first().map(|h| h.to_string()).into_iter().collect();
         let plan = nestplane_render::certificates::plan(
             c,

@@ -29,6 +29,8 @@ pub struct Pass<'a> {
     pub client: &'a kube::Client,
     /// When certificates are due.
     pub clock: &'a crate::clock::Clock,
+    /// nestplane's secrets as its watch holds them.
+    pub secrets: Option<&'a kube::runtime::reflector::Store<k8s_openapi::api::core::v1::Secret>>,
     /// The tenant, with every component as read at the start of the pass.
     pub tenant: &'a Tenant,
     /// Which component.

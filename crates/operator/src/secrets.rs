@@ -63,6 +63,9 @@ pub struct ClusterSecrets {
     cluster: String,
     owner: OwnerReference,
     clock: crate::clock::Clock,
+    cache: Option<kube::runtime::reflector::Store<Secret>>,
+    /// What this pass wrote: read before the cache, which may not have seen it yet.
+    written: std::sync::Arc<std::sync::Mutex<BTreeMap<String, Secret>>>,
 }
 
 /// A leaf certificate to keep current.
@@ -115,6 +118,23 @@ impl ClusterSecrets {
             cluster: cluster.to_string(),
             owner,
             clock,
+            cache: None,
+            written: Default::default(),
+        }
+    }
+
+    /// Read through `cache` (nestplane's own secrets, watched) before asking the API server.
+    pub fn with_cache(mut self, cache: Option<kube::runtime::reflector::Store<Secret>>) -> Self {
+        self.cache = cache;
+        self
+    }
+
+    fn remember(&self, s: Secret) {
+        if let Some(name) = s.metadata.name.clone() {
+            self.written
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(name, s);
         }
     }
 
@@ -154,6 +174,22 @@ impl ClusterSecrets {
 
     async fn get(&self, purpose: SecretPurpose) -> Result<Option<Secret>, SecretError> {
         let name = purpose.secret_name(&self.cluster);
+        if let Some(s) = self
+            .written
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&name)
+        {
+            return Ok(Some(s.clone()));
+        }
+        let ns = self.api.namespace().unwrap_or_default().to_string();
+        if let Some(hit) = self
+            .cache
+            .as_ref()
+            .and_then(|c| c.get(&kube::runtime::reflector::ObjectRef::new(&name).within(&ns)))
+        {
+            return Ok(Some((*hit).clone()));
+        }
         self.api
             .get_opt(&name)
             .await
@@ -169,8 +205,18 @@ impl ClusterSecrets {
                 &Patch::Apply(secret),
             )
             .await
-            .map(|_| ())
+            .map(|s| self.remember(s))
             .map_err(|source| SecretError::Kube { name, source })
+    }
+
+    async fn get_fresh(&self, name: &str) -> Result<Option<Secret>, SecretError> {
+        self.api
+            .get_opt(name)
+            .await
+            .map_err(|source| SecretError::Kube {
+                name: name.to_string(),
+                source,
+            })
     }
 
     /// The CA (or service-account key pair) of `purpose`: read if it exists, created once
@@ -194,9 +240,12 @@ impl ClusterSecrets {
             BTreeMap::new(),
         );
         match self.api.create(&PostParams::default(), &secret).await {
-            Ok(_) => Ok(ck),
+            Ok(created) => {
+                self.remember(created);
+                Ok(ck)
+            }
             // Someone else created it meanwhile: theirs wins.
-            Err(kube::Error::Api(e)) if e.code == 409 => match self.get(purpose).await? {
+            Err(kube::Error::Api(e)) if e.code == 409 => match self.get_fresh(&name).await? {
                 Some(s) => Self::read_ca(&name, purpose, &s),
                 None => Err(SecretError::Invalid {
                     name,

@@ -7,6 +7,7 @@ use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::Api;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use nestplane_api::names::{self, Component};
 use nestplane_api::{
@@ -15,6 +16,7 @@ use nestplane_api::{
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use std::sync::OnceLock;
 
 /// The component kinds, handled generically.
 pub trait ComponentKind:
@@ -35,10 +37,56 @@ pub trait ComponentKind:
     fn common_status(&self) -> Option<&ComponentStatus>;
     /// A component object with default spec.
     fn with_defaults(name: &str, namespace: &str) -> Self;
+    /// Where this kind's watch cache is kept.
+    fn cache_slot(c: &Caches) -> &OnceLock<Store<Self>>;
+    /// This kind's watch cache, once its controller runs.
+    fn cache(c: &Caches) -> Option<&Store<Self>> {
+        Self::cache_slot(c).get()
+    }
+}
+
+/// The controllers' watch caches, shared so that a reconcile reads what the watches already
+/// hold instead of asking the API server (a miss, such as an object created a moment ago,
+/// falls back to a GET).
+#[derive(Default)]
+pub struct Caches {
+    /// Control planes.
+    pub ncps: OnceLock<Store<NestedControlPlane>>,
+    /// etcd components.
+    pub etcds: OnceLock<Store<NestedEtcd>>,
+    /// API server components.
+    pub apiservers: OnceLock<Store<NestedAPIServer>>,
+    /// Controller-manager components.
+    pub controller_managers: OnceLock<Store<NestedControllerManager>>,
+    /// Scheduler components.
+    pub schedulers: OnceLock<Store<NestedScheduler>>,
+    /// Secrets nestplane manages (label `app.kubernetes.io/managed-by=nestplane`).
+    pub secrets: OnceLock<Store<k8s_openapi::api::core::v1::Secret>>,
+}
+
+impl Caches {
+    /// A control plane from the cache, else from the API server.
+    pub async fn ncp(
+        &self,
+        client: &kube::Client,
+        ns: &str,
+        name: &str,
+    ) -> Result<Option<NestedControlPlane>, kube::Error> {
+        if let Some(hit) = self
+            .ncps
+            .get()
+            .and_then(|s| s.get(&ObjectRef::new(name).within(ns)))
+        {
+            return Ok(Some((*hit).clone()));
+        }
+        Api::<NestedControlPlane>::namespaced(client.clone(), ns)
+            .get_opt(name)
+            .await
+    }
 }
 
 macro_rules! component_kind {
-    ($ty:ty, $spec:ident, $c:expr, $status:expr) => {
+    ($ty:ty, $spec:ident, $c:expr, $status:expr, $cache:expr) => {
         impl ComponentKind for $ty {
             const COMPONENT: Component = $c;
             fn component_spec(&self) -> &NestedComponentSpec {
@@ -53,31 +101,41 @@ macro_rules! component_kind {
                 o.metadata.namespace = Some(namespace.to_string());
                 o
             }
+            fn cache_slot(c: &Caches) -> &OnceLock<Store<Self>> {
+                let f: fn(&Caches) -> &OnceLock<Store<Self>> = $cache;
+                f(c)
+            }
         }
     };
 }
 
-component_kind!(NestedEtcd, NestedEtcdSpec, Component::Etcd, |o| o
-    .status
-    .as_ref()
-    .map(|s| &s.common));
+component_kind!(
+    NestedEtcd,
+    NestedEtcdSpec,
+    Component::Etcd,
+    |o| o.status.as_ref().map(|s| &s.common),
+    |c| &c.etcds
+);
 component_kind!(
     NestedAPIServer,
     NestedAPIServerSpec,
     Component::ApiServer,
-    |o| o.status.as_ref().map(|s| &s.common)
+    |o| o.status.as_ref().map(|s| &s.common),
+    |c| &c.apiservers
 );
 component_kind!(
     NestedControllerManager,
     NestedControllerManagerSpec,
     Component::ControllerManager,
-    |o| o.status.as_ref()
+    |o| o.status.as_ref(),
+    |c| &c.controller_managers
 );
 component_kind!(
     NestedScheduler,
     NestedSchedulerSpec,
     Component::Scheduler,
-    |o| o.status.as_ref()
+    |o| o.status.as_ref(),
+    |c| &c.schedulers
 );
 
 /// The reference field of the control plane that points at a component.
@@ -160,6 +218,7 @@ impl<K: ComponentKind> Lookup<K> {
 /// Read the component `K` that `ncp` references.
 pub async fn lookup<K: ComponentKind>(
     client: &kube::Client,
+    caches: &Caches,
     ncp: &NestedControlPlane,
 ) -> Result<Lookup<K>, kube::Error> {
     let ns = ncp.namespace().unwrap_or_default();
@@ -173,8 +232,16 @@ pub async fn lookup<K: ComponentKind>(
             kind_of(K::COMPONENT)
         )));
     }
-    let api: Api<K> = Api::namespaced(client.clone(), &ns);
-    Ok(match api.get_opt(&name).await? {
+    let cached = K::cache(caches).and_then(|s| s.get(&ObjectRef::new(&name).within(&ns)));
+    let found = match cached {
+        Some(hit) => Some((*hit).clone()),
+        None => {
+            Api::<K>::namespaced(client.clone(), &ns)
+                .get_opt(&name)
+                .await?
+        }
+    };
+    Ok(match found {
         Some(k) => Lookup::Found(k),
         None => Lookup::NotFound(format!(
             "{} {ns}/{name} referenced by the control plane does not exist",
@@ -202,13 +269,14 @@ impl Tenant {
     /// Read the control plane's components.
     pub async fn load(
         client: &kube::Client,
+        caches: &Caches,
         ncp: NestedControlPlane,
     ) -> Result<Tenant, kube::Error> {
         Ok(Tenant {
-            etcd: lookup(client, &ncp).await?,
-            apiserver: lookup(client, &ncp).await?,
-            controller_manager: lookup(client, &ncp).await?,
-            scheduler: lookup(client, &ncp).await?,
+            etcd: lookup(client, caches, &ncp).await?,
+            apiserver: lookup(client, caches, &ncp).await?,
+            controller_manager: lookup(client, caches, &ncp).await?,
+            scheduler: lookup(client, caches, &ncp).await?,
             ncp,
         })
     }

@@ -250,6 +250,7 @@ async fn run(pass: Pass<'_>, settings: &KubernetesSettings) -> Result<Observatio
     let Pass {
         client,
         clock,
+        secrets: cache,
         tenant: t,
         component: c,
         version,
@@ -283,7 +284,8 @@ async fn run(pass: Pass<'_>, settings: &KubernetesSettings) -> Result<Observatio
         &t.cluster(),
         crate::tenant::owner_ref(&t.ncp),
         clock.clone(),
-    );
+    )
+    .with_cache(cache.cloned());
     let plan = nestplane_render::certificates::plan(
         c,
         &input,

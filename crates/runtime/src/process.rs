@@ -501,7 +501,7 @@ impl ProcessRuntime {
                 .remove(key);
         }
         let groups = self.take_groups(|(k, _)| k == key);
-        futures_util_join(groups.iter().map(|g| async move {
+        futures::future::join_all(groups.iter().map(|g| async move {
             stop_group(&mut *g.lock().await).await;
         }))
         .await;
@@ -524,34 +524,11 @@ impl ProcessRuntime {
     /// Stop every process of every tenant (data stays), all components at once.
     pub async fn shutdown(&self) {
         let groups = self.take_groups(|_| true);
-        futures_util_join(groups.iter().map(|g| async move {
+        futures::future::join_all(groups.iter().map(|g| async move {
             stop_group(&mut *g.lock().await).await;
         }))
         .await;
     }
-}
-
-/// Await every future concurrently.
-async fn futures_util_join<F: std::future::Future<Output = ()>>(futs: impl Iterator<Item = F>) {
-    let mut set = Vec::new();
-    for f in futs {
-        set.push(Box::pin(f));
-    }
-    // Polled together: each one's stop runs while the others wait.
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for f in set.iter_mut() {
-            if f.as_mut().poll(cx).is_pending() {
-                pending = true;
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
 }
 
 fn pick_block(used: &[[u8; 2]]) -> Option<[u8; 2]> {
