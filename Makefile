@@ -1,4 +1,4 @@
-.PHONY: up down test crds release-manifests bench fmt
+.PHONY: up down test crds release-manifests bench soak fmt
 
 # A local management plane, the operator and a tenant control plane (foreground; Ctrl-C stops).
 up:
@@ -23,6 +23,11 @@ release-manifests: crds
 
 bench:
 	scripts/bench.sh
+
+# Kill the operator at random 100 times while 20 tenants are created; all must converge with
+# their CAs unchanged (minutes; not part of `make test`). ARGS="TENANTS KILLS" to change.
+soak:
+	scripts/soak.sh $(ARGS)
 
 fmt:
 	cargo fmt --all

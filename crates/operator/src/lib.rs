@@ -1,5 +1,5 @@
-//! nestplane's controllers: `NestedControlPlane` and one per component kind, with the
-//! `process` runtime.
+//! nestplane's controllers: `NestedControlPlane` and one per component kind, running
+//! components through one [`runtime::Runtime`] seam (`process` or `kubernetes`).
 //!
 //! Each controller reads, calls the pure core (`render`, `pki`, [`status`]), applies, and
 //! writes status only when it changed.
