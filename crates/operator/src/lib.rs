@@ -28,6 +28,7 @@ use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use kube::ResourceExt;
 use kube::api::Api;
+use kube::runtime::WatchStreamExt;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
@@ -240,6 +241,7 @@ pub async fn run_with(
     // nestplane's own secrets, cached: a pass reads certificates from here.
     let (secret_reader, secret_writer) = kube::runtime::reflector::store();
     let _ = ctx.caches.secrets.set(secret_reader);
+    // With backoff: a watch that fails at once (the API server gone) must not spin.
     let secret_watch = kube::runtime::reflector(
         secret_writer,
         watcher(
@@ -249,7 +251,8 @@ pub async fn run_with(
                 nestplane_api::names::MANAGED_BY_LABEL,
                 nestplane_api::names::MANAGED_BY
             )),
-        ),
+        )
+        .default_backoff(),
     )
     .take_until(shutdown.clone().cancelled_owned())
     .for_each({
