@@ -6,10 +6,10 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
-use common::{Env, alive, events_for, eventually, kubectl, kubectl_ok, nestplane};
+use common::{Env, KillOnDrop, alive, events_for, eventually, kubectl, kubectl_ok, nestplane};
 use kube::api::{Api, Patch, PatchParams};
 use nestplane_api::{NestedControlPlane, NestedEtcd};
 
@@ -458,7 +458,7 @@ fn corpus() -> Vec<Case> {
     cases
 }
 
-fn spawn_operator(env: &Env) -> Child {
+fn spawn_operator(env: &Env) -> KillOnDrop {
     let kc = env.state.path().join("mgmt.kubeconfig");
     std::fs::write(&kc, env.plane.kubeconfig()).unwrap();
     nestplane()
@@ -474,6 +474,7 @@ fn spawn_operator(env: &Env) -> Child {
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(env.state.path().join("operator.log")).unwrap())
         .spawn()
+        .map(KillOnDrop)
         .unwrap()
 }
 
@@ -525,7 +526,7 @@ async fn fifty_hostile_specs_never_crash_the_operator_or_touch_other_tenants() {
         );
     }
     assert!(
-        op.try_wait().unwrap().is_none(),
+        !op.exited(),
         "the operator exited: {}",
         std::fs::read_to_string(env.state.path().join("operator.log")).unwrap_or_default()
     );
@@ -549,8 +550,7 @@ async fn fifty_hostile_specs_never_crash_the_operator_or_touch_other_tenants() {
         refused.len(),
         accepted.len()
     );
-    op.kill().unwrap();
-    op.wait().unwrap();
+    op.kill();
 }
 
 fn signal(pid: u32, sig: &str) {

@@ -422,9 +422,10 @@ async fn operator_killed_mid_creation_converges_with_the_same_ca() {
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
+            .map(KillOnDrop)
             .unwrap()
     };
-    let mut op = spawn_operator();
+    let op = spawn_operator();
     env.create_ncp("default", "phoenix").await;
     // Mid-creation: the CA exists, the tenant is not ready yet.
     let ca_before = eventually("the cluster CA is created", Duration::from_secs(60), || {
@@ -440,8 +441,7 @@ async fn operator_killed_mid_creation_converges_with_the_same_ca() {
         &["get", "secret", "phoenix-etcd", "-o", "jsonpath={.data}"],
     );
     let etcd_pid = env.pid("default", "phoenix", "etcd", 0);
-    op.kill().unwrap(); // SIGKILL
-    op.wait().unwrap();
+    op.kill(); // SIGKILL
     if let Some(pid) = etcd_pid {
         eventually(
             "tenant processes die with the operator",
@@ -450,7 +450,7 @@ async fn operator_killed_mid_creation_converges_with_the_same_ca() {
         );
     }
 
-    let mut op = spawn_operator();
+    let op = spawn_operator();
     env.wait_ready("default", "phoenix", READY).await;
     let ca_after = kubectl_ok(
         env.kubeconfig(),
@@ -476,9 +476,8 @@ async fn operator_killed_mid_creation_converges_with_the_same_ca() {
     });
 
     // Restart once more: same CA, same data.
-    op.kill().unwrap();
-    op.wait().unwrap();
-    let mut op = spawn_operator();
+    op.kill();
+    let op = spawn_operator();
     env.wait_ready("default", "phoenix", READY).await;
     eventually(
         "data survives the operator restart",
@@ -490,6 +489,5 @@ async fn operator_killed_mid_creation_converges_with_the_same_ca() {
                 .then_some(())
         },
     );
-    op.kill().unwrap();
-    op.wait().unwrap();
+    op.kill();
 }

@@ -236,6 +236,30 @@ impl Env {
     }
 }
 
+/// A child process (an operator the test runs) that is killed (SIGKILL) and reaped when
+/// dropped, so a failing test never leaves it, and the tenants it supervises, running.
+pub struct KillOnDrop(pub std::process::Child);
+
+impl KillOnDrop {
+    /// SIGKILL and reap now.
+    pub fn kill(mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+
+    /// Whether it has exited.
+    pub fn exited(&mut self) -> bool {
+        self.0.try_wait().ok().flatten().is_some()
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Whether a process is alive (not reaped, not a zombie).
 pub fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
