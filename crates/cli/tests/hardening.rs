@@ -176,37 +176,19 @@ async fn etcd_membership_changes_are_refused_after_bootstrap_and_no_data_is_lost
     );
 
     // One cluster with one member, and the data is there.
-    let client = env
-        .secret("default", "solo-apiserver-etcd-client")
-        .await
-        .unwrap();
-    let data = client.data.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    for (k, f) in [
-        ("tls.crt", "c.crt"),
-        ("tls.key", "c.key"),
-        ("ca.crt", "ca.crt"),
-    ] {
-        std::fs::write(dir.path().join(f), &data[k].0).unwrap();
-    }
     let etcd = etcds.get("solo-etcd").await.unwrap();
     let addr = &etcd.status.as_ref().unwrap().addresses;
     assert_eq!(addr.len(), 1, "{addr:?}");
-    let out = std::process::Command::new("etcdctl")
-        .env("ETCDCTL_API", "3")
-        .arg(format!(
-            "--endpoints=https://{}:{}",
-            addr[0].ip.as_deref().unwrap(),
-            addr[0].port
-        ))
-        .arg(format!("--cacert={}", dir.path().join("ca.crt").display()))
-        .arg(format!("--cert={}", dir.path().join("c.crt").display()))
-        .arg(format!("--key={}", dir.path().join("c.key").display()))
-        .args(["member", "list"])
-        .output()
-        .expect("etcdctl not found: run scripts/install-deps.sh (installs etcd-client)");
-    let members = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{members}");
+    let endpoint = format!(
+        "https://{}:{}",
+        addr[0].ip.as_deref().unwrap(),
+        addr[0].port
+    );
+    let (ok, members, err) = env
+        .etcdctl("default", "solo", vec![endpoint])
+        .await
+        .run(&["member", "list"]);
+    assert!(ok, "{members}{err}");
     assert_eq!(members.lines().count(), 1, "{members}");
     kubectl_ok(&tenant, &["get", "namespace", "precious"]);
     let ncp = env.ncps("default").get("solo").await.unwrap();

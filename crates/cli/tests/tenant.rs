@@ -167,42 +167,15 @@ async fn three_member_etcd_is_a_real_cluster() {
     assert_eq!(st.addresses.len(), 3);
 
     // etcdctl with the apiserver's issued etcd client certificate.
-    let client = env
-        .secret("default", "ha-apiserver-etcd-client")
-        .await
-        .expect("etcd client cert");
-    let data = client.data.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    for (k, file) in [
-        ("tls.crt", "client.crt"),
-        ("tls.key", "client.key"),
-        ("ca.crt", "ca.crt"),
-    ] {
-        std::fs::write(dir.path().join(file), &data[k].0).unwrap();
-    }
     let endpoints: Vec<String> = st
         .addresses
         .iter()
         .map(|a| format!("https://{}:{}", a.ip.as_deref().unwrap(), a.port))
         .collect();
+    let etcd = env.etcdctl("default", "ha", endpoints).await;
     let etcdctl = |args: &[&str]| {
-        let out = std::process::Command::new("etcdctl")
-            .env("ETCDCTL_API", "3")
-            .arg(format!("--endpoints={}", endpoints.join(",")))
-            .arg(format!("--cacert={}", dir.path().join("ca.crt").display()))
-            .arg(format!(
-                "--cert={}",
-                dir.path().join("client.crt").display()
-            ))
-            .arg(format!("--key={}", dir.path().join("client.key").display()))
-            .args(args)
-            .output()
-            .expect("etcdctl not found: run scripts/install-deps.sh (installs etcd-client)");
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned()
-                + &String::from_utf8_lossy(&out.stderr),
-        )
+        let (ok, out, err) = etcd.run(args);
+        (ok, out + &err)
     };
     let (ok, members) = etcdctl(&["member", "list", "-w", "simple"]);
     assert!(ok, "{members}");

@@ -19,7 +19,6 @@ use nestplane_runtime::process::{self, ProcessRuntime, RuntimeError, TenantKey};
 use crate::crds::FIELD_MANAGER;
 use crate::error::Error;
 use crate::runtime::{Observation, Pass, Runtime};
-use crate::secrets::ClusterSecrets;
 use crate::tenant::{self, Tenant};
 
 /// Components as local processes.
@@ -97,12 +96,11 @@ impl Processes {
     async fn run_pass(&self, pass: Pass<'_>) -> Result<Observation, Error> {
         let Pass {
             client,
-            clock,
-            secrets: cache,
             tenant: t,
             component: c,
             version,
             patches,
+            ..
         } = pass;
         let key = tenant_key(&t.ncp);
         let hosts = self.processes.hosts(&key)?;
@@ -120,26 +118,8 @@ impl Processes {
             policy::apply_checked(objects.all_mut(), patches, policy::Runtime::Process)?;
             rendered.pod_template = objects.pod_template()?;
         }
-        let secrets = ClusterSecrets::new(
-            client.clone(),
-            &t.namespace(),
-            &t.cluster(),
-            tenant::owner_ref(&t.ncp),
-            clock.clone(),
-        )
-        .with_cache(cache.cloned());
         let endpoint_host: Vec<String> = hosts.first().map(|h| h.to_string()).into_iter().collect();
-        let plan = nestplane_render::certificates::plan(
-            c,
-            &input,
-            &endpoint_host,
-            t.ncp
-                .spec
-                .control_plane_endpoint
-                .as_ref()
-                .map(|e| (e.host.as_str(), e.port)),
-        );
-        let health_ca = secrets.issue(&plan).await?;
+        let (secrets, health_ca) = pass.issue(&input, &endpoint_host).await?;
         let data = secrets.data(&rendered.secrets).await?;
         let endpoints = nestplane_render::health_endpoints(c, &input);
         let probe = process::Probe {

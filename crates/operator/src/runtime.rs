@@ -21,6 +21,7 @@ use nestplane_render::{KubeVersion, RenderInput, policy};
 use serde_json::Value;
 
 use crate::error::Error;
+use crate::secrets::ClusterSecrets;
 use crate::tenant::Tenant;
 
 /// One pass of one component, as the reconciler hands it to the runtime.
@@ -39,6 +40,37 @@ pub struct Pass<'a> {
     pub version: KubeVersion,
     /// Its `spec.patches` (already judged acceptable by [`Runtime::patch_policy`]).
     pub patches: &'a [Value],
+}
+
+impl Pass<'_> {
+    /// Issue this component's certificates and kubeconfigs from the pure plan, for `input`
+    /// and the addresses the API server is reached at (`hosts`, the endpoint first). Returns
+    /// the tenant's secrets (to read what the pod template mounts) and the CA that verifies
+    /// the component's health endpoint.
+    pub async fn issue(
+        &self,
+        input: &RenderInput,
+        hosts: &[String],
+    ) -> Result<(ClusterSecrets, Option<String>), Error> {
+        let t = self.tenant;
+        let secrets = ClusterSecrets::new(
+            self.client.clone(),
+            &t.namespace(),
+            &t.cluster(),
+            crate::tenant::owner_ref(&t.ncp),
+            self.clock.clone(),
+        )
+        .with_cache(self.secrets.cloned());
+        let endpoint = t
+            .ncp
+            .spec
+            .control_plane_endpoint
+            .as_ref()
+            .map(|e| (e.host.as_str(), e.port));
+        let plan = nestplane_render::certificates::plan(self.component, input, hosts, endpoint);
+        let health_ca = secrets.issue(&plan).await?;
+        Ok((secrets, health_ca))
+    }
 }
 
 /// What a runtime saw after making a component run.

@@ -19,7 +19,6 @@ use sha2::{Digest, Sha256};
 use crate::crds::FIELD_MANAGER;
 use crate::error::Error;
 use crate::runtime::{Observation, Pass, Runtime};
-use crate::secrets::ClusterSecrets;
 use crate::tenant::{ComponentKind, Lookup, Tenant};
 
 /// Settings of the `kubernetes` runtime.
@@ -249,12 +248,11 @@ impl Runtime for Workloads {
 async fn run(pass: Pass<'_>, settings: &KubernetesSettings) -> Result<Observation, Error> {
     let Pass {
         client,
-        clock,
-        secrets: cache,
         tenant: t,
         component: c,
         version,
         patches,
+        ..
     } = pass;
     let ns = t.namespace();
     let input = render_input(t, version, settings);
@@ -278,25 +276,7 @@ async fn run(pass: Pass<'_>, settings: &KubernetesSettings) -> Result<Observatio
         .iter()
         .find(|s| s.metadata.name.as_deref() == Some(&rendered.workload_name));
     let hosts = api_service.map(service_addresses).unwrap_or_default();
-    let secrets = ClusterSecrets::new(
-        client.clone(),
-        &ns,
-        &t.cluster(),
-        crate::tenant::owner_ref(&t.ncp),
-        clock.clone(),
-    )
-    .with_cache(cache.cloned());
-    let plan = nestplane_render::certificates::plan(
-        c,
-        &input,
-        &hosts,
-        t.ncp
-            .spec
-            .control_plane_endpoint
-            .as_ref()
-            .map(|e| (e.host.as_str(), e.port)),
-    );
-    secrets.issue(&plan).await?;
+    let (secrets, _) = pass.issue(&input, &hosts).await?;
     let data = secrets.data(&rendered.secrets).await?;
     let annotations = &mut objects.workload["spec"]["template"]["metadata"]["annotations"];
     if !annotations.is_object() {

@@ -39,6 +39,17 @@ fn merge_key(field: &str) -> Option<&'static str> {
     })
 }
 
+/// `Kind/name` of a rendered object (`?` for what is missing).
+pub(crate) fn kind_name(v: &Value) -> String {
+    format!(
+        "{}/{}",
+        v.get("kind").and_then(Value::as_str).unwrap_or("?"),
+        v.pointer("/metadata/name")
+            .and_then(Value::as_str)
+            .unwrap_or("?")
+    )
+}
+
 /// Apply `patches` in order to `objects` (each object has `kind` and `metadata.name`).
 pub fn apply<'a>(
     objects: impl IntoIterator<Item = &'a mut Value>,
@@ -74,18 +85,7 @@ pub fn apply<'a>(
             o.get("kind").and_then(Value::as_str) == Some(kind)
                 && o.pointer("/metadata/name").and_then(Value::as_str) == Some(name)
         }) else {
-            let known: Vec<String> = objects
-                .iter()
-                .map(|o| {
-                    format!(
-                        "{}/{}",
-                        o.get("kind").and_then(Value::as_str).unwrap_or("?"),
-                        o.pointer("/metadata/name")
-                            .and_then(Value::as_str)
-                            .unwrap_or("?")
-                    )
-                })
-                .collect();
+            let known: Vec<String> = objects.iter().map(|o| kind_name(o)).collect();
             return Err(err(
                 target,
                 format!(

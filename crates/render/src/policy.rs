@@ -21,7 +21,7 @@
 
 use serde_json::Value;
 
-use crate::patch::{PatchError, apply};
+use crate::patch::{PatchError, apply, kind_name};
 
 /// Where the patched objects will run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -193,16 +193,6 @@ pub fn apply_checked<'a>(
         }
     }
     Ok(())
-}
-
-fn kind_name(v: &Value) -> String {
-    format!(
-        "{}/{}",
-        v.get("kind").and_then(Value::as_str).unwrap_or("?"),
-        v.pointer("/metadata/name")
-            .and_then(Value::as_str)
-            .unwrap_or("?")
-    )
 }
 
 /// Compare `patched` with `rendered` (same objects, same order); `Err((target, reason))` names

@@ -260,6 +260,55 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// `etcdctl` against a tenant's etcd members, authenticated with the API server's etcd client
+/// certificate (`<cluster>-apiserver-etcd-client`).
+pub struct Etcdctl {
+    dir: tempfile::TempDir,
+    endpoints: Vec<String>,
+}
+
+impl Etcdctl {
+    /// Run `etcdctl args…`; returns (success, stdout, stderr). Fails the test with an install
+    /// hint when etcdctl is missing.
+    pub fn run(&self, args: &[&str]) -> (bool, String, String) {
+        let f = |n: &str| self.dir.path().join(n).display().to_string();
+        let out = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .arg(format!("--endpoints={}", self.endpoints.join(",")))
+            .arg(format!("--cacert={}", f("ca.crt")))
+            .arg(format!("--cert={}", f("client.crt")))
+            .arg(format!("--key={}", f("client.key")))
+            .args(args)
+            .output()
+            .expect("etcdctl not found: run scripts/install-deps.sh (installs etcd-client)");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+}
+
+impl Env {
+    /// [`Etcdctl`] for the etcd of `ns/cluster` at `endpoints` (`https://host:port`).
+    pub async fn etcdctl(&self, ns: &str, cluster: &str, endpoints: Vec<String>) -> Etcdctl {
+        let client = self
+            .secret(ns, &format!("{cluster}-apiserver-etcd-client"))
+            .await
+            .expect("etcd client certificate");
+        let data = client.data.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        for (k, file) in [
+            ("tls.crt", "client.crt"),
+            ("tls.key", "client.key"),
+            ("ca.crt", "ca.crt"),
+        ] {
+            std::fs::write(dir.path().join(file), &data[k].0).unwrap();
+        }
+        Etcdctl { dir, endpoints }
+    }
+}
+
 /// Whether a process is alive (not reaped, not a zombie).
 pub fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
