@@ -2,10 +2,12 @@
 # Install everything nestplane needs on a Debian machine (idempotent, safe to re-run).
 #
 #  - Debian packages: etcd (server + client), Go, rsync, build tools;
-#  - kube-apiserver, kube-controller-manager and kube-scheduler 1.20.2, built from Debian's
-#    `kubernetes` source package, cached under $NESTPLANE_CACHE_DIR (default
-#    ~/.cache/nestplane). Nothing is built when the binaries are already cached, or when
-#    NESTPLANE_BIN_DIR points at a directory that already holds them (any version).
+#  - Debian packages for real nodes: containerd, runc, the CNI plugins, buildah (images),
+#    busybox-static (the shell image), iptables and conntrack (kube-proxy);
+#  - kube-apiserver, kube-controller-manager, kube-scheduler, kubelet and kube-proxy 1.20.2,
+#    built from Debian's `kubernetes` source package, cached under $NESTPLANE_CACHE_DIR
+#    (default ~/.cache/nestplane). Nothing is built when the binaries are already cached, or
+#    when NESTPLANE_BIN_DIR points at a directory that already holds them (any version).
 #
 # Prints the directory holding the binaries as its last line: `NESTPLANE_BIN_DIR=<dir>`.
 set -euo pipefail
@@ -14,12 +16,30 @@ K8S_VERSION=1.20.2
 CACHE_DIR="${NESTPLANE_CACHE_DIR:-$HOME/.cache/nestplane}"
 BIN_DIR_DEFAULT="$CACHE_DIR/kubernetes/v$K8S_VERSION/bin"
 SERVER_BINS=(kube-apiserver kube-controller-manager kube-scheduler)
+NODE_BINS=(kubelet kube-proxy)
+ALL_BINS=("${SERVER_BINS[@]}" "${NODE_BINS[@]}")
 
 log() { echo "install-deps: $*" >&2; }
 
 have_bins() {
   local dir="$1" b
-  for b in "${SERVER_BINS[@]}"; do [ -x "$dir/$b" ] || return 1; done
+  for b in "${ALL_BINS[@]}"; do [ -x "$dir/$b" ] || return 1; done
+}
+
+# Runs a long command with its output in a log file, printing a line every 30 s so that a
+# person watching knows it is alive.
+with_progress() {
+  local what="$1" logfile="$2"; shift 2
+  local start=$SECONDS
+  "$@" >"$logfile" 2>&1 &
+  local pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 5
+    if (( (SECONDS - start) % 30 < 5 )) && kill -0 "$pid" 2>/dev/null; then
+      log "$what: $((SECONDS - start)) s so far ($(tail -n1 "$logfile" | cut -c1-80))"
+    fi
+  done
+  wait "$pid"
 }
 
 SUDO=""
@@ -43,6 +63,9 @@ apt_install() {
 
 # 1. Runtime packages: etcd for the management plane and the tenants, etcdctl for checks.
 apt_install etcd-server etcd-client ca-certificates
+# 1b. Real nodes: a container runtime, pod networking, image building, a shell image.
+apt_install containerd runc containernetworking-plugins buildah busybox-static iptables conntrack \
+  gcc libc6-dev
 if ! command -v kubectl >/dev/null 2>&1; then
   apt_install kubernetes-client
 fi
@@ -59,7 +82,11 @@ if have_bins "$BIN_DIR_DEFAULT"; then
   exit 0
 fi
 
-log "building kube-apiserver, kube-controller-manager, kube-scheduler v$K8S_VERSION from Debian's source package (takes 6-8 minutes on 2 cores)"
+# Which binaries are missing from the cache decides what is built (the Go build cache makes a
+# later build of the node binaries take about a minute).
+want=()
+for b in "${ALL_BINS[@]}"; do [ -x "$BIN_DIR_DEFAULT/$b" ] || want+=("$b"); done
+log "building ${want[*]} v$K8S_VERSION from Debian's source package (6-8 minutes on 2 cores for all; about 1 minute for kubelet and kube-proxy alone)"
 apt_install golang-go rsync make dpkg-dev golang-github-modern-go-reflect2-dev
 
 # deb-src entries are needed for `apt-get source`.
@@ -99,16 +126,18 @@ fi
   export GOPATH="$SRC/.go" CGO_ENABLED=0 GOFLAGS=-mod=vendor GO111MODULE=off
   export PATH="/usr/lib/go/bin:$PATH" HOME="$BUILD_DIR/home" GOCACHE="$BUILD_DIR/gocache"
   mkdir -p "$HOME"
-  make WHAT="cmd/kube-apiserver cmd/kube-controller-manager cmd/kube-scheduler" >"$BUILD_DIR/build.log" 2>&1 \
+  what=""
+  for b in "${want[@]}"; do what="$what cmd/$b"; done
+  with_progress "go build" "$BUILD_DIR/build.log" make WHAT="${what# }" \
     || { tail -n 40 "$BUILD_DIR/build.log" >&2; log "build failed; full log in $BUILD_DIR/build.log"; exit 1; }
 )
 
 mkdir -p "$BIN_DIR_DEFAULT"
-for b in "${SERVER_BINS[@]}"; do
+for b in "${want[@]}"; do
   install -m 0755 "$SRC/_output/bin/$b" "$BIN_DIR_DEFAULT/$b.tmp"
   mv "$BIN_DIR_DEFAULT/$b.tmp" "$BIN_DIR_DEFAULT/$b"
 done
 # Keep the Go build cache (relinks take ~2 minutes) but drop the bulky tree outputs.
 rm -rf "$SRC/_output/local/go/pkg" 2>/dev/null || true
-log "installed ${SERVER_BINS[*]} into $BIN_DIR_DEFAULT"
+log "installed ${want[*]} into $BIN_DIR_DEFAULT"
 echo "NESTPLANE_BIN_DIR=$BIN_DIR_DEFAULT"

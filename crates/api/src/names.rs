@@ -186,6 +186,13 @@ impl Component {
     }
 }
 
+/// The address at which every nestplane node reaches its cluster's API servers: a proxy on
+/// each node listens here, inside the node's network namespace (HyperShift's per-node proxy
+/// uses the same address). API server certificates carry it; API servers of the `process`
+/// runtime, which listen on loopback addresses nodes cannot route to, advertise it as the
+/// `kubernetes` Service's endpoint.
+pub const NODE_LOCAL_APISERVER: &str = "172.20.0.1";
+
 /// Well-known ports (the same for pods and for local processes, which get their own
 /// loopback address per tenant and replica).
 pub mod ports {

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+mod images;
 mod up;
 
 /// nestplane runs many isolated Kubernetes control planes on shared infrastructure.
@@ -27,6 +28,11 @@ enum Command {
     Down(up::DownArgs),
     /// Run the controllers against the cluster of the current kubeconfig.
     Operator(OperatorArgs),
+    /// Container images built on this machine (nothing is pulled).
+    Images {
+        #[command(subcommand)]
+        command: images::ImagesCommand,
+    },
     /// Print the admin kubeconfig of a tenant control plane (from `<name>-kubeconfig`).
     Kubeconfig {
         /// The control plane's name.
@@ -95,6 +101,7 @@ fn main() -> anyhow::Result<()> {
         Command::Up(args) => runtime()?.block_on(up::run(args)),
         Command::Down(args) => runtime()?.block_on(up::down(args)),
         Command::Operator(args) => runtime()?.block_on(operator(args)),
+        Command::Images { command } => images::run(command),
         Command::Kubeconfig { name, namespace } => runtime()?.block_on(async move {
             let client = kube::Client::try_default()
                 .await

@@ -3,7 +3,7 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use nestplane_api::names::{Component, ports};
+use nestplane_api::names::{Component, NODE_LOCAL_APISERVER, ports};
 
 use crate::{Network, RenderInput, first_service_ip};
 
@@ -130,6 +130,10 @@ pub fn apiserver_sans(input: &RenderInput, endpoint_host: Option<&str>) -> Sans 
     s.dns("kubernetes.default.svc");
     s.dns(format!("kubernetes.default.svc.{domain}"));
     if let Ok(ip) = first_service_ip(&input.service_cidr) {
+        s.ip(ip);
+    }
+    // Nodes reach the API servers through their node-local proxy.
+    if let Ok(ip) = NODE_LOCAL_APISERVER.parse::<IpAddr>() {
         s.ip(ip);
     }
     if input.network == Network::Cluster {

@@ -3,7 +3,9 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::ContainerPort;
-use nestplane_api::names::{Component, KUBECONFIG_KEY, SecretPurpose, TLS_CRT, TLS_KEY, ports};
+use nestplane_api::names::{
+    Component, KUBECONFIG_KEY, NODE_LOCAL_APISERVER, SecretPurpose, TLS_CRT, TLS_KEY, ports,
+};
 
 use crate::addressing::{etcd_initial_cluster, etcd_peer_service_name};
 use crate::pod::{DataVolume, ETCD_DATA_DIR, Mounts, Probes, port, probes};
@@ -151,16 +153,17 @@ fn apiserver(input: &RenderInput) -> Part {
     let mut f = Flags::default();
     let v = &input.version;
 
-    f.set("advertise-address", "$(POD_IP)");
+    match input.network {
+        // Loopback addresses cannot be endpoints of the `kubernetes` Service, and nodes could
+        // not reach them: every node has a proxy at the node-local address instead.
+        Network::Loopback { .. } => f.set("advertise-address", NODE_LOCAL_APISERVER),
+        Network::Cluster => f.set("advertise-address", "$(POD_IP)"),
+    }
     f.set("bind-address", bind_address(input));
     f.set("secure-port", ports::APISERVER.to_string());
     if !v.at_least(24) {
         // Removed in 1.24; before, 0 is the only value that keeps plain HTTP off.
         f.set("insecure-port", "0");
-    }
-    if matches!(input.network, Network::Loopback { .. }) {
-        // Endpoints of the `kubernetes` Service may not hold loopback addresses.
-        f.set("endpoint-reconciler-type", "none");
     }
     f.set("allow-privileged", "true");
     f.set("authorization-mode", "Node,RBAC");

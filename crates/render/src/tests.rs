@@ -408,12 +408,10 @@ fn loopback_binds_to_the_replica_address_and_cluster_to_all() {
     }
     let api_lo = render(Component::ApiServer, &lo).unwrap();
     let api_cl = render(Component::ApiServer, &cl).unwrap();
-    assert_eq!(flag(&api_lo, "advertise-address").unwrap(), "$(POD_IP)");
+    // Process runtime: the node-local proxy address is the `kubernetes` endpoint.
+    assert_eq!(flag(&api_lo, "advertise-address").unwrap(), "172.20.0.1");
     assert_eq!(flag(&api_cl, "advertise-address").unwrap(), "$(POD_IP)");
-    assert_eq!(
-        flag(&api_lo, "endpoint-reconciler-type").as_deref(),
-        Some("none")
-    );
+    assert_eq!(flag(&api_lo, "endpoint-reconciler-type"), None);
     assert_eq!(flag(&api_cl, "endpoint-reconciler-type"), None);
 
     let etcd_lo = render(Component::Etcd, &lo).unwrap();

@@ -347,3 +347,122 @@ pub fn events_for(kubeconfig: &Path, ns: &str, name: &str) -> String {
         ],
     )
 }
+
+/// The locally built images (`nestplane images build`, which rebuilds only what changed), by
+/// name.
+pub fn images() -> std::collections::BTreeMap<String, PathBuf> {
+    static BUILT: std::sync::OnceLock<std::collections::BTreeMap<String, PathBuf>> =
+        std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let out = nestplane()
+                .args(["images", "build"])
+                .current_dir(repo())
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "nestplane images build: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let dir = nestplane_nodes::images::default_dir();
+            let mut map = std::collections::BTreeMap::new();
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                let p = PathBuf::from(line.trim());
+                for name in [
+                    "registry.k8s.io/pause:3.2",
+                    "registry.k8s.io/kube-apiserver:v1.20.2",
+                    "registry.k8s.io/kube-controller-manager:v1.20.2",
+                    "registry.k8s.io/kube-scheduler:v1.20.2",
+                    "registry.k8s.io/kube-proxy:v1.20.2",
+                    "registry.k8s.io/etcd:3.4.13-0",
+                    nestplane_nodes::images::SHELL_IMAGE,
+                    nestplane_nodes::images::OPERATOR_IMAGE,
+                ] {
+                    if nestplane_nodes::images::archive_path(&dir, name) == p {
+                        map.insert(name.to_string(), p.clone());
+                    }
+                }
+            }
+            assert_eq!(map.len(), 8, "images built: {map:?}");
+            map
+        })
+        .clone()
+}
+
+/// A client for the cluster of a kubeconfig file.
+pub async fn client_for(kubeconfig: &Path) -> kube::Client {
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig).unwrap();
+    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .unwrap();
+    kube::Client::try_from(cfg).unwrap()
+}
+
+/// Start a node that joins the cluster whose admin client is `admin` (a bootstrap token is
+/// made for it), with the given images imported.
+pub async fn join_node(
+    admin: &kube::Client,
+    name: &str,
+    dir: &Path,
+    ca_pem: &str,
+    apiservers: Vec<std::net::SocketAddr>,
+    api_port: u16,
+    image_names: &[&str],
+) -> nestplane_nodes::node::Node {
+    use nestplane_nodes::{join, node};
+    nestplane_nodes::check_prerequisites("v1.20.2").expect("node prerequisites");
+    let all = images();
+    let token = join::BootstrapToken::generate();
+    join::prepare(admin, &token, Duration::from_secs(3600))
+        .await
+        .expect("bootstrap token");
+    node::Node::start(node::NodeConfig {
+        name: name.into(),
+        dir: dir.to_path_buf(),
+        ca_pem: ca_pem.into(),
+        token: token.token(),
+        apiservers,
+        api_port,
+        images: image_names.iter().map(|n| all[*n].clone()).collect(),
+        pause_image: "registry.k8s.io/pause:3.2".into(),
+        labels: Default::default(),
+        taints: vec![],
+        cluster: Default::default(),
+        version: "v1.20.2".into(),
+    })
+    .await
+    .expect("node starts")
+}
+
+/// Wait until the Node `name` is Ready (as its kubelet reports), printing the node's logs on
+/// failure.
+pub fn wait_node_ready(kubeconfig: &Path, name: &str, node_dir: &Path, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let out = kubectl(
+            kubeconfig,
+            &[
+                "get",
+                "node",
+                name,
+                "-o",
+                "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
+            ],
+        );
+        if String::from_utf8_lossy(&out.stdout).trim() == "True" {
+            return;
+        }
+        if Instant::now() > deadline {
+            let mut logs = String::new();
+            for p in ["kubelet", "containerd", "kube-proxy"] {
+                logs.push_str(&format!(
+                    "--- {p} ---\n{}\n",
+                    nestplane_runtime::child::log_tail(&node_dir.join(format!("logs/{p}.log")), 25)
+                ));
+            }
+            panic!("node {name} not Ready after {timeout:?}\n{logs}");
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}

@@ -1,0 +1,203 @@
+//! End to end: real nodes (containerd + kubelet + kube-proxy in their own namespaces) join a
+//! tenant of the process runtime by bootstrap token and run pods; removing a node leaves
+//! nothing on the machine.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+const READY: Duration = Duration::from_secs(120);
+
+const POD: &str = r#"
+apiVersion: v1
+kind: Pod
+metadata:
+  name: shell
+  namespace: default
+spec:
+  containers:
+  - name: shell
+    image: docker.io/library/busybox:1.35
+    imagePullPolicy: Never
+    command: ["sh", "-c", "echo hello-from-the-pod; mkdir -p /www; echo served-by-the-pod > /www/index.html; httpd -f -p 8080 -h /www"]
+    ports:
+    - containerPort: 8080
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: pod-reader
+  namespace: default
+rules:
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list"]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata:
+  name: default-reads-pods
+  namespace: default
+subjects:
+- kind: ServiceAccount
+  name: default
+  namespace: default
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: Role
+  name: pod-reader
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_joins_a_process_tenant_by_bootstrap_token_and_runs_a_pod() {
+    let env = Env::start(true).await;
+    env.create_ncp("default", "nodes").await;
+    let ncp = env.wait_ready("default", "nodes", READY).await;
+    let ep = ncp.spec.control_plane_endpoint.clone().unwrap();
+    let tenant = env.tenant_kubeconfig("default", "nodes").await;
+    let admin = client_for(&tenant).await;
+    let ca = env.secret("default", "nodes-ca").await.unwrap();
+    let ca_pem = String::from_utf8(ca.data.unwrap()["tls.crt"].0.clone()).unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let node_dir = dir.path().join("worker-0");
+    let node = join_node(
+        &admin,
+        "worker-0",
+        &node_dir,
+        &ca_pem,
+        vec![format!("{}:{}", ep.host, ep.port).parse().unwrap()],
+        6443,
+        &[
+            "registry.k8s.io/pause:3.2",
+            nestplane_nodes::images::SHELL_IMAGE,
+        ],
+    )
+    .await;
+    wait_node_ready(&tenant, "worker-0", &node_dir, READY);
+
+    // The kubelet's client certificate came from an approved CSR, not from an admin
+    // credential: the CSR is there, approved and issued, for system:node:worker-0.
+    let csrs = kubectl_ok(
+        &tenant,
+        &[
+            "get",
+            "csr",
+            "-o",
+            "jsonpath={range .items[*]}{.spec.username} {.status.conditions[0].type} {.status.certificate}{\"\\n\"}{end}",
+        ],
+    );
+    assert!(
+        csrs.lines().any(|l| l.starts_with("system:bootstrap:")
+            && l.contains(" Approved ")
+            && l.len() > 100),
+        "no approved, issued bootstrap CSR: {csrs}"
+    );
+    let kubelet_conf = std::fs::read_to_string(node_dir.join("kubelet.conf")).unwrap();
+    assert!(
+        kubelet_conf.contains("kubelet-client-current.pem"),
+        "{kubelet_conf}"
+    );
+    assert!(
+        !kubelet_conf.contains("token"),
+        "the kubelet keeps no token"
+    );
+    // The Node's address is on the node's own link, not loopback.
+    let ip = kubectl_ok(
+        &tenant,
+        &[
+            "get",
+            "node",
+            "worker-0",
+            "-o",
+            "jsonpath={.status.addresses[?(@.type==\"InternalIP\")].address}",
+        ],
+    );
+    assert_eq!(ip.trim(), node.ip().to_string());
+
+    // A pod from the locally built image.
+    let out = kubectl_stdin(&tenant, &["apply", "-f", "-"], Some(POD));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eventually("the pod runs", READY, || {
+        let phase = kubectl_ok(
+            &tenant,
+            &["get", "pod", "shell", "-o", "jsonpath={.status.phase}"],
+        );
+        (phase.trim() == "Running").then_some(())
+    });
+
+    // logs, exec, port-forward: the API server reaches the kubelet, which trusts it.
+    eventually("kubectl logs", Duration::from_secs(30), || {
+        let out = kubectl(&tenant, &["logs", "shell"]);
+        String::from_utf8_lossy(&out.stdout)
+            .contains("hello-from-the-pod")
+            .then_some(())
+    });
+    let hostname = kubectl_ok(&tenant, &["exec", "shell", "--", "cat", "/etc/hostname"]);
+    assert_eq!(hostname.trim(), "shell");
+    let mut pf = KillOnDrop(
+        std::process::Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(&tenant)
+            .args(["port-forward", "pod/shell", "18080:8080"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let body = eventually("port-forward", Duration::from_secs(30), || {
+        let out = std::process::Command::new("busybox")
+            .args(["wget", "-q", "-O", "-", "http://127.0.0.1:18080/"])
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    });
+    assert_eq!(body.trim(), "served-by-the-pod");
+    assert!(!pf.exited());
+    pf.kill();
+
+    // The pod reaches its cluster's API through the `kubernetes` Service (kube-proxy on the
+    // node, the node-local proxy) with its own service-account token.
+    let api = eventually("the pod calls the API", Duration::from_secs(60), || {
+        let out = kubectl(
+            &tenant,
+            &[
+                "exec",
+                "shell",
+                "--",
+                "sh",
+                "-c",
+                "wget -q -O - --no-check-certificate --header \"Authorization: Bearer $(cat /var/run/secrets/kubernetes.io/serviceaccount/token)\" https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT/api/v1/namespaces/default/pods/shell",
+            ],
+        );
+        let s = String::from_utf8_lossy(&out.stdout).into_owned();
+        s.contains("\"kind\": \"Pod\"").then_some(s)
+    });
+    assert!(api.contains("\"name\": \"shell\""), "{api}");
+    let endpoints = kubectl_ok(
+        &tenant,
+        &[
+            "get",
+            "endpoints",
+            "kubernetes",
+            "-o",
+            "jsonpath={.subsets[0].addresses[0].ip}",
+        ],
+    );
+    assert_eq!(endpoints.trim(), nestplane_api::names::NODE_LOCAL_APISERVER);
+
+    // Removing the node removes everything it made.
+    let addrs = node.addresses().clone();
+    let node_dir = node.dir().to_path_buf();
+    node.remove().await.expect("node removed without leftovers");
+    assert!(nestplane_nodes::node::leftovers(&addrs, &node_dir).is_empty());
+}

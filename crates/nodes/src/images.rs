@@ -1,0 +1,686 @@
+//! Container images built on this machine, nothing pulled.
+//!
+//! [`catalog`] (pure) says what each image holds: a root filesystem made of files taken from
+//! this machine (static Kubernetes binaries, Debian's etcd and busybox, the `nestplane`
+//! binary) with the shared libraries they need, an entrypoint and environment. [`build`] stages
+//! each root filesystem, hashes it, and only when the hash changed runs `buildah` to commit the
+//! image and write it as an OCI archive (`<dir>/<name>.oci.tar`); nodes import the archives
+//! into their own containerd ([`crate::node`]).
+//!
+//! Images carry the names a real cluster pulls (`registry.k8s.io/kube-apiserver:v1.20.2`,
+//! `registry.k8s.io/etcd:3.4.13-0`, …) so the manifests nestplane renders are the same here and
+//! in production.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sha2::{Digest, Sha256};
+
+use crate::Error;
+
+/// The pause image Kubernetes 1.20's kubelet and containerd use for pod sandboxes.
+pub const PAUSE_TAG: &str = "3.2";
+
+/// The shell image tests and users run in pods.
+pub const SHELL_IMAGE: &str = "docker.io/library/busybox:1.35";
+
+/// The operator image `config/manager/manager.yaml` names (`nestplane:latest`, as containerd
+/// normalises it).
+pub const OPERATOR_IMAGE: &str = "docker.io/library/nestplane:latest";
+
+/// Names and versions of the images to build.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Registry of the Kubernetes images (`registry.k8s.io`); the operator's
+    /// `--image-registry` must name the same one.
+    pub registry: String,
+    /// Kubernetes version (`v1.20.2`).
+    pub version: String,
+    /// etcd's image tag for that version (`3.4.13-0`).
+    pub etcd_tag: String,
+}
+
+/// Where the files that go into images are on this machine.
+#[derive(Clone, Debug)]
+pub struct Inputs {
+    /// kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy (static).
+    pub kubernetes: BTreeMap<String, PathBuf>,
+    /// Debian's `etcd` and `etcdctl` (dynamically linked).
+    pub etcd: PathBuf,
+    /// `etcdctl`.
+    pub etcdctl: PathBuf,
+    /// The pause binary, compiled by [`build_pause`].
+    pub pause: PathBuf,
+    /// The `nestplane` binary for the operator image (`None`: no operator image).
+    pub nestplane: Option<PathBuf>,
+    /// The project's `Containerfile` for the operator image.
+    pub containerfile: Option<PathBuf>,
+    /// A static busybox.
+    pub busybox: PathBuf,
+    /// Applets to link to busybox in the shell image.
+    pub busybox_applets: Vec<String>,
+}
+
+/// One entry of an image's root filesystem.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Entry {
+    /// Copy a file from this machine; with `libs`, also the shared libraries it loads (found
+    /// with `ldd`) at their own paths.
+    File {
+        /// Source on this machine.
+        src: PathBuf,
+        /// Absolute path in the image.
+        dst: String,
+        /// Copy its shared libraries too.
+        libs: bool,
+    },
+    /// Copy a whole directory (xtables extensions).
+    Dir {
+        /// Source on this machine.
+        src: PathBuf,
+        /// Absolute path in the image.
+        dst: String,
+    },
+    /// A symbolic link.
+    Symlink {
+        /// What it points to.
+        target: String,
+        /// Absolute path in the image.
+        link: String,
+    },
+    /// An empty directory.
+    EmptyDir(String),
+}
+
+/// One image to build.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImageSpec {
+    /// Full reference (`registry.k8s.io/kube-apiserver:v1.20.2`).
+    pub name: String,
+    /// Root filesystem.
+    pub entries: Vec<Entry>,
+    /// Entrypoint (empty: none, pods give a command).
+    pub entrypoint: Vec<String>,
+    /// Environment.
+    pub env: Vec<(String, String)>,
+    /// Built with `buildah bud` from this Containerfile, the staged root filesystem as
+    /// `rootfs/` in the context (the operator image); otherwise committed directly.
+    pub containerfile: Option<PathBuf>,
+}
+
+const PATH_ENV: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+fn bin(src: &Path, dst: &str, libs: bool) -> Entry {
+    Entry::File {
+        src: src.to_path_buf(),
+        dst: dst.into(),
+        libs,
+    }
+}
+
+fn path_env() -> Vec<(String, String)> {
+    vec![("PATH".into(), PATH_ENV.into())]
+}
+
+/// Every image for `opts`, from `inputs`. Pure.
+pub fn catalog(opts: &Options, inputs: &Inputs) -> Vec<ImageSpec> {
+    let reg = opts.registry.trim_end_matches('/');
+    let mut out = vec![ImageSpec {
+        name: format!("{reg}/pause:{PAUSE_TAG}"),
+        entries: vec![bin(&inputs.pause, "/pause", false)],
+        entrypoint: vec!["/pause".into()],
+        env: vec![],
+        containerfile: None,
+    }];
+    for (name, src) in &inputs.kubernetes {
+        let mut entries = vec![bin(src, &format!("/usr/local/bin/{name}"), false)];
+        if name == "kube-proxy" {
+            // kube-proxy's iptables mode runs iptables and conntrack.
+            entries.push(bin(
+                Path::new("/usr/sbin/xtables-nft-multi"),
+                "/usr/sbin/xtables-nft-multi",
+                true,
+            ));
+            for l in [
+                "iptables",
+                "iptables-save",
+                "iptables-restore",
+                "ip6tables",
+                "ip6tables-save",
+                "ip6tables-restore",
+            ] {
+                entries.push(Entry::Symlink {
+                    target: "xtables-nft-multi".into(),
+                    link: format!("/usr/sbin/{l}"),
+                });
+            }
+            entries.push(Entry::Dir {
+                src: "/usr/lib/x86_64-linux-gnu/xtables".into(),
+                dst: "/usr/lib/x86_64-linux-gnu/xtables".into(),
+            });
+            entries.push(bin(
+                Path::new("/usr/sbin/conntrack"),
+                "/usr/sbin/conntrack",
+                true,
+            ));
+        }
+        out.push(ImageSpec {
+            name: format!("{reg}/{name}:{}", opts.version),
+            entries,
+            entrypoint: vec![format!("/usr/local/bin/{name}")],
+            env: path_env(),
+            containerfile: None,
+        });
+    }
+    out.push(ImageSpec {
+        name: format!("{reg}/etcd:{}", opts.etcd_tag),
+        entries: vec![
+            bin(&inputs.etcd, "/usr/local/bin/etcd", true),
+            bin(&inputs.etcdctl, "/usr/local/bin/etcdctl", true),
+            Entry::EmptyDir("/var/lib/etcd".into()),
+            Entry::EmptyDir("/tmp".into()),
+        ],
+        entrypoint: vec![],
+        env: path_env(),
+        containerfile: None,
+    });
+    let mut shell = vec![bin(&inputs.busybox, "/bin/busybox", false)];
+    for a in &inputs.busybox_applets {
+        if a != "busybox" {
+            shell.push(Entry::Symlink {
+                target: "/bin/busybox".into(),
+                link: format!("/bin/{a}"),
+            });
+        }
+    }
+    shell.push(Entry::EmptyDir("/tmp".into()));
+    out.push(ImageSpec {
+        name: SHELL_IMAGE.into(),
+        entries: shell,
+        entrypoint: vec![],
+        env: path_env(),
+        containerfile: None,
+    });
+    if let Some(np) = &inputs.nestplane {
+        out.push(ImageSpec {
+            name: OPERATOR_IMAGE.into(),
+            entries: vec![bin(np, "/nestplane", true)],
+            entrypoint: vec!["/nestplane".into()],
+            env: vec![],
+            containerfile: inputs.containerfile.clone(),
+        });
+    }
+    out
+}
+
+/// The file an image's OCI archive is written to: `<dir>/<name with / and : as _>.oci.tar`.
+pub fn archive_path(dir: &Path, name: &str) -> PathBuf {
+    let safe: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    dir.join(format!("{safe}.oci.tar"))
+}
+
+/// What [`build`] did for one image.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Built {
+    /// The image's name.
+    pub name: String,
+    /// Its OCI archive.
+    pub archive: PathBuf,
+    /// False when the archive was already up to date.
+    pub rebuilt: bool,
+}
+
+fn run(cmd: &mut Command, what: &str) -> Result<String, Error> {
+    let out = cmd
+        .output()
+        .map_err(|e| Error::io(format!("running {what}"), e))?;
+    if !out.status.success() {
+        return Err(Error::Command {
+            what: what.into(),
+            output: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Shared libraries `bin` loads, from `ldd` (empty for a static binary).
+fn shared_libraries(bin: &Path) -> Result<Vec<PathBuf>, Error> {
+    let out = Command::new("ldd")
+        .arg(bin)
+        .output()
+        .map_err(|e| Error::io("running ldd", e))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    Ok(parse_ldd(&text))
+}
+
+/// Library paths from `ldd` output. Pure.
+pub fn parse_ldd(text: &str) -> Vec<PathBuf> {
+    let mut libs = Vec::new();
+    for line in text.lines() {
+        let line = line.trim();
+        let path = match line.split_once("=>") {
+            Some((_, rest)) => rest.split_whitespace().next(),
+            None => line.split_whitespace().next(),
+        };
+        if let Some(p) = path.filter(|p| p.starts_with('/')) {
+            libs.push(PathBuf::from(p));
+        }
+    }
+    libs
+}
+
+fn copy_file(src: &Path, dst: &Path) -> Result<(), Error> {
+    if let Some(d) = dst.parent() {
+        std::fs::create_dir_all(d)
+            .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
+    }
+    std::fs::copy(src, dst)
+        .map_err(|e| Error::io(format!("copying {} to {}", src.display(), dst.display()), e))?;
+    Ok(())
+}
+
+fn under(root: &Path, abs: &str) -> PathBuf {
+    root.join(abs.trim_start_matches('/'))
+}
+
+/// Lay out `spec`'s root filesystem under `root`.
+fn stage(spec: &ImageSpec, root: &Path) -> Result<(), Error> {
+    for e in &spec.entries {
+        match e {
+            Entry::File { src, dst, libs } => {
+                copy_file(src, &under(root, dst))?;
+                if *libs {
+                    for lib in shared_libraries(src)? {
+                        let canonical = std::fs::canonicalize(&lib).unwrap_or(lib.clone());
+                        copy_file(&canonical, &under(root, &lib.to_string_lossy()))?;
+                    }
+                }
+            }
+            Entry::Dir { src, dst } => {
+                let rd = std::fs::read_dir(src)
+                    .map_err(|e| Error::io(format!("reading {}", src.display()), e))?;
+                for f in rd.flatten() {
+                    let name = f.file_name();
+                    copy_file(&f.path(), &under(root, dst).join(&name))?;
+                }
+            }
+            Entry::Symlink { target, link } => {
+                let l = under(root, link);
+                if let Some(d) = l.parent() {
+                    std::fs::create_dir_all(d)
+                        .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
+                }
+                let _ = std::fs::remove_file(&l);
+                std::os::unix::fs::symlink(target, &l)
+                    .map_err(|e| Error::io(format!("linking {}", l.display()), e))?;
+            }
+            Entry::EmptyDir(d) => {
+                let p = under(root, d);
+                std::fs::create_dir_all(&p)
+                    .map_err(|e| Error::io(format!("creating {}", p.display()), e))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A digest of everything that makes up the image: its name, entrypoint, environment, the
+/// Containerfile, and every staged file's path, mode and contents (or link target).
+fn digest(spec: &ImageSpec, root: &Path) -> Result<String, Error> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut h = Sha256::new();
+    h.update(format!(
+        "{}\n{:?}\n{:?}\n",
+        spec.name, spec.entrypoint, spec.env
+    ));
+    if let Some(cf) = &spec.containerfile {
+        h.update(std::fs::read(cf).map_err(|e| Error::io(format!("reading {}", cf.display()), e))?);
+    }
+    let mut stack = vec![root.to_path_buf()];
+    let mut files = Vec::new();
+    while let Some(dir) = stack.pop() {
+        let rd = std::fs::read_dir(&dir)
+            .map_err(|e| Error::io(format!("reading {}", dir.display()), e))?;
+        for f in rd.flatten() {
+            let p = f.path();
+            let ft = f.file_type().map_err(|e| Error::io("file type", e))?;
+            if ft.is_dir() {
+                stack.push(p.clone());
+            }
+            files.push((p, ft));
+        }
+    }
+    files.sort_by(|a, b| a.0.cmp(&b.0));
+    for (p, ft) in files {
+        let rel = p.strip_prefix(root).unwrap_or(&p);
+        h.update(rel.to_string_lossy().as_bytes());
+        if ft.is_symlink() {
+            let t = std::fs::read_link(&p).map_err(|e| Error::io("reading a link", e))?;
+            h.update(b"->");
+            h.update(t.to_string_lossy().as_bytes());
+        } else if ft.is_file() {
+            let m = p.metadata().map_err(|e| Error::io("stat", e))?;
+            h.update(m.permissions().mode().to_le_bytes());
+            h.update(
+                std::fs::read(&p).map_err(|e| Error::io(format!("reading {}", p.display()), e))?,
+            );
+        }
+        h.update(b"\n");
+    }
+    Ok(format!("{:x}", h.finalize()))
+}
+
+/// buildah with its own storage under `dir` (nothing touches the machine's image store).
+fn buildah(dir: &Path) -> Command {
+    let mut c = Command::new("buildah");
+    c.arg("--root")
+        .arg(dir.join("storage"))
+        .arg("--runroot")
+        .arg(dir.join("run"))
+        .arg("--storage-driver")
+        .arg("vfs");
+    c
+}
+
+/// Build every image of `specs` whose contents changed into OCI archives under `dir`.
+/// `progress` is told about each image.
+pub fn build(
+    specs: &[ImageSpec],
+    dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<Built>, Error> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    let mut out = Vec::new();
+    for spec in specs {
+        let archive = archive_path(dir, &spec.name);
+        let work = dir.join("staging").join(
+            archive
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        );
+        let _ = std::fs::remove_dir_all(&work);
+        let rootfs = work.join("rootfs");
+        std::fs::create_dir_all(&rootfs)
+            .map_err(|e| Error::io(format!("creating {}", rootfs.display()), e))?;
+        stage(spec, &rootfs)?;
+        let sum = digest(spec, &rootfs)?;
+        let digest_file = archive.with_extension("digest");
+        let current = std::fs::read_to_string(&digest_file).unwrap_or_default();
+        if current.trim() == sum && archive.exists() {
+            progress(&format!("{}: up to date", spec.name));
+            let _ = std::fs::remove_dir_all(&work);
+            out.push(Built {
+                name: spec.name.clone(),
+                archive,
+                rebuilt: false,
+            });
+            continue;
+        }
+        progress(&format!("{}: building", spec.name));
+        commit(spec, dir, &work)?;
+        let tmp = archive.with_extension("tmp");
+        let _ = std::fs::remove_file(&tmp);
+        run(
+            buildah(dir)
+                .arg("push")
+                .arg("--quiet")
+                .arg(&spec.name)
+                .arg(format!("oci-archive:{}:{}", tmp.display(), spec.name)),
+            "buildah push",
+        )?;
+        std::fs::rename(&tmp, &archive).map_err(|e| Error::io("renaming the archive", e))?;
+        let _ = run(
+            buildah(dir).arg("rmi").arg("--force").arg(&spec.name),
+            "buildah rmi",
+        );
+        let mut f = std::fs::File::create(&digest_file)
+            .map_err(|e| Error::io(format!("writing {}", digest_file.display()), e))?;
+        writeln!(f, "{sum}").map_err(|e| Error::io("writing the digest", e))?;
+        let _ = std::fs::remove_dir_all(&work);
+        out.push(Built {
+            name: spec.name.clone(),
+            archive,
+            rebuilt: true,
+        });
+    }
+    Ok(out)
+}
+
+fn commit(spec: &ImageSpec, dir: &Path, work: &Path) -> Result<(), Error> {
+    if let Some(cf) = &spec.containerfile {
+        run(
+            buildah(dir)
+                .arg("build")
+                .arg("--quiet")
+                .arg("--pull=never")
+                .arg("--network=none")
+                .arg("-f")
+                .arg(cf)
+                .arg("-t")
+                .arg(&spec.name)
+                .arg(work),
+            "buildah build",
+        )?;
+        return Ok(());
+    }
+    let ctr = run(
+        buildah(dir).arg("from").arg("scratch"),
+        "buildah from scratch",
+    )?;
+    let ctr = ctr.trim().to_string();
+    let result = (|| {
+        run(
+            buildah(dir)
+                .arg("copy")
+                .arg("--quiet")
+                .arg(&ctr)
+                .arg(work.join("rootfs"))
+                .arg("/"),
+            "buildah copy",
+        )?;
+        let mut cfg = buildah(dir);
+        cfg.arg("config");
+        if !spec.entrypoint.is_empty() {
+            cfg.arg("--entrypoint")
+                .arg(serde_json::to_string(&spec.entrypoint).unwrap_or_default());
+        }
+        for (k, v) in &spec.env {
+            cfg.arg("--env").arg(format!("{k}={v}"));
+        }
+        cfg.arg(&ctr);
+        run(&mut cfg, "buildah config")?;
+        run(
+            buildah(dir)
+                .arg("commit")
+                .arg("--quiet")
+                .arg(&ctr)
+                .arg(&spec.name),
+            "buildah commit",
+        )
+    })();
+    let _ = run(buildah(dir).arg("rm").arg(&ctr), "buildah rm");
+    result.map(|_| ())
+}
+
+/// Compile the pause container's program from the Kubernetes source tree
+/// (`build/pause/linux/pause.c`) into `out`, statically, when it is missing.
+pub fn build_pause(source_tree: &Path, out: &Path) -> Result<PathBuf, Error> {
+    if out.exists() {
+        return Ok(out.to_path_buf());
+    }
+    let src = source_tree.join("build/pause/linux/pause.c");
+    if let Some(d) = out.parent() {
+        std::fs::create_dir_all(d).map_err(|e| Error::io("creating the pause directory", e))?;
+    }
+    let tmp = out.with_extension("tmp");
+    run(
+        Command::new("gcc")
+            .args(["-Os", "-static", "-Wall", "-DVERSION=v3.2-nestplane", "-o"])
+            .arg(&tmp)
+            .arg(&src),
+        "gcc (pause)",
+    )?;
+    std::fs::rename(&tmp, out).map_err(|e| Error::io("renaming pause", e))?;
+    Ok(out.to_path_buf())
+}
+
+/// Applets of a busybox binary (`busybox --list`).
+pub fn busybox_applets(busybox: &Path) -> Result<Vec<String>, Error> {
+    let out = run(Command::new(busybox).arg("--list"), "busybox --list")?;
+    Ok(out
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(String::from)
+        .collect())
+}
+
+/// Where built images are kept (`<cache>/images`).
+pub fn default_dir() -> PathBuf {
+    nestplane_runtime::binaries::cache_dir().join("images")
+}
+
+/// The Kubernetes source tree the install script unpacked (pause's source is in it).
+pub fn default_source_tree() -> PathBuf {
+    nestplane_runtime::binaries::cache_dir().join("kubernetes/build/src")
+}
+
+/// Find every input on this machine: the Kubernetes binaries of `opts.version`, Debian's etcd
+/// and busybox, pause compiled from `source_tree`, and (for the operator image) `nestplane`.
+pub fn local_inputs(
+    opts: &Options,
+    dir: &Path,
+    source_tree: &Path,
+    nestplane: Option<PathBuf>,
+    containerfile: Option<PathBuf>,
+) -> Result<Inputs, Error> {
+    use nestplane_runtime::binaries;
+    let mut kubernetes = BTreeMap::new();
+    for name in [
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+        "kube-proxy",
+    ] {
+        kubernetes.insert(name.to_string(), binaries::kubernetes(name, &opts.version)?);
+    }
+    let busybox = PathBuf::from("/bin/busybox");
+    if !busybox.exists() {
+        return Err(Error::Command {
+            what: "finding busybox".into(),
+            output: format!("/bin/busybox is missing; {}", crate::INSTALL_HINT),
+        });
+    }
+    Ok(Inputs {
+        kubernetes,
+        etcd: binaries::on_path("etcd")?,
+        etcdctl: binaries::on_path("etcdctl")?,
+        pause: build_pause(source_tree, &dir.join("bin/pause"))?,
+        nestplane,
+        containerfile,
+        busybox_applets: busybox_applets(&busybox)?,
+        busybox,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inputs() -> Inputs {
+        let mut k = BTreeMap::new();
+        for n in ["kube-apiserver", "kube-proxy"] {
+            k.insert(n.to_string(), PathBuf::from(format!("/bin/{n}")));
+        }
+        Inputs {
+            kubernetes: k,
+            etcd: "/usr/bin/etcd".into(),
+            etcdctl: "/usr/bin/etcdctl".into(),
+            pause: "/p/pause".into(),
+            nestplane: Some("/t/nestplane".into()),
+            containerfile: Some("/src/Containerfile".into()),
+            busybox: "/bin/busybox".into(),
+            busybox_applets: vec!["sh".into(), "busybox".into(), "wget".into()],
+        }
+    }
+
+    #[test]
+    fn images_carry_the_names_a_real_cluster_pulls() {
+        let opts = Options {
+            registry: "registry.k8s.io/".into(),
+            version: "v1.20.2".into(),
+            etcd_tag: "3.4.13-0".into(),
+        };
+        let names: Vec<String> = catalog(&opts, &inputs())
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "registry.k8s.io/pause:3.2",
+                "registry.k8s.io/kube-apiserver:v1.20.2",
+                "registry.k8s.io/kube-proxy:v1.20.2",
+                "registry.k8s.io/etcd:3.4.13-0",
+                SHELL_IMAGE,
+                OPERATOR_IMAGE,
+            ]
+        );
+    }
+
+    #[test]
+    fn the_shell_image_links_every_applet_but_busybox_itself() {
+        let opts = Options {
+            registry: "example.test".into(),
+            version: "v1.20.2".into(),
+            etcd_tag: "3.4.13-0".into(),
+        };
+        let shell = catalog(&opts, &inputs())
+            .into_iter()
+            .find(|s| s.name == SHELL_IMAGE)
+            .expect("shell image");
+        let links: Vec<&str> = shell
+            .entries
+            .iter()
+            .filter_map(|e| match e {
+                Entry::Symlink { link, .. } => Some(link.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(links, ["/bin/sh", "/bin/wget"]);
+    }
+
+    #[test]
+    fn ldd_output_gives_library_paths() {
+        let text = "\tlinux-vdso.so.1 (0x00007f)\n\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x7f)\n\t/lib64/ld-linux-x86-64.so.2 (0x7f)\n";
+        assert_eq!(
+            parse_ldd(text),
+            [
+                PathBuf::from("/lib/x86_64-linux-gnu/libc.so.6"),
+                PathBuf::from("/lib64/ld-linux-x86-64.so.2")
+            ]
+        );
+        assert!(parse_ldd("\tnot a dynamic executable\n").is_empty());
+    }
+
+    #[test]
+    fn archive_names_are_file_names() {
+        assert_eq!(
+            archive_path(Path::new("/c"), "registry.k8s.io/etcd:3.4.13-0"),
+            PathBuf::from("/c/registry.k8s.io_etcd_3.4.13-0.oci.tar")
+        );
+    }
+}

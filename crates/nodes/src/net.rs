@@ -1,0 +1,195 @@
+//! A node's network on this machine: a slot (its addresses), its network namespace, the veth
+//! pair joining it to the host, and the host's route to its pods. Everything is on this
+//! machine; nothing is routed off it (the addresses are private ranges reached only through
+//! the host's veths).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::Error;
+use crate::config::{Addresses, MAX_SLOT, NODE_LOCAL_APISERVER};
+
+/// Machine-wide slot claims (`/run` is emptied on boot, like network namespaces).
+pub fn slots_dir() -> PathBuf {
+    PathBuf::from("/run/nestplane/node-slots")
+}
+
+/// A claimed slot; [`release`](Slot::release) gives it back.
+#[derive(Debug)]
+pub struct Slot {
+    /// The slot number.
+    pub number: u8,
+    path: PathBuf,
+}
+
+impl Slot {
+    /// Give the slot back.
+    pub fn release(self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// The owner a claim file names: `<pid> <node dir>`.
+fn claim_owner(path: &Path) -> Option<(u32, PathBuf)> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let (pid, dir) = text.trim().split_once(' ')?;
+    Some((pid.parse().ok()?, PathBuf::from(dir)))
+}
+
+fn pid_alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Claim the first free slot for the node in `dir`. A claim whose process is gone is stale:
+/// whatever that node left (namespace, veth) is removed and the slot reused.
+pub fn claim(dir: &Path) -> Result<Slot, Error> {
+    let sd = slots_dir();
+    std::fs::create_dir_all(&sd).map_err(|e| Error::io(format!("creating {}", sd.display()), e))?;
+    for n in 1..=MAX_SLOT {
+        let path = sd.join(n.to_string());
+        if let Some((pid, _)) = claim_owner(&path) {
+            if pid_alive(pid) {
+                continue;
+            }
+            teardown(&Addresses::of(n));
+            let _ = std::fs::remove_file(&path);
+        }
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+        {
+            Ok(mut f) => {
+                writeln!(f, "{} {}", std::process::id(), dir.display())
+                    .map_err(|e| Error::io("writing a slot claim", e))?;
+                return Ok(Slot { number: n, path });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(Error::io("claiming a node slot", e)),
+        }
+    }
+    Err(Error::NoSlot(MAX_SLOT))
+}
+
+pub(crate) fn run(args: &[&str]) -> Result<(), Error> {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .map_err(|e| Error::io(format!("running {}", args[0]), e))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(Error::Command {
+            what: args.join(" "),
+            output: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        })
+    }
+}
+
+/// The path of a named network namespace.
+pub fn netns_path(a: &Addresses) -> PathBuf {
+    PathBuf::from("/run/netns").join(&a.netns)
+}
+
+/// Create the node's network namespace and link: `eth0` in the namespace with the node
+/// address, the host end with the host address, a default route through the host, the
+/// node-local API address on the namespace's loopback, forwarding on, and a host route to the
+/// node's pods.
+pub fn setup(a: &Addresses) -> Result<(), Error> {
+    let ns = a.netns.as_str();
+    let host_cidr = format!("{}/24", a.host_ip);
+    let node_cidr = format!("{}/24", a.node_ip);
+    let host_ip = a.host_ip.to_string();
+    let node_ip = a.node_ip.to_string();
+    let api = format!("{NODE_LOCAL_APISERVER}/32");
+    run(&["ip", "netns", "add", ns])?;
+    let steps: Vec<Vec<&str>> = vec![
+        vec![
+            "ip",
+            "link",
+            "add",
+            &a.host_veth,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            ns,
+        ],
+        vec!["ip", "addr", "add", &host_cidr, "dev", &a.host_veth],
+        vec!["ip", "link", "set", &a.host_veth, "up"],
+        vec!["ip", "-n", ns, "link", "set", "lo", "up"],
+        vec!["ip", "-n", ns, "addr", "add", &api, "dev", "lo"],
+        vec!["ip", "-n", ns, "addr", "add", &node_cidr, "dev", "eth0"],
+        vec!["ip", "-n", ns, "link", "set", "eth0", "up"],
+        vec!["ip", "-n", ns, "route", "add", "default", "via", &host_ip],
+        vec![
+            "ip",
+            "route",
+            "add",
+            &a.pod_cidr,
+            "via",
+            &node_ip,
+            "dev",
+            &a.host_veth,
+        ],
+    ];
+    for s in steps {
+        if let Err(e) = run(&s) {
+            teardown(a);
+            return Err(e);
+        }
+    }
+    let nsp = netns_path(a);
+    let nsp = nsp.to_string_lossy();
+    let net = format!("--net={nsp}");
+    for key in [
+        "net.ipv4.ip_forward=1",
+        "net.bridge.bridge-nf-call-iptables=1",
+    ] {
+        // The bridge setting is per namespace on recent kernels; where it is not, the
+        // machine's value (on by default) applies.
+        let _ = run(&["nsenter", &net, "sysctl", "-q", "-w", key]);
+    }
+    // Nothing leaves the machine: from the node's namespace only the node links and pod
+    // ranges on this machine are reachable through the host.
+    for chain in ["FORWARD", "OUTPUT"] {
+        for rule in [
+            vec!["-o", "eth0", "-d", "10.201.0.0/16", "-j", "ACCEPT"],
+            vec![
+                "-o",
+                "eth0",
+                "-d",
+                crate::config::POD_NETWORK,
+                "-j",
+                "ACCEPT",
+            ],
+            vec!["-o", "eth0", "-j", "DROP"],
+        ] {
+            let mut args = vec!["nsenter", net.as_str(), "iptables", "-w", "-A", chain];
+            args.extend(rule);
+            if let Err(e) = run(&args) {
+                teardown(a);
+                return Err(e);
+            }
+        }
+    }
+    // Forwarding between nodes' links (pods of one cluster on different nodes).
+    std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+        .map_err(|e| Error::io("turning on IPv4 forwarding", e))?;
+    Ok(())
+}
+
+/// Remove the node's network namespace (its veth pair, bridge, iptables rules and routes go
+/// with it). Idempotent.
+pub fn teardown(a: &Addresses) {
+    if netns_path(a).exists() {
+        let _ = run(&["ip", "netns", "delete", &a.netns]);
+    }
+    // Deleting the namespace deletes the pair; a half-made setup may have left the host end.
+    if Path::new("/sys/class/net").join(&a.host_veth).exists() {
+        let _ = run(&["ip", "link", "delete", &a.host_veth]);
+    }
+}

@@ -1,0 +1,700 @@
+//! A node: containerd, kubelet and kube-proxy as supervised processes in the node's own
+//! network and mount namespaces, joined to a cluster by bootstrap token.
+//!
+//! Start: claim a slot ([`crate::net::claim`]), make the network ([`crate::net::setup`]), start
+//! a mount-namespace holder (its `/var/log`, `/run/netns`, `/run/containerd` and
+//! `/var/lib/cni` are the node's own directories), containerd, import the images, open the
+//! node-local API proxy, start the kubelet, and kube-proxy once the kubelet has its client
+//! certificate. A process that exits is restarted.
+//!
+//! Remove: stop the processes, kill what runs in the node's cgroups and its containerd shims,
+//! drop the namespaces, delete the cgroups and the directory, release the slot.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nestplane_runtime::binaries;
+use nestplane_runtime::child::{self, Child, Spec};
+use tokio::task::JoinHandle;
+
+use crate::Error;
+use crate::config::{self, Addresses, ClusterSettings, Layout, NODE_LOCAL_APISERVER};
+use crate::net::{self, Slot};
+
+/// How to make a node.
+#[derive(Clone)]
+pub struct NodeConfig {
+    /// The Node's name in its cluster.
+    pub name: String,
+    /// The node's directory (created; removed with the node).
+    pub dir: PathBuf,
+    /// The cluster's CA certificate (PEM).
+    pub ca_pem: String,
+    /// A bootstrap token `<id>.<secret>` ([`crate::join`]).
+    pub token: String,
+    /// Where the cluster's API servers are, as the host reaches them.
+    pub apiservers: Vec<SocketAddr>,
+    /// The port API clients on the node use at the node-local address (the port the
+    /// cluster's `kubernetes` Service endpoints name).
+    pub api_port: u16,
+    /// OCI archives to import into the node's containerd.
+    pub images: Vec<PathBuf>,
+    /// The pause image (already among `images`).
+    pub pause_image: String,
+    /// Labels for the Node.
+    pub labels: BTreeMap<String, String>,
+    /// Taints for the Node (`key=value:Effect`).
+    pub taints: Vec<String>,
+    /// DNS settings.
+    pub cluster: ClusterSettings,
+    /// Kubernetes version of the kubelet and kube-proxy (`v1.20.2`).
+    pub version: String,
+}
+
+impl std::fmt::Debug for NodeConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeConfig")
+            .field("name", &self.name)
+            .field("dir", &self.dir)
+            .field("apiservers", &self.apiservers)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Procs {
+    holder: Option<Child>,
+    containerd: Option<Child>,
+    kubelet: Option<Child>,
+    kube_proxy: Option<Child>,
+    stopping: bool,
+}
+
+/// A running node. [`Node::remove`] removes it; dropping it without removing stops its
+/// processes (the parent-death signal) but leaves its namespaces for the next claim of its
+/// slot to clean.
+pub struct Node {
+    name: String,
+    addrs: Addresses,
+    layout: Layout,
+    slot: Option<Slot>,
+    procs: Arc<Mutex<Procs>>,
+    tasks: Vec<JoinHandle<()>>,
+    started: Instant,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("name", &self.name)
+            .field("slot", &self.addrs.slot)
+            .finish()
+    }
+}
+
+fn mkdir(p: &Path) -> Result<(), Error> {
+    std::fs::create_dir_all(p).map_err(|e| Error::io(format!("creating {}", p.display()), e))
+}
+
+fn write(p: &Path, contents: &str) -> Result<(), Error> {
+    nestplane_runtime::files::write_private(p, contents.as_bytes())
+        .map_err(|e| Error::io(format!("writing {}", p.display()), e))
+}
+
+/// The cgroup hierarchies of this machine (cgroup v1: one directory per controller; v2: the
+/// one unified tree).
+fn cgroup_hierarchies() -> Vec<PathBuf> {
+    let base = Path::new("/sys/fs/cgroup");
+    if base.join("cgroup.controllers").exists() {
+        return vec![base.to_path_buf()];
+    }
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(base) {
+        for e in rd.flatten() {
+            let p = e.path();
+            // Skip the comma-joined aliases (`cpu,cpuacct` links).
+            if p.is_dir() && !e.file_type().map(|t| t.is_symlink()).unwrap_or(true) {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+impl Node {
+    /// Make and start a node. It registers with its cluster by itself; wait for its Node to be
+    /// `Ready` with the cluster's client.
+    pub async fn start(cfg: NodeConfig) -> Result<Node, Error> {
+        let started = Instant::now();
+        let kubelet_bin = binaries::kubernetes("kubelet", &cfg.version)?;
+        let proxy_bin = binaries::kubernetes("kube-proxy", &cfg.version)?;
+        mkdir(&cfg.dir)?;
+        let dir = std::fs::canonicalize(&cfg.dir)
+            .map_err(|e| Error::io(format!("resolving {}", cfg.dir.display()), e))?;
+        let layout = Layout { dir: dir.clone() };
+        let slot = net::claim(&dir)?;
+        let addrs = Addresses::of(slot.number);
+        let mut node = Node {
+            name: cfg.name.clone(),
+            addrs: addrs.clone(),
+            layout: layout.clone(),
+            slot: Some(slot),
+            procs: Arc::new(Mutex::new(Procs {
+                holder: None,
+                containerd: None,
+                kubelet: None,
+                kube_proxy: None,
+                stopping: false,
+            })),
+            tasks: Vec::new(),
+            started,
+        };
+        match node.bring_up(&cfg, kubelet_bin, proxy_bin).await {
+            Ok(()) => Ok(node),
+            Err(e) => {
+                node.teardown().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn bring_up(
+        &mut self,
+        cfg: &NodeConfig,
+        kubelet_bin: PathBuf,
+        proxy_bin: PathBuf,
+    ) -> Result<(), Error> {
+        let layout = &self.layout;
+        let addrs = &self.addrs;
+        for d in [
+            layout.cni_conf_dir(),
+            layout.kubelet_root(),
+            layout.logs(),
+            layout.var_log(),
+            layout.dir.join("netns"),
+            layout.dir.join("run-containerd"),
+            layout.dir.join("var-lib-cni"),
+        ] {
+            mkdir(&d)?;
+        }
+        write(&layout.ca(), &cfg.ca_pem)?;
+        write(
+            &layout.bootstrap_kubeconfig(),
+            &config::bootstrap_kubeconfig(layout, cfg.api_port, &cfg.token),
+        )?;
+        write(
+            &layout.containerd_config(),
+            &config::containerd_toml(layout, &cfg.pause_image),
+        )?;
+        write(
+            &layout.cni_conf_dir().join("10-nestplane.conflist"),
+            &config::cni_conflist(layout, addrs),
+        )?;
+        write(
+            &layout.kubelet_config(),
+            &config::kubelet_config(layout, addrs, &cfg.cluster),
+        )?;
+        write(
+            &layout.kube_proxy_config(),
+            &config::kube_proxy_config(layout, &cfg.name),
+        )?;
+        for h in cgroup_hierarchies() {
+            let p = h.join(config::cgroup_root(addrs).trim_start_matches('/'));
+            mkdir(&p)?;
+        }
+        net::setup(addrs)?;
+
+        // The mount namespace: a holder process keeps it; every node process joins it.
+        let holder = spawn(
+            &self.layout,
+            "holder",
+            Path::new("/usr/bin/nsenter"),
+            vec![
+                format!("--net={}", net::netns_path(addrs).display()),
+                "unshare".into(),
+                "--mount".into(),
+                "--propagation".into(),
+                "slave".into(),
+                "sleep".into(),
+                "infinity".into(),
+            ],
+        )?;
+        let hpid = holder.pid();
+        self.procs.lock().map_err(poisoned)?.holder = Some(holder);
+        wait_for(
+            || {
+                std::fs::read_link(format!("/proc/{hpid}/ns/mnt")).ok()
+                    != std::fs::read_link("/proc/self/ns/mnt").ok()
+            },
+            Duration::from_secs(10),
+            "the node's mount namespace",
+            &self.layout.logs().join("holder.log"),
+        )
+        .await?;
+        // The node's own /var/log (pod logs), /run/netns (pod network namespaces),
+        // /run/containerd (shim sockets) and /var/lib/cni (CNI's cache).
+        for (src, dst) in [
+            (layout.var_log(), "/var/log"),
+            (layout.dir.join("netns"), "/run/netns"),
+            (layout.dir.join("run-containerd"), "/run/containerd"),
+            (layout.dir.join("var-lib-cni"), "/var/lib/cni"),
+        ] {
+            mkdir(Path::new(dst))?;
+            net::run(&[
+                "nsenter",
+                "-t",
+                &hpid.to_string(),
+                "-m",
+                "mount",
+                "--bind",
+                &src.to_string_lossy(),
+                dst,
+            ])?;
+        }
+
+        let containerd = self.containerd_spec(hpid);
+        let c = Child::spawn(&containerd).map_err(|e| Error::io("starting containerd", e))?;
+        self.procs.lock().map_err(poisoned)?.containerd = Some(c);
+        let sock = layout.containerd_socket();
+        let log = containerd.log.clone();
+        wait_for(
+            || {
+                std::process::Command::new("ctr")
+                    .arg("--address")
+                    .arg(&sock)
+                    .arg("version")
+                    .output()
+                    .map(|o| o.status.success())
+                    .unwrap_or(false)
+            },
+            Duration::from_secs(30),
+            "containerd",
+            &log,
+        )
+        .await?;
+        for archive in &cfg.images {
+            import(&sock, archive)?;
+        }
+
+        let listen = SocketAddr::new(NODE_LOCAL_APISERVER.into(), cfg.api_port);
+        self.tasks.push(crate::proxy::start(
+            net::netns_path(addrs),
+            listen,
+            cfg.apiservers.clone(),
+        )?);
+
+        let kubelet = self.kubelet_spec(cfg, hpid, kubelet_bin);
+        let k = Child::spawn(&kubelet).map_err(|e| Error::io("starting the kubelet", e))?;
+        self.procs.lock().map_err(poisoned)?.kubelet = Some(k);
+        let proxy = self.kube_proxy_spec(hpid, proxy_bin);
+        self.tasks.push(supervise(
+            self.procs.clone(),
+            containerd,
+            kubelet,
+            proxy,
+            layout.kubelet_kubeconfig(),
+        ));
+        Ok(())
+    }
+
+    fn in_node(&self, hpid: u32, name: &str, program: &Path, args: Vec<String>) -> Spec {
+        node_spec(&self.layout, hpid, name, program, args)
+    }
+
+    fn containerd_spec(&self, hpid: u32) -> Spec {
+        self.in_node(
+            hpid,
+            "containerd",
+            Path::new("/usr/bin/containerd"),
+            vec![
+                "--config".into(),
+                self.layout
+                    .containerd_config()
+                    .to_string_lossy()
+                    .into_owned(),
+            ],
+        )
+    }
+
+    fn kubelet_spec(&self, cfg: &NodeConfig, hpid: u32, bin: PathBuf) -> Spec {
+        let l = &self.layout;
+        let mut args = vec![
+            format!("--config={}", l.kubelet_config().display()),
+            format!(
+                "--bootstrap-kubeconfig={}",
+                l.bootstrap_kubeconfig().display()
+            ),
+            format!("--kubeconfig={}", l.kubelet_kubeconfig().display()),
+            format!("--cert-dir={}", l.kubelet_root().join("pki").display()),
+            format!("--root-dir={}", l.kubelet_root().display()),
+            "--container-runtime=remote".into(),
+            format!(
+                "--container-runtime-endpoint=unix://{}",
+                l.containerd_socket().display()
+            ),
+            format!("--hostname-override={}", cfg.name),
+            format!("--node-ip={}", self.addrs.node_ip),
+            format!("--pod-infra-container-image={}", cfg.pause_image),
+            "--v=1".into(),
+        ];
+        if !cfg.labels.is_empty() {
+            let labels: Vec<String> = cfg.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            args.push(format!("--node-labels={}", labels.join(",")));
+        }
+        if !cfg.taints.is_empty() {
+            args.push(format!("--register-with-taints={}", cfg.taints.join(",")));
+        }
+        self.in_node(hpid, "kubelet", &bin, args)
+    }
+
+    fn kube_proxy_spec(&self, hpid: u32, bin: PathBuf) -> Spec {
+        self.in_node(
+            hpid,
+            "kube-proxy",
+            &bin,
+            vec![
+                format!("--config={}", self.layout.kube_proxy_config().display()),
+                "--v=1".into(),
+            ],
+        )
+    }
+
+    /// The node's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The node's address (its `InternalIP`).
+    pub fn ip(&self) -> std::net::Ipv4Addr {
+        self.addrs.node_ip
+    }
+
+    /// The node's addresses on this machine.
+    pub fn addresses(&self) -> &Addresses {
+        &self.addrs
+    }
+
+    /// The node's directory.
+    pub fn dir(&self) -> &Path {
+        &self.layout.dir
+    }
+
+    /// When [`Node::start`] began.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    /// Process ids of containerd, the kubelet and kube-proxy (for memory measurements).
+    pub fn pids(&self) -> Vec<u32> {
+        let Ok(p) = self.procs.lock() else {
+            return Vec::new();
+        };
+        [&p.containerd, &p.kubelet, &p.kube_proxy]
+            .into_iter()
+            .flatten()
+            .map(Child::pid)
+            .collect()
+    }
+
+    /// Remove the node: its processes, containers, mounts, network namespace (bridge,
+    /// iptables rules, routes), cgroups, directory and slot.
+    pub async fn remove(mut self) -> Result<(), Error> {
+        self.teardown().await;
+        let left = leftovers(&self.addrs, &self.layout.dir);
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Command {
+                what: format!("removing node {}", self.name),
+                output: format!("left behind: {}", left.join("; ")),
+            })
+        }
+    }
+
+    async fn teardown(&mut self) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+        let (holder, containerd, kubelet, kube_proxy) = match self.procs.lock() {
+            Ok(mut p) => {
+                p.stopping = true;
+                (
+                    p.holder.take(),
+                    p.containerd.take(),
+                    p.kubelet.take(),
+                    p.kube_proxy.take(),
+                )
+            }
+            Err(_) => (None, None, None, None),
+        };
+        let slot = self.addrs.slot;
+        let sock = self.layout.containerd_socket();
+        let dir = self.layout.dir.clone();
+        let addrs = self.addrs.clone();
+        // Blocking work (signals, waits, rmdir) off the async threads.
+        let _ = tokio::task::spawn_blocking(move || {
+            for mut c in [kube_proxy, kubelet].into_iter().flatten() {
+                c.stop(Duration::from_secs(5));
+            }
+            kill_cgroup_tree(&format!("/nestplane/n{slot}"));
+            kill_shims(&sock);
+            if let Some(mut c) = containerd {
+                c.stop(Duration::from_secs(5));
+            }
+            kill_shims(&sock);
+            kill_cgroup_tree(&format!("/nestplane/n{slot}"));
+            if let Some(mut h) = holder {
+                h.kill();
+            }
+            remove_cgroups(&format!("/nestplane/n{slot}"));
+            net::teardown(&addrs);
+            let _ = std::fs::remove_dir_all(&dir);
+        })
+        .await;
+        if let Some(s) = self.slot.take() {
+            s.release();
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+    }
+}
+
+fn poisoned<T>(_: T) -> Error {
+    Error::io("node state", std::io::Error::other("lock poisoned"))
+}
+
+fn node_spec(layout: &Layout, hpid: u32, name: &str, program: &Path, args: Vec<String>) -> Spec {
+    let mut all = vec![
+        "-t".to_string(),
+        hpid.to_string(),
+        "-m".into(),
+        "-n".into(),
+        "--".into(),
+        program.to_string_lossy().into_owned(),
+    ];
+    all.extend(args);
+    Spec {
+        name: name.into(),
+        program: PathBuf::from("/usr/bin/nsenter"),
+        args: all,
+        env: BTreeMap::new(),
+        log: layout.logs().join(format!("{name}.log")),
+        cwd: Some(layout.dir.clone()),
+    }
+}
+
+fn spawn(layout: &Layout, name: &str, program: &Path, args: Vec<String>) -> Result<Child, Error> {
+    let spec = Spec {
+        name: name.into(),
+        program: program.to_path_buf(),
+        args,
+        env: BTreeMap::new(),
+        log: layout.logs().join(format!("{name}.log")),
+        cwd: Some(layout.dir.clone()),
+    };
+    Child::spawn(&spec).map_err(|e| Error::io(format!("starting {name}"), e))
+}
+
+async fn wait_for(
+    mut ok: impl FnMut() -> bool,
+    timeout: Duration,
+    what: &str,
+    log: &Path,
+) -> Result<(), Error> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if ok() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Start {
+                process: what.into(),
+                reason: format!("not ready after {timeout:?}"),
+                log: log.display().to_string(),
+                tail: child::log_tail(log, 20),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Import one OCI archive into the node's containerd (namespace `k8s.io`, where the CRI
+/// plugin looks).
+pub fn import(socket: &Path, archive: &Path) -> Result<(), Error> {
+    let out = std::process::Command::new("ctr")
+        .arg("--address")
+        .arg(socket)
+        .args(["-n", "k8s.io", "images", "import", "--no-unpack=false"])
+        .arg(archive)
+        .output()
+        .map_err(|e| Error::io("running ctr images import", e))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(Error::Command {
+            what: format!("ctr images import {}", archive.display()),
+            output: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        })
+    }
+}
+
+/// Restart whichever of containerd and the kubelet exits; start kube-proxy once the kubelet
+/// has its client certificate (its kubeconfig exists), restart it when it exits.
+fn supervise(
+    procs: Arc<Mutex<Procs>>,
+    containerd: Spec,
+    kubelet: Spec,
+    kube_proxy: Spec,
+    kubelet_kubeconfig: PathBuf,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let Ok(mut guard) = procs.lock() else { return };
+            let p = &mut *guard;
+            if p.stopping {
+                return;
+            }
+            for (slot, spec) in [(&mut p.containerd, &containerd), (&mut p.kubelet, &kubelet)] {
+                let exited = slot.as_mut().map(|c| c.exited().is_some()).unwrap_or(true);
+                if exited {
+                    tracing::warn!(process = %spec.name, "node process exited; restarting");
+                    *slot = Child::spawn(spec).ok();
+                }
+            }
+            let need_proxy = match p.kube_proxy.as_mut() {
+                None => kubelet_kubeconfig.exists(),
+                Some(c) => c.exited().is_some(),
+            };
+            if need_proxy {
+                p.kube_proxy = Child::spawn(&kube_proxy).ok();
+            }
+        }
+    })
+}
+
+fn cgroup_dirs(root: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for h in cgroup_hierarchies() {
+        let top = h.join(root.trim_start_matches('/'));
+        let mut stack = vec![top];
+        while let Some(d) = stack.pop() {
+            if !d.is_dir() {
+                continue;
+            }
+            if let Ok(rd) = std::fs::read_dir(&d) {
+                for e in rd.flatten() {
+                    if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                        stack.push(e.path());
+                    }
+                }
+            }
+            out.push(d);
+        }
+    }
+    out
+}
+
+/// SIGKILL every process in the cgroup tree `root` (pods' containers), in every hierarchy.
+fn kill_cgroup_tree(root: &str) {
+    for _ in 0..3 {
+        let mut any = false;
+        for d in cgroup_dirs(root) {
+            if let Ok(text) = std::fs::read_to_string(d.join("cgroup.procs")) {
+                for pid in text.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
+                    child::kill_pid(pid);
+                    any = true;
+                }
+            }
+        }
+        if !any {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Remove the cgroup tree `root` (deepest first) and the `/nestplane` parent when empty.
+fn remove_cgroups(root: &str) {
+    let mut dirs = cgroup_dirs(root);
+    dirs.sort_by_key(|d| std::cmp::Reverse(d.components().count()));
+    for _ in 0..20 {
+        dirs.retain(|d| d.exists() && std::fs::remove_dir(d).is_err());
+        if dirs.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for h in cgroup_hierarchies() {
+        let _ = std::fs::remove_dir(h.join("nestplane"));
+    }
+}
+
+/// Processes whose command line names `needle` (the node's containerd socket or directory).
+fn processes_naming(needle: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    let me = std::process::id();
+    if let Ok(rd) = std::fs::read_dir("/proc") {
+        for e in rd.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            if pid == me {
+                continue;
+            }
+            if let Ok(cmd) = std::fs::read(e.path().join("cmdline")) {
+                let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+                if cmd.contains(needle) {
+                    out.push(pid);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Kill the containerd shims of the node's containerd (they outlive containerd by design).
+fn kill_shims(socket: &Path) {
+    for pid in processes_naming(&socket.to_string_lossy()) {
+        child::kill_pid(pid);
+    }
+}
+
+/// What a removed node left on this machine (empty when nothing): processes, mounts, the
+/// network namespace, the host's veth, cgroups, the directory.
+pub fn leftovers(addrs: &Addresses, dir: &Path) -> Vec<String> {
+    let mut left = Vec::new();
+    let d = dir.to_string_lossy().into_owned();
+    let procs = processes_naming(&d);
+    if !procs.is_empty() {
+        left.push(format!("processes {procs:?}"));
+    }
+    if let Ok(m) = std::fs::read_to_string("/proc/self/mountinfo")
+        && m.contains(&d)
+    {
+        left.push("mounts".into());
+    }
+    if net::netns_path(addrs).exists() {
+        left.push(format!("network namespace {}", addrs.netns));
+    }
+    if Path::new("/sys/class/net").join(&addrs.host_veth).exists() {
+        left.push(format!("interface {}", addrs.host_veth));
+    }
+    let cg = cgroup_dirs(&config::cgroup_root(addrs));
+    if !cg.is_empty() {
+        left.push(format!("cgroups {}", cg[0].display()));
+    }
+    if dir.exists() {
+        left.push(format!("directory {d}"));
+    }
+    left
+}

@@ -1,0 +1,79 @@
+//! The node-local API proxy: a TCP listener inside the node's network namespace, at
+//! [`NODE_LOCAL_APISERVER`](crate::config::NODE_LOCAL_APISERVER), whose connections are
+//! forwarded from the host to the cluster's API servers (which may listen on loopback
+//! addresses a node cannot route to). TLS passes through untouched: the kubelet, kube-proxy
+//! and pods authenticate to the API server themselves.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tokio::net::TcpStream;
+use tokio::task::JoinHandle;
+
+use crate::Error;
+
+/// Bind `addr` inside the network namespace at `netns` (a thread enters it, binds, and ends;
+/// the socket stays in that namespace).
+fn bind_in_netns(netns: PathBuf, addr: SocketAddr) -> Result<TcpListener, Error> {
+    std::thread::spawn(move || -> Result<TcpListener, Error> {
+        let f = std::fs::File::open(&netns)
+            .map_err(|e| Error::io(format!("opening {}", netns.display()), e))?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: setns on a valid namespace file descriptor affects only this thread, which
+        // binds one socket and ends; no memory is shared with the call.
+        #[allow(unsafe_code)]
+        let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+        if rc != 0 {
+            return Err(Error::io(
+                "entering the node's network namespace",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let l = TcpListener::bind(addr)
+            .map_err(|e| Error::io(format!("binding {addr} in the node"), e))?;
+        l.set_nonblocking(true)
+            .map_err(|e| Error::io("setting the proxy listener non-blocking", e))?;
+        Ok(l)
+    })
+    .join()
+    .map_err(|_| {
+        Error::io(
+            "binding the node-local API address",
+            std::io::Error::other("thread panicked"),
+        )
+    })?
+}
+
+/// Start forwarding `listen` (inside `netns`) to `upstreams` (from the host), trying them in
+/// turn from a rotating start. Returns the task; aborting it closes the listener.
+pub(crate) fn start(
+    netns: PathBuf,
+    listen: SocketAddr,
+    upstreams: Vec<SocketAddr>,
+) -> Result<JoinHandle<()>, Error> {
+    let std_listener = bind_in_netns(netns, listen)?;
+    let listener = tokio::net::TcpListener::from_std(std_listener)
+        .map_err(|e| Error::io("registering the proxy listener", e))?;
+    let next = Arc::new(AtomicUsize::new(0));
+    Ok(tokio::spawn(async move {
+        loop {
+            let Ok((mut inbound, _)) = listener.accept().await else {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            };
+            let upstreams = upstreams.clone();
+            let start = next.fetch_add(1, Ordering::Relaxed);
+            tokio::spawn(async move {
+                for i in 0..upstreams.len() {
+                    let up = upstreams[(start + i) % upstreams.len()];
+                    if let Ok(mut outbound) = TcpStream::connect(up).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                        return;
+                    }
+                }
+            });
+        }
+    }))
+}
