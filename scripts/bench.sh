@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# Benchmark: `nestplane up` from start to a ready tenant, on a fresh state directory, N runs
-# (default 3). Prints every figure `nestplane up --exit-when-ready` reports, per run.
+# Benchmarks.
+#  1. `nestplane up` from start to a ready tenant (process runtime), on a fresh state
+#     directory, N runs (default 3): every figure `nestplane up --exit-when-ready` reports.
+#  2. Real nodes: node start to Ready, memory of an idle node, and a `NestedControlPlane` to
+#     Ready in the kubernetes runtime on a real node (crates/cli/examples/nodes_bench.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin_line=$(scripts/install-deps.sh | grep '^NESTPLANE_BIN_DIR=')
 export "${bin_line?}"
-cargo build --release --quiet -p nestplane-cli
+echo "bench: building nestplane (release)" >&2
+cargo build --release -p nestplane-cli --example nodes_bench
 runs="${1:-3}"
 for i in $(seq 1 "$runs"); do
   dir=$(mktemp -d)
-  echo "run $i (state in $dir)"
+  echo "up run $i (state in $dir)"
   target/release/nestplane up --exit-when-ready --state-dir "$dir" 2>/dev/null | grep -v '^kubectl' | sed 's/^/  /'
   rm -rf "$dir"
 done
+echo "nodes (images built here first)"
+target/release/nestplane images build >/dev/null
+target/release/examples/nodes_bench | sed 's/^/  /'

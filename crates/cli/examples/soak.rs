@@ -91,6 +91,7 @@ async fn main() -> anyhow::Result<()> {
         dir: None,
         controller_manager: true,
         disabled_controllers: vec![],
+        nodes: None,
     })
     .await?;
     nestplane_operator::crds::install(&plane.client(), Duration::from_secs(30)).await?;

@@ -28,6 +28,19 @@ enum Command {
     Down(up::DownArgs),
     /// Run the controllers against the cluster of the current kubeconfig.
     Operator(OperatorArgs),
+    /// Serve cluster DNS (`<service>.<namespace>.svc.<zone>`, …) from watch caches of the
+    /// cluster this runs in; what the `kube-dns` Deployment nestplane installs runs.
+    Dns {
+        /// The cluster domain.
+        #[arg(long, default_value = "cluster.local")]
+        zone: String,
+        /// Address for DNS over UDP and TCP.
+        #[arg(long, default_value = "0.0.0.0:5353")]
+        listen: std::net::SocketAddr,
+        /// Address of `/healthz` and `/readyz`.
+        #[arg(long, default_value = "0.0.0.0:8081")]
+        health: std::net::SocketAddr,
+    },
     /// Container images built on this machine (nothing is pulled).
     Images {
         #[command(subcommand)]
@@ -102,6 +115,17 @@ fn main() -> anyhow::Result<()> {
         Command::Down(args) => runtime()?.block_on(up::down(args)),
         Command::Operator(args) => runtime()?.block_on(operator(args)),
         Command::Images { command } => images::run(command),
+        Command::Dns {
+            zone,
+            listen,
+            health,
+        } => runtime()?.block_on(async move {
+            let client = kube::Client::try_default()
+                .await
+                .context("connecting to the cluster")?;
+            nestplane_dns::server::serve(client, &zone, listen, health).await?;
+            Ok(())
+        }),
         Command::Kubeconfig { name, namespace } => runtime()?.block_on(async move {
             let client = kube::Client::try_default()
                 .await

@@ -32,6 +32,12 @@ pub struct UpArgs {
     /// Give up when the tenant is not ready after this many seconds.
     #[arg(long, default_value_t = 180)]
     pub timeout: u64,
+    /// Where the tenant's components run. `process`: supervised processes on this machine,
+    /// the operator in this process. `kubernetes`: pods on a real node of the management
+    /// plane (images built here), the operator installed in-cluster from the release
+    /// manifest; state under `<state-dir>/kubernetes`.
+    #[arg(long, default_value = "process", value_parser = ["process", "kubernetes"])]
+    pub runtime: String,
 }
 
 /// Arguments of `nestplane down`.
@@ -46,20 +52,96 @@ pub struct DownArgs {
     /// Also remove the management plane's state (the whole state directory).
     #[arg(long)]
     pub purge: bool,
+    /// The runtime `nestplane up` used.
+    #[arg(long, default_value = "process", value_parser = ["process", "kubernetes"])]
+    pub runtime: String,
+}
+
+/// Where a runtime's management plane and tenants live under the state directory.
+fn runtime_root(state_dir: &Path, runtime: &str) -> PathBuf {
+    match runtime {
+        "kubernetes" => state_dir.join("kubernetes"),
+        _ => state_dir.to_path_buf(),
+    }
 }
 
 const NAMESPACE: &str = "default";
 
 struct Running {
     plane: LocalPlane,
-    operator: Operator,
+    /// The in-process operator (`process` runtime); in-cluster for `kubernetes`.
+    operator: Option<Operator>,
 }
 
-async fn start(state_dir: &Path) -> anyhow::Result<Running> {
+/// The release manifest (`make release-manifests`): what `clusterctl` and
+/// `kubectl apply -k config/default` install.
+const RELEASE_MANIFEST: &str = include_str!("../../../control-plane-components.yaml");
+
+/// Images for the management plane's node: built here (only what changed), the operator's
+/// from this binary.
+fn node_options() -> anyhow::Result<nestplane_localplane::NodeOptions> {
+    nestplane_nodes::check_prerequisites(nestplane_localplane::DEFAULT_VERSION)?;
+    eprintln!("nestplane: building images (only what changed; about a minute the first time)");
+    let built = crate::images::build(&crate::images::BuildArgs {
+        registry: nestplane_render::DEFAULT_IMAGE_REGISTRY.into(),
+        version: nestplane_localplane::DEFAULT_VERSION.into(),
+        dir: None,
+        operator_binary: None,
+        containerfile: None,
+    })?;
+    Ok(nestplane_localplane::NodeOptions {
+        count: 1,
+        images: built.into_iter().map(|b| b.archive).collect(),
+        dns_image: Some(nestplane_nodes::images::OPERATOR_IMAGE.into()),
+    })
+}
+
+/// Install the operator from the release manifest and wait until its pod is available.
+async fn install_operator(plane: &LocalPlane) -> anyhow::Result<()> {
+    use serde::Deserialize;
+    let mut objects = Vec::new();
+    for doc in serde_norway::Deserializer::from_str(RELEASE_MANIFEST) {
+        let v = serde_json::Value::deserialize(doc).context("reading the release manifest")?;
+        // The CRDs are installed (and established) already.
+        if v.is_object() && v["kind"] != "CustomResourceDefinition" {
+            objects.push(v);
+        }
+    }
+    nestplane_localplane::apply_all(&plane.client(), &objects).await?;
+    eprintln!("nestplane: operator installed in-cluster; waiting for its pod");
+    let deploys: Api<k8s_openapi::api::apps::v1::Deployment> =
+        Api::namespaced(plane.client(), "nestplane-system");
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let d = deploys.get_opt("nestplane-controller-manager").await?;
+        if d.and_then(|d| d.status)
+            .and_then(|s| s.available_replicas)
+            .unwrap_or(0)
+            >= 1
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the operator's pod is not available after 180s (kubectl -n nestplane-system describe pods)"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+async fn start(state_dir: &Path, runtime: &str) -> anyhow::Result<Running> {
+    let kubernetes = runtime == "kubernetes";
+    let nodes = if kubernetes {
+        Some(node_options()?)
+    } else {
+        None
+    };
     let plane = LocalPlane::start(Options {
         dir: Some(state_dir.join("management")),
         controller_manager: true,
         disabled_controllers: vec![],
+        nodes,
     })
     .await
     .context("starting the local management plane")?;
@@ -70,13 +152,18 @@ async fn start(state_dir: &Path) -> anyhow::Result<Running> {
         &state_dir.join("management.kubeconfig"),
         plane.kubeconfig(),
     )?;
-    let operator = Operator::start(
-        plane.client(),
-        nestplane_operator::Config {
-            state_dir: state_dir.join("operator"),
-            ..Default::default()
-        },
-    );
+    let operator = if kubernetes {
+        install_operator(&plane).await?;
+        None
+    } else {
+        Some(Operator::start(
+            plane.client(),
+            nestplane_operator::Config {
+                state_dir: state_dir.join("operator"),
+                ..Default::default()
+            },
+        ))
+    };
     Ok(Running { plane, operator })
 }
 
@@ -85,7 +172,9 @@ async fn stop(r: Running) {
         mut plane,
         operator,
     } = r;
-    if let Err(e) = operator.stop().await {
+    if let Some(operator) = operator
+        && let Err(e) = operator.stop().await
+    {
         eprintln!("nestplane: operator: {e}");
     }
     plane.stop();
@@ -113,14 +202,17 @@ pub async fn tenant_kubeconfig(
 /// Run `nestplane up` until Ctrl-C or SIGTERM.
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let started = Instant::now();
-    let state_dir = args
-        .state_dir
-        .clone()
-        .unwrap_or_else(crate::default_state_dir);
+    let state_dir = runtime_root(
+        &args
+            .state_dir
+            .clone()
+            .unwrap_or_else(crate::default_state_dir),
+        &args.runtime,
+    );
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("creating {}", state_dir.display()))?;
     eprintln!("nestplane: state in {}", state_dir.display());
-    let running = start(&state_dir).await?;
+    let running = start(&state_dir, &args.runtime).await?;
     let mgmt_ready = started.elapsed();
     eprintln!(
         "nestplane: management plane ready ({:.1}s)",
@@ -167,7 +259,12 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             namespace: NAMESPACE.into(),
             cluster: args.name.clone(),
         };
-        Ok::<_, anyhow::Error>((total, running.operator.runtime().startup_times(&key)))
+        let startups = running
+            .operator
+            .as_ref()
+            .map(|o| o.runtime().startup_times(&key))
+            .unwrap_or_default();
+        Ok::<_, anyhow::Error>((total, startups))
     }
     .await;
     match result {
@@ -238,15 +335,18 @@ async fn wait_ready(
 /// `nestplane down`: delete the tenant (the operator stops its processes and removes its data
 /// and secrets).
 pub async fn down(args: DownArgs) -> anyhow::Result<()> {
-    let state_dir = args
-        .state_dir
-        .clone()
-        .unwrap_or_else(crate::default_state_dir);
+    let state_dir = runtime_root(
+        &args
+            .state_dir
+            .clone()
+            .unwrap_or_else(crate::default_state_dir),
+        &args.runtime,
+    );
     if !state_dir.join("management").exists() {
         eprintln!("nestplane: nothing in {}", state_dir.display());
         return Ok(());
     }
-    let running = start(&state_dir).await?;
+    let running = start(&state_dir, &args.runtime).await?;
     let result = async {
         let ncps: Api<NestedControlPlane> = Api::namespaced(running.plane.client(), NAMESPACE);
         if ncps.get_opt(&args.name).await?.is_some() {

@@ -1,8 +1,8 @@
 //! The `kubernetes` runtime and the install manifests, against a real management plane
-//! (etcd, kube-apiserver, kube-controller-manager). The operator runs with the token of the
-//! ServiceAccount that `config/default` installs, so the real apiserver enforces the shipped
-//! RBAC. The plane has no nodes and its Deployment/StatefulSet controllers are off: this test
-//! plays their part (and the kubelets') by writing workload status.
+//! (etcd, kube-apiserver, kube-controller-manager) with a real node (containerd, kubelet,
+//! kube-proxy) and cluster DNS. `kubectl apply -k config/default` installs the operator, which
+//! runs as a pod from the locally built image under the shipped RBAC; tenants are made of pods
+//! that become Ready from real rollouts and real probes. Nothing here writes workload status.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -11,52 +11,16 @@ use std::time::Duration;
 
 use common::*;
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Secret, Service};
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Secret, Service};
+use kube::api::{Api, ListParams};
 use kube::{Resource, ResourceExt};
 use nestplane_api::{NestedAPIServer, NestedControlPlane, NestedEtcd, NestedScheduler};
-use nestplane_localplane::{LocalPlane, Options};
+use nestplane_localplane::{LocalPlane, NodeOptions, Options};
 
 const NS: &str = "tenants";
 
 fn config_default() -> String {
     repo().join("config/default").display().to_string()
-}
-
-/// Mark every StatefulSet and Deployment in `ns` as rolled out with all replicas ready, as
-/// the workload controllers and kubelets of a real cluster would.
-async fn play_the_nodes(client: kube::Client, ns: &str) {
-    let sts: Api<StatefulSet> = Api::namespaced(client.clone(), ns);
-    let deploys: Api<Deployment> = Api::namespaced(client, ns);
-    loop {
-        for s in sts.list(&ListParams::default()).await.unwrap().items {
-            let n = s.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
-            let status = serde_json::json!({"status": {
-                "observedGeneration": s.metadata.generation, "replicas": n, "readyReplicas": n,
-                "currentReplicas": n, "updatedReplicas": n}});
-            let _ = sts
-                .patch_status(
-                    &s.name_any(),
-                    &PatchParams::default(),
-                    &Patch::Merge(&status),
-                )
-                .await;
-        }
-        for d in deploys.list(&ListParams::default()).await.unwrap().items {
-            let n = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
-            let status = serde_json::json!({"status": {
-                "observedGeneration": d.metadata.generation, "replicas": n, "readyReplicas": n,
-                "availableReplicas": n, "updatedReplicas": n}});
-            let _ = deploys
-                .patch_status(
-                    &d.name_any(),
-                    &PatchParams::default(),
-                    &Patch::Merge(&status),
-                )
-                .await;
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
 }
 
 async fn eventually_async<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
@@ -117,14 +81,8 @@ fn release_manifest_is_generated_from_config_default() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kubernetes_runtime_under_the_shipped_rbac() {
-    let plane = LocalPlane::start(Options {
-        dir: None,
-        controller_manager: true,
-        disabled_controllers: vec!["deployment".into(), "statefulset".into()],
-    })
-    .await
-    .expect("management plane");
+async fn kubernetes_runtime_with_real_pods_and_the_operator_installed_by_kustomize() {
+    let plane = management_plane_with_a_node().await;
     let kc = plane.kubeconfig_path().to_path_buf();
     let admin = plane.client();
 
@@ -154,25 +112,25 @@ async fn kubernetes_runtime_under_the_shipped_rbac() {
             .unwrap()
             .contains(&"--runtime=kubernetes".to_string())
     );
-
-    // The operator as that Deployment would run it: with its ServiceAccount's token only.
-    let sa_kubeconfig = plane
-        .service_account_kubeconfig("nestplane-system", "nestplane-controller-manager")
-        .await
-        .unwrap();
-    let sa_client = nestplane_localplane::client_from_kubeconfig(&sa_kubeconfig)
-        .await
-        .unwrap();
-    let state = tempfile::tempdir().unwrap();
-    let operator = nestplane_operator::Operator::start(
-        sa_client,
-        nestplane_operator::Config {
-            state_dir: state.path().to_path_buf(),
-            mode: nestplane_operator::Mode::Kubernetes(Default::default()),
-            ..Default::default()
-        },
+    // The operator runs as a pod from the locally built image, with its ServiceAccount's
+    // token only: the real API server enforces the shipped RBAC.
+    wait_rollout(
+        &kc,
+        "nestplane-system",
+        "deployment/nestplane-controller-manager",
     );
-    let nodes = tokio::spawn(play_the_nodes(admin.clone(), NS));
+    let sa = kubectl_ok(
+        &kc,
+        &[
+            "get",
+            "pods",
+            "-n",
+            "nestplane-system",
+            "-o",
+            "jsonpath={.items[0].spec.serviceAccountName}",
+        ],
+    );
+    assert_eq!(sa.trim(), "nestplane-controller-manager");
 
     kubectl_ok(&kc, &["create", "namespace", NS]);
     kubectl_stdin(
@@ -185,7 +143,7 @@ async fn kubernetes_runtime_under_the_shipped_rbac() {
     let ncps: Api<NestedControlPlane> = Api::namespaced(admin.clone(), NS);
     let ncp = eventually_async(
         "the control plane to be ready",
-        Duration::from_secs(120),
+        Duration::from_secs(240),
         || {
             let ncps = ncps.clone();
             async move {
@@ -292,6 +250,48 @@ async fn kubernetes_runtime_under_the_shipped_rbac() {
         Some("demo-etcd-0.demo-etcd-peer.tenants.svc")
     );
 
+    // Its pods run on the node; kubectl reaches the tenant through its Service.
+    let pods = kubectl_ok(
+        &kc,
+        &[
+            "get",
+            "pods",
+            "-n",
+            NS,
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.name} {.spec.nodeName} {.status.phase}{\"\\n\"}{end}",
+        ],
+    );
+    for prefix in [
+        "demo-etcd-0",
+        "demo-apiserver-",
+        "demo-controller-manager-",
+        "demo-scheduler-",
+    ] {
+        assert!(
+            pods.lines()
+                .any(|l| l.starts_with(prefix) && l.ends_with(" node-0 Running")),
+            "{prefix} runs on node-0: {pods}"
+        );
+    }
+    let tenant = tenant_kubeconfig(&admin, "demo", plane.dir()).await;
+    let ns = kubectl_ok(&tenant, &["get", "ns", "kube-system", "-o", "name"]);
+    assert_eq!(ns.trim(), "namespace/kube-system");
+    // etcd's data is on a real volume bound to its claim.
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(admin.clone(), NS);
+    let claim = claims.get("data-demo-etcd-0").await.unwrap();
+    assert_eq!(
+        claim.status.as_ref().unwrap().phase.as_deref(),
+        Some("Bound")
+    );
+    let pv_name = claim.spec.as_ref().unwrap().volume_name.clone().unwrap();
+    let pv: PersistentVolume = Api::all(admin.clone()).get(&pv_name).await.unwrap();
+    let pv_path = pv.spec.unwrap().local.unwrap().path;
+    assert!(
+        std::path::Path::new(&pv_path).join("data/member").is_dir(),
+        "etcd wrote its data to {pv_path}"
+    );
+
     // Scaling through the scale subresource reaches the Deployment; the status follows.
     kubectl_ok(&kc, &["scale", "ncp", "demo", "-n", NS, "--replicas=3"]);
     eventually_async(
@@ -319,7 +319,9 @@ async fn kubernetes_runtime_under_the_shipped_rbac() {
     )
     .await;
 
-    // A new version updates every workload's image (etcd's chosen for that version).
+    // A new version updates every workload's image (etcd's chosen for that version). This
+    // machine has no v1.21.4 images and pulls nothing, so the new pods cannot start: the old
+    // ones keep serving, and the status does not claim the new version.
     kubectl_ok(
         &kc,
         &[
@@ -334,7 +336,7 @@ async fn kubernetes_runtime_under_the_shipped_rbac() {
         ],
     );
     eventually_async("images of v1.21.4", Duration::from_secs(60), || {
-        let (deploys, sts) = (deploys.clone(), sts.clone());
+        let deploys = deploys.clone();
         async move {
             for n in [
                 "demo-apiserver",
@@ -346,22 +348,34 @@ async fn kubernetes_runtime_under_the_shipped_rbac() {
                     return None;
                 }
             }
-            let etcd = sts.get("demo-etcd").await.unwrap();
-            let image = etcd.spec.unwrap().template.spec.unwrap().containers[0]
-                .image
-                .clone()
-                .unwrap();
-            let want =
-                nestplane_render::etcd_version_for(&nestplane_render::KubeVersion::new(1, 21, 4));
-            image.ends_with(&format!(":{want}")).then_some(())
+            Some(())
         }
     })
     .await;
-    eventually_async("status.version v1.21.4", Duration::from_secs(60), || {
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let s = ncps.get("demo").await.unwrap().status.unwrap();
+    assert_eq!(s.version.as_deref(), Some("v1.20.2"), "not rolled out yet");
+    kubectl_ok(&tenant, &["get", "ns", "default"]);
+    // Back to the version this machine has: Ready again from real pods.
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "ncp",
+            "demo",
+            "-n",
+            NS,
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"version":"v1.20.2"}}"#,
+        ],
+    );
+    eventually_async("ready at v1.20.2 again", Duration::from_secs(180), || {
         let ncps = ncps.clone();
         async move {
             let s = ncps.get("demo").await.unwrap().status.unwrap();
-            (s.version.as_deref() == Some("v1.21.4") && s.ready).then_some(())
+            (s.version.as_deref() == Some("v1.20.2") && s.ready && s.ready_replicas == Some(3))
+                .then_some(())
         }
     })
     .await;
@@ -463,17 +477,8 @@ async fn kubernetes_runtime_under_the_shipped_rbac() {
     );
 
     // Deletion leaves nothing behind (real garbage collection by kube-controller-manager),
-    // including etcd's claim, which Kubernetes keeps after its StatefulSet is gone.
-    let claim: PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": "data-demo-etcd-0", "labels": {
-            "cluster.x-k8s.io/cluster-name": "demo",
-            "app.kubernetes.io/managed-by": "nestplane",
-            "controlplane.cluster.x-k8s.io/component": "etcd"}},
-        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}
-    }))
-    .unwrap();
-    let claims: Api<PersistentVolumeClaim> = Api::namespaced(admin.clone(), NS);
-    claims.create(&PostParams::default(), &claim).await.unwrap();
+    // including etcd's claim, which Kubernetes keeps after its StatefulSet is gone, and the
+    // volume behind it.
     kubectl_ok(&kc, &["delete", "ncp", "demo", "-n", NS, "--wait=false"]);
     eventually_async("nothing left", Duration::from_secs(90), || {
         let (sts, deploys, services, secrets, claims) = (
@@ -509,6 +514,14 @@ async fn kubernetes_runtime_under_the_shipped_rbac() {
         }
     })
     .await;
+    eventually("pods and volumes gone", Duration::from_secs(120), || {
+        let pods = kubectl_ok(&kc, &["get", "pods", "-n", NS, "-o", "name"]);
+        let pvs = kubectl_ok(&kc, &["get", "pv", "-o", "name"]);
+        (pods.trim().is_empty()
+            && pvs.trim().is_empty()
+            && !std::path::Path::new(&pv_path).exists())
+        .then_some(())
+    });
     let leftover = kubectl_ok(
         &kc,
         &[
@@ -525,7 +538,240 @@ async fn kubernetes_runtime_under_the_shipped_rbac() {
         "",
         "components are garbage-collected with their control plane"
     );
+}
 
-    nodes.abort();
+/// A management plane with one real node and cluster DNS; every locally built image is on
+/// the node.
+async fn management_plane_with_a_node() -> LocalPlane {
+    nestplane_nodes::check_prerequisites("v1.20.2").expect("node prerequisites");
+    LocalPlane::start(Options {
+        dir: None,
+        controller_manager: true,
+        disabled_controllers: vec![],
+        nodes: Some(NodeOptions {
+            count: 1,
+            images: images().into_values().collect(),
+            dns_image: Some(nestplane_nodes::images::OPERATOR_IMAGE.into()),
+        }),
+    })
+    .await
+    .expect("management plane with a node")
+}
+
+/// `kubectl rollout status`, with the namespace's pods and events on failure.
+fn wait_rollout(kc: &std::path::Path, ns: &str, what: &str) {
+    let out = kubectl(kc, &["rollout", "status", what, "-n", ns, "--timeout=180s"]);
+    if !out.status.success() {
+        let pods = kubectl(kc, &["get", "pods", "-n", ns, "-o", "wide"]);
+        let events = kubectl(kc, &["get", "events", "-n", ns]);
+        panic!(
+            "{what} did not roll out: {}\n{}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&pods.stdout),
+            String::from_utf8_lossy(&events.stdout)
+        );
+    }
+}
+
+/// The tenant's admin kubeconfig (`<name>-kubeconfig`) written to a file.
+async fn tenant_kubeconfig(
+    admin: &kube::Client,
+    name: &str,
+    dir: &std::path::Path,
+) -> std::path::PathBuf {
+    let s: Secret = Api::namespaced(admin.clone(), NS)
+        .get(&format!("{name}-kubeconfig"))
+        .await
+        .unwrap();
+    let path = dir.join(format!("{name}.kubeconfig"));
+    std::fs::write(&path, &s.data.unwrap()["value"].0).unwrap();
+    path
+}
+
+const TRIO: &str = r#"
+apiVersion: controlplane.cluster.x-k8s.io/v1alpha1
+kind: NestedEtcd
+metadata: {name: trio-etcd, namespace: tenants}
+spec: {replicas: 3}
+---
+apiVersion: controlplane.cluster.x-k8s.io/v1alpha1
+kind: NestedAPIServer
+metadata: {name: trio-apiserver, namespace: tenants}
+spec: {replicas: 1}
+---
+apiVersion: controlplane.cluster.x-k8s.io/v1alpha1
+kind: NestedControllerManager
+metadata: {name: trio-controller-manager, namespace: tenants}
+spec: {replicas: 1}
+---
+apiVersion: controlplane.cluster.x-k8s.io/v1alpha1
+kind: NestedScheduler
+metadata: {name: trio-scheduler, namespace: tenants}
+spec: {replicas: 1}
+---
+apiVersion: controlplane.cluster.x-k8s.io/v1alpha1
+kind: NestedControlPlane
+metadata: {name: trio, namespace: tenants}
+spec:
+  version: v1.20.2
+  replicas: 1
+  etcd: {apiVersion: controlplane.cluster.x-k8s.io/v1alpha1, kind: NestedEtcd, name: trio-etcd}
+  apiserver: {apiVersion: controlplane.cluster.x-k8s.io/v1alpha1, kind: NestedAPIServer, name: trio-apiserver}
+  controllerManager: {apiVersion: controlplane.cluster.x-k8s.io/v1alpha1, kind: NestedControllerManager, name: trio-controller-manager}
+  scheduler: {apiVersion: controlplane.cluster.x-k8s.io/v1alpha1, kind: NestedScheduler, name: trio-scheduler}
+"#;
+
+const SHELL_POD: &str = r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: shell, namespace: default}
+spec:
+  containers:
+  - name: shell
+    image: docker.io/library/busybox:1.35
+    imagePullPolicy: Never
+    command: ["sh", "-c", "echo hello-from-a-tenant-pod; sleep 3600"]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: default-views, namespace: default}
+subjects: [{kind: ServiceAccount, name: default, namespace: default}]
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: view}
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_member_etcd_from_pods_and_a_tenant_node_running_a_pod() {
+    let plane = management_plane_with_a_node().await;
+    let kc = plane.kubeconfig_path().to_path_buf();
+    let admin = plane.client();
+    nestplane_operator::crds::install(&admin, Duration::from_secs(30))
+        .await
+        .expect("CRDs");
+    let state = tempfile::tempdir().unwrap();
+    let operator = nestplane_operator::Operator::start(
+        admin.clone(),
+        nestplane_operator::Config {
+            state_dir: state.path().to_path_buf(),
+            mode: nestplane_operator::Mode::Kubernetes(Default::default()),
+            ..Default::default()
+        },
+    );
+    kubectl_ok(&kc, &["create", "namespace", NS]);
+    let out = kubectl_stdin(&kc, &["apply", "-f", "-"], Some(TRIO));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ncps: Api<NestedControlPlane> = Api::namespaced(admin.clone(), NS);
+    eventually_async("trio ready", Duration::from_secs(300), || {
+        let ncps = ncps.clone();
+        async move {
+            let n = ncps.get("trio").await.unwrap();
+            n.status.as_ref().is_some_and(|s| s.ready).then_some(())
+        }
+    })
+    .await;
+
+    // Three pods of one StatefulSet formed one etcd cluster of three started members.
+    let members = kubectl_ok(
+        &kc,
+        &[
+            "exec",
+            "-n",
+            NS,
+            "trio-etcd-0",
+            "--",
+            "etcdctl",
+            "--endpoints=https://127.0.0.1:2379",
+            "--cacert=/etc/nestplane/etcd-ca/tls.crt",
+            "--cert=/etc/nestplane/etcd-peer/tls.crt",
+            "--key=/etc/nestplane/etcd-peer/tls.key",
+            "member",
+            "list",
+        ],
+    );
+    let started: Vec<&str> = members
+        .lines()
+        .filter(|l| l.contains(", started, "))
+        .collect();
+    assert_eq!(started.len(), 3, "{members}");
+    for i in 0..3 {
+        assert!(
+            members.contains(&format!("trio-etcd-{i}.trio-etcd-peer.tenants.svc")),
+            "{members}"
+        );
+    }
+
+    // A node joins the tenant (whose API server is a pod behind a Service) and runs a pod
+    // that reaches the tenant's API with its own token.
+    let tenant = tenant_kubeconfig(&admin, "trio", state.path()).await;
+    let tenant_admin = client_for(&tenant).await;
+    let ca: Secret = Api::namespaced(admin.clone(), NS)
+        .get("trio-ca")
+        .await
+        .unwrap();
+    let ca_pem = String::from_utf8(ca.data.unwrap()["tls.crt"].0.clone()).unwrap();
+    let svc: Service = Api::namespaced(admin.clone(), NS)
+        .get("trio-apiserver")
+        .await
+        .unwrap();
+    let cluster_ip = svc.spec.unwrap().cluster_ip.unwrap();
+    let node_dir = state.path().join("worker-0");
+    let node = join_node(
+        &tenant_admin,
+        "worker-0",
+        &node_dir,
+        &ca_pem,
+        vec![format!("{cluster_ip}:6443").parse().unwrap()],
+        6443,
+        &[
+            "registry.k8s.io/pause:3.2",
+            nestplane_nodes::images::SHELL_IMAGE,
+        ],
+    )
+    .await;
+    wait_node_ready(&tenant, "worker-0", &node_dir, Duration::from_secs(120));
+    let out = kubectl_stdin(&tenant, &["apply", "-f", "-"], Some(SHELL_POD));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eventually("the tenant's pod runs", Duration::from_secs(120), || {
+        let phase = kubectl_ok(
+            &tenant,
+            &["get", "pod", "shell", "-o", "jsonpath={.status.phase}"],
+        );
+        (phase.trim() == "Running").then_some(())
+    });
+    eventually("kubectl logs", Duration::from_secs(30), || {
+        let out = kubectl(&tenant, &["logs", "shell"]);
+        String::from_utf8_lossy(&out.stdout)
+            .contains("hello-from-a-tenant-pod")
+            .then_some(())
+    });
+    let uname = kubectl_ok(&tenant, &["exec", "shell", "--", "cat", "/etc/hostname"]);
+    assert_eq!(uname.trim(), "shell");
+    let api = eventually("the pod calls its API", Duration::from_secs(60), || {
+        let out = kubectl(
+            &tenant,
+            &[
+                "exec",
+                "shell",
+                "--",
+                "sh",
+                "-c",
+                "wget -q -O - --no-check-certificate --header \"Authorization: Bearer $(cat /var/run/secrets/kubernetes.io/serviceaccount/token)\" https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT/api/v1/namespaces/default/pods/shell",
+            ],
+        );
+        let s = String::from_utf8_lossy(&out.stdout).into_owned();
+        s.contains("\"kind\": \"Pod\"").then_some(s)
+    });
+    assert!(api.contains("\"nodeName\": \"worker-0\""), "{api}");
+
+    node.remove()
+        .await
+        .expect("the tenant's node is removed without leftovers");
     operator.stop().await.unwrap();
 }

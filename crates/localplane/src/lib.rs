@@ -20,6 +20,9 @@ use nestplane_runtime::child::{self, Child, Spec};
 /// builds).
 pub const DEFAULT_VERSION: &str = "v1.20.2";
 
+/// The registry the locally built images are named under.
+pub const DEFAULT_IMAGE_REGISTRY: &str = "registry.k8s.io";
+
 /// Errors starting a management plane.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -67,13 +70,36 @@ pub struct Options {
     pub dir: Option<PathBuf>,
     /// Also run kube-controller-manager (garbage collection, service-account tokens).
     pub controller_manager: bool,
-    /// Controllers of kube-controller-manager to leave off (`deployment`, `statefulset`, …):
-    /// a plane without nodes can then have workload status written by a test instead.
+    /// Controllers of kube-controller-manager to leave off (`deployment`, `statefulset`, …).
     pub disabled_controllers: Vec<String>,
+    /// Real nodes (containerd + kubelet + kube-proxy) joined to the plane; needs
+    /// `controller_manager`.
+    pub nodes: Option<NodeOptions>,
 }
+
+/// The management plane's nodes.
+#[derive(Clone, Debug, Default)]
+pub struct NodeOptions {
+    /// How many nodes (`node-0`, `node-1`, …).
+    pub count: usize,
+    /// OCI archives imported into every node (`nestplane images build`).
+    pub images: Vec<PathBuf>,
+    /// Run cluster DNS (`nestplane dns`, as `kube-dns`) from this image.
+    pub dns_image: Option<String>,
+}
+
+/// The plane's cluster domain.
+pub const CLUSTER_DOMAIN: &str = "cluster.local";
+
+pub mod volumes;
+pub use volumes::STORAGE_CLASS;
 
 /// A running management plane.
 pub struct LocalPlane {
+    nodes: Vec<nestplane_nodes::node::Node>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    plane_slot: Option<nestplane_nodes::net::Slot>,
+    service_cidr: String,
     dir: PathBuf,
     _temp: Option<tempfile::TempDir>,
     children: Vec<Child>,
@@ -131,7 +157,7 @@ struct Pki {
     sa: CertKey,
 }
 
-fn ensure_pki(dir: &Path) -> Result<Pki, Error> {
+fn ensure_pki(dir: &Path, extra_ips: &[std::net::IpAddr]) -> Result<Pki, Error> {
     let now = time::OffsetDateTime::now_utc();
     let pki_dir = dir.join("pki");
     // The CA and the service-account key are kept across restarts; leaves are reissued every
@@ -152,11 +178,9 @@ fn ensure_pki(dir: &Path) -> Result<Pki, Error> {
                 "kubernetes.default".into(),
                 "kubernetes.default.svc".into(),
             ],
-            ips: vec![
-                "127.0.0.1"
-                    .parse()
-                    .map_err(|_| Error::Client("ip".into()))?,
-            ],
+            ips: std::iter::once(std::net::IpAddr::from([127, 0, 0, 1]))
+                .chain(extra_ips.iter().copied())
+                .collect(),
             usage: Usage::Server,
             ..LeafSpec::default()
         },
@@ -210,7 +234,24 @@ impl LocalPlane {
             None
         };
         let etcd_bin = binaries::on_path("etcd")?;
-        let pki = ensure_pki(&dir)?;
+        // With nodes, the plane gets a service range of its own, routed from this machine
+        // through its first node (several planes with nodes coexist).
+        let plane_slot = match &opts.nodes {
+            Some(_) => Some(nestplane_nodes::net::claim_plane(&dir).map_err(node_err)?),
+            None => None,
+        };
+        let service_cidr = plane_slot
+            .as_ref()
+            .map(|s| nestplane_nodes::net::plane_service_cidr(s.number))
+            .unwrap_or_else(|| "10.0.0.0/24".into());
+        let first_service_ip = nth_address(&service_cidr, 1)?;
+        let pki = ensure_pki(
+            &dir,
+            &[
+                first_service_ip,
+                nestplane_nodes::config::NODE_LOCAL_APISERVER.into(),
+            ],
+        )?;
         let p = |name: &str| dir.join("pki").join(name).display().to_string();
         let logs = dir.join("logs");
 
@@ -242,28 +283,50 @@ impl LocalPlane {
 
         let port = free_port()?;
         let server = format!("https://127.0.0.1:{port}");
+        let mut api_args = vec![
+            "--allow-privileged=true".into(),
+            "--bind-address=127.0.0.1".into(),
+            format!("--cert-dir={}", dir.join("pki").display()),
+            format!("--client-ca-file={}", p("ca.crt")),
+            format!("--etcd-servers={etcd_url}"),
+            "--insecure-port=0".into(),
+            format!("--secure-port={port}"),
+            "--service-account-issuer=https://kubernetes.default.svc".into(),
+            format!("--service-account-key-file={}", p("sa.crt")),
+            format!("--service-account-signing-key-file={}", p("sa.key")),
+            format!("--service-cluster-ip-range={service_cidr}"),
+            format!("--tls-cert-file={}", p("apiserver.crt")),
+            format!("--tls-private-key-file={}", p("apiserver.key")),
+            "--v=1".into(),
+        ];
+        if opts.nodes.is_some() {
+            // Pods reach the API server through their node's proxy at the node-local address;
+            // kubelets join by bootstrap token and are authorized as nodes; the API server
+            // reaches kubelets (logs, exec) with the admin certificate.
+            api_args.extend([
+                format!(
+                    "--advertise-address={}",
+                    nestplane_nodes::config::NODE_LOCAL_APISERVER
+                ),
+                "--authorization-mode=Node,RBAC".into(),
+                "--enable-admission-plugins=NodeRestriction".into(),
+                "--enable-bootstrap-token-auth=true".into(),
+                format!("--kubelet-client-certificate={}", p("admin.crt")),
+                format!("--kubelet-client-key={}", p("admin.key")),
+                "--kubelet-preferred-address-types=InternalIP".into(),
+            ]);
+        } else {
+            api_args.extend([
+                "--advertise-address=127.0.0.1".into(),
+                "--authorization-mode=RBAC".into(),
+                "--endpoint-reconciler-type=none".into(),
+            ]);
+        }
+        api_args.sort();
         let apiserver = Spec {
             name: "kube-apiserver".into(),
             program: apiserver_bin,
-            args: vec![
-                "--advertise-address=127.0.0.1".into(),
-                "--allow-privileged=true".into(),
-                "--authorization-mode=RBAC".into(),
-                "--bind-address=127.0.0.1".into(),
-                format!("--cert-dir={}", dir.join("pki").display()),
-                format!("--client-ca-file={}", p("ca.crt")),
-                "--endpoint-reconciler-type=none".into(),
-                format!("--etcd-servers={etcd_url}"),
-                "--insecure-port=0".into(),
-                format!("--secure-port={port}"),
-                "--service-account-issuer=https://kubernetes.default.svc".into(),
-                format!("--service-account-key-file={}", p("sa.crt")),
-                format!("--service-account-signing-key-file={}", p("sa.key")),
-                "--service-cluster-ip-range=10.0.0.0/24".into(),
-                format!("--tls-cert-file={}", p("apiserver.crt")),
-                format!("--tls-private-key-file={}", p("apiserver.key")),
-                "--v=1".into(),
-            ],
+            args: api_args,
             log: logs.join("kube-apiserver.log"),
             ..Spec::default()
         };
@@ -284,26 +347,36 @@ impl LocalPlane {
 
         if let Some(kcm_bin) = kcm_bin {
             let kcm_port = free_port()?;
+            let mut controllers = vec!["*".to_string()];
+            let mut kcm_args = Vec::new();
+            if opts.nodes.is_some() {
+                // Bootstrap tokens and kubelet certificates.
+                controllers.extend(["bootstrapsigner".into(), "tokencleaner".into()]);
+                kcm_args.extend([
+                    format!("--cluster-signing-cert-file={}", p("ca.crt")),
+                    format!("--cluster-signing-key-file={}", p("ca.key")),
+                    format!("--service-cluster-ip-range={service_cidr}"),
+                ]);
+            }
+            controllers.extend(opts.disabled_controllers.iter().map(|c| format!("-{c}")));
+            kcm_args.extend([
+                "--bind-address=127.0.0.1".into(),
+                format!("--cert-dir={}", dir.join("pki").join("kcm").display()),
+                format!("--controllers={}", controllers.join(",")),
+                format!("--kubeconfig={}", kubeconfig_path.display()),
+                "--leader-elect=false".into(),
+                "--port=0".into(),
+                format!("--root-ca-file={}", p("ca.crt")),
+                format!("--secure-port={kcm_port}"),
+                format!("--service-account-private-key-file={}", p("sa.key")),
+                "--use-service-account-credentials=true".into(),
+                "--concurrent-gc-syncs=5".into(),
+                "--v=1".into(),
+            ]);
             let kcm = Spec {
                 name: "kube-controller-manager".into(),
                 program: kcm_bin,
-                args: vec![
-                    "--bind-address=127.0.0.1".into(),
-                    format!("--cert-dir={}", dir.join("pki").join("kcm").display()),
-                    std::iter::once("--controllers=*".to_string())
-                        .chain(opts.disabled_controllers.iter().map(|c| format!("-{c}")))
-                        .collect::<Vec<_>>()
-                        .join(","),
-                    format!("--kubeconfig={}", kubeconfig_path.display()),
-                    "--leader-elect=false".into(),
-                    "--port=0".into(),
-                    format!("--root-ca-file={}", p("ca.crt")),
-                    format!("--secure-port={kcm_port}"),
-                    format!("--service-account-private-key-file={}", p("sa.key")),
-                    "--use-service-account-credentials=true".into(),
-                    "--concurrent-gc-syncs=5".into(),
-                    "--v=1".into(),
-                ],
+                args: kcm_args,
                 log: logs.join("kube-controller-manager.log"),
                 ..Spec::default()
             };
@@ -312,8 +385,36 @@ impl LocalPlane {
             wait_tcp(&mut kcm_child, kcm_port, Duration::from_secs(30)).await?;
             children.push(kcm_child);
         }
+        if opts.nodes.is_some() {
+            // Pods need a scheduler.
+            let port = free_port()?;
+            let sched = Spec {
+                name: "kube-scheduler".into(),
+                program: binaries::kubernetes("kube-scheduler", DEFAULT_VERSION)?,
+                args: vec![
+                    "--bind-address=127.0.0.1".into(),
+                    format!("--kubeconfig={}", kubeconfig_path.display()),
+                    format!("--authentication-kubeconfig={}", kubeconfig_path.display()),
+                    format!("--authorization-kubeconfig={}", kubeconfig_path.display()),
+                    "--leader-elect=false".into(),
+                    "--port=0".into(),
+                    format!("--secure-port={port}"),
+                    format!("--cert-dir={}", dir.join("pki").join("scheduler").display()),
+                    "--v=1".into(),
+                ],
+                log: logs.join("kube-scheduler.log"),
+                ..Spec::default()
+            };
+            let mut child = Child::spawn(&sched).map_err(io_err("starting kube-scheduler"))?;
+            wait_tcp(&mut child, port, Duration::from_secs(30)).await?;
+            children.push(child);
+        }
         let _ = (&pki.serving, &pki.sa);
-        Ok(LocalPlane {
+        let mut plane = LocalPlane {
+            nodes: Vec::new(),
+            tasks: Vec::new(),
+            plane_slot,
+            service_cidr,
             dir,
             _temp: temp,
             children,
@@ -323,7 +424,122 @@ impl LocalPlane {
             ca_pem: pki.ca.cert_pem,
             client,
             startup: started.elapsed(),
-        })
+        };
+        if let Some(n) = &opts.nodes {
+            plane.start_nodes(n, port).await?;
+            plane.startup = started.elapsed();
+        }
+        Ok(plane)
+    }
+
+    async fn start_nodes(&mut self, n: &NodeOptions, api_port: u16) -> Result<(), Error> {
+        use nestplane_nodes::{join, node};
+        let service_ip_dns = nth_address(&self.service_cidr, 10)?.to_string();
+        for i in 0..n.count {
+            let token = join::BootstrapToken::generate();
+            join::prepare(&self.client, &token, Duration::from_secs(24 * 3600))
+                .await
+                .map_err(node_err)?;
+            let name = format!("node-{i}");
+            let started = node::Node::start(node::NodeConfig {
+                name: name.clone(),
+                dir: self.dir.join("nodes").join(&name),
+                ca_pem: self.ca_pem.clone(),
+                token: token.token(),
+                apiservers: vec![std::net::SocketAddr::from(([127, 0, 0, 1], api_port))],
+                api_port,
+                images: n.images.clone(),
+                pause_image: format!(
+                    "{}/pause:{}",
+                    DEFAULT_IMAGE_REGISTRY,
+                    nestplane_nodes::images::PAUSE_TAG
+                ),
+                labels: Default::default(),
+                taints: vec![],
+                cluster: nestplane_nodes::config::ClusterSettings {
+                    cluster_dns: vec![service_ip_dns.clone()],
+                    cluster_domain: CLUSTER_DOMAIN.into(),
+                },
+                version: DEFAULT_VERSION.into(),
+            })
+            .await
+            .map_err(node_err)?;
+            if i == 0 {
+                // This machine reaches the plane's Services through its first node.
+                nestplane_nodes::net::route_services(&self.service_cidr, started.ip())
+                    .map_err(node_err)?;
+            }
+            self.nodes.push(started);
+        }
+        let mut objects = vec![volumes::storage_class()];
+        self.tasks.push(tokio::spawn(volumes::run(
+            self.client.clone(),
+            self.dir.join("volumes"),
+            self.nodes.iter().map(|n| n.name().to_string()).collect(),
+        )));
+        if let Some(image) = &n.dns_image {
+            objects.extend(nestplane_dns::manifests(&nestplane_dns::Deployment {
+                image: image.clone(),
+                service_ip: service_ip_dns,
+                zone: CLUSTER_DOMAIN.into(),
+                replicas: 1,
+            }));
+        }
+        apply_all(&self.client, &objects).await?;
+        self.wait_nodes_ready(Duration::from_secs(120)).await
+    }
+
+    /// Wait until every node of the plane reports Ready.
+    pub async fn wait_nodes_ready(&self, timeout: Duration) -> Result<(), Error> {
+        use k8s_openapi::api::core::v1::Node;
+        let nodes: kube::Api<Node> = kube::Api::all(self.client.clone());
+        let deadline = Instant::now() + timeout;
+        loop {
+            let list = nodes
+                .list(&Default::default())
+                .await
+                .map_err(|e| Error::Client(e.to_string()))?;
+            let ready = list
+                .items
+                .iter()
+                .filter(|n| {
+                    n.status
+                        .as_ref()
+                        .and_then(|s| s.conditions.as_ref())
+                        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+                })
+                .count();
+            if ready >= self.nodes.len() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let tail = self
+                    .nodes
+                    .first()
+                    .map(|n| child::log_tail(&n.dir().join("logs/kubelet.log"), 20))
+                    .unwrap_or_default();
+                return Err(Error::ProcessFailed {
+                    process: "kubelet".into(),
+                    reason: format!(
+                        "{ready} of {} nodes Ready after {timeout:?}",
+                        self.nodes.len()
+                    ),
+                    log: "nodes/*/logs/kubelet.log".into(),
+                    tail,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    /// The plane's nodes.
+    pub fn nodes(&self) -> &[nestplane_nodes::node::Node] {
+        &self.nodes
+    }
+
+    /// The plane's service range.
+    pub fn service_cidr(&self) -> &str {
+        &self.service_cidr
     }
 
     /// A client with cluster-admin rights.
@@ -416,6 +632,19 @@ impl LocalPlane {
 
     /// Stop every child process (SIGTERM, then SIGKILL), last started first.
     pub fn stop(&mut self) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+        // Nodes first (their pods go with them), while the API server still answers.
+        for n in self.nodes.drain(..) {
+            let name = n.name().to_string();
+            if let Err(e) = n.remove_now() {
+                tracing::warn!(node = %name, error = %e, "removing a node");
+            }
+        }
+        if let Some(s) = self.plane_slot.take() {
+            s.release();
+        }
         while let Some(mut c) = self.children.pop() {
             c.stop(Duration::from_secs(5));
         }
@@ -513,6 +742,54 @@ async fn wait_ready(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+fn node_err(e: nestplane_nodes::Error) -> Error {
+    Error::Client(format!("nodes: {e}"))
+}
+
+/// The `n`th address of an IPv4 range (`10.0.0.0/24`, 10 → `10.0.0.10`).
+fn nth_address(cidr: &str, n: u32) -> Result<std::net::IpAddr, Error> {
+    let base = cidr
+        .split('/')
+        .next()
+        .and_then(|a| a.parse::<std::net::Ipv4Addr>().ok())
+        .ok_or_else(|| Error::Client(format!("bad range {cidr}")))?;
+    Ok(std::net::Ipv4Addr::from(u32::from(base) + n).into())
+}
+
+/// Server-side apply of plain objects (cluster-scoped or namespaced) with the admin client.
+pub async fn apply_all(client: &kube::Client, objects: &[serde_json::Value]) -> Result<(), Error> {
+    use kube::api::{Api, DynamicObject, Patch, PatchParams};
+    use kube::core::{ApiResource, GroupVersionKind};
+    for o in objects {
+        let api_version = o["apiVersion"].as_str().unwrap_or_default();
+        let kind = o["kind"].as_str().unwrap_or_default();
+        let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+        let lower = kind.to_ascii_lowercase();
+        let plural = if lower.ends_with("ss") {
+            format!("{lower}es")
+        } else {
+            format!("{lower}s")
+        };
+        let ar = ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk(group, version, kind),
+            &plural,
+        );
+        let name = o["metadata"]["name"].as_str().unwrap_or_default();
+        let api: Api<DynamicObject> = match o["metadata"]["namespace"].as_str() {
+            Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
+            None => Api::all_with(client.clone(), &ar),
+        };
+        api.patch(
+            name,
+            &PatchParams::apply("nestplane-localplane").force(),
+            &Patch::Apply(o),
+        )
+        .await
+        .map_err(|e| Error::Client(format!("applying {kind}/{name}: {e}")))?;
+    }
+    Ok(())
 }
 
 /// A GET request for `path` (health endpoints).

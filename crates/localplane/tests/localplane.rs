@@ -22,6 +22,7 @@ async fn starts_serves_and_stops_cleanly() {
         dir: None,
         controller_manager: true,
         disabled_controllers: vec![],
+        nodes: None,
     })
     .await
     .expect("management plane starts");
@@ -111,6 +112,7 @@ async fn data_and_ca_survive_a_restart_in_the_same_dir() {
         dir: Some(dir.path().to_path_buf()),
         controller_manager: false,
         disabled_controllers: vec![],
+        nodes: None,
     };
     let first = LocalPlane::start(opts.clone()).await.unwrap();
     let ca = first.ca_pem().to_string();
@@ -135,6 +137,7 @@ async fn service_account_kubeconfig_is_subject_to_rbac() {
         dir: None,
         controller_manager: true,
         disabled_controllers: vec![],
+        nodes: None,
     })
     .await
     .unwrap();

@@ -41,18 +41,37 @@ fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
 
+/// Machine-wide claims of management planes that have nodes (each gets its own service
+/// range, routed from the host through its first node).
+pub fn plane_slots_dir() -> PathBuf {
+    PathBuf::from("/run/nestplane/plane-slots")
+}
+
+/// Claim a management-plane slot (1..=60) for the plane in `dir`.
+pub fn claim_plane(dir: &Path) -> Result<Slot, Error> {
+    claim_in(&plane_slots_dir(), 60, dir, |_, _| {})
+}
+
+/// The service range of management plane slot `p`: `10.<128+p>.0.0/16`.
+pub fn plane_service_cidr(p: u8) -> String {
+    format!("10.{}.0.0/16", 128 + u16::from(p))
+}
+
 /// Claim the first free slot for the node in `dir`. A claim whose process is gone is stale:
-/// whatever that node left (namespace, veth) is removed and the slot reused.
-pub fn claim(dir: &Path) -> Result<Slot, Error> {
-    let sd = slots_dir();
-    std::fs::create_dir_all(&sd).map_err(|e| Error::io(format!("creating {}", sd.display()), e))?;
-    for n in 1..=MAX_SLOT {
+/// `stale(slot, its node's directory)` removes what that node left, and the slot is reused.
+pub fn claim(dir: &Path, stale: impl Fn(u8, &Path)) -> Result<Slot, Error> {
+    claim_in(&slots_dir(), MAX_SLOT, dir, stale)
+}
+
+fn claim_in(sd: &Path, max: u8, dir: &Path, stale: impl Fn(u8, &Path)) -> Result<Slot, Error> {
+    std::fs::create_dir_all(sd).map_err(|e| Error::io(format!("creating {}", sd.display()), e))?;
+    for n in 1..=max {
         let path = sd.join(n.to_string());
-        if let Some((pid, _)) = claim_owner(&path) {
+        if let Some((pid, old)) = claim_owner(&path) {
             if pid_alive(pid) {
                 continue;
             }
-            teardown(&Addresses::of(n));
+            stale(n, &old);
             let _ = std::fs::remove_file(&path);
         }
         match std::fs::OpenOptions::new()
@@ -69,7 +88,7 @@ pub fn claim(dir: &Path) -> Result<Slot, Error> {
             Err(e) => return Err(Error::io("claiming a node slot", e)),
         }
     }
-    Err(Error::NoSlot(MAX_SLOT))
+    Err(Error::NoSlot(max))
 }
 
 pub(crate) fn run(args: &[&str]) -> Result<(), Error> {
@@ -192,4 +211,11 @@ pub fn teardown(a: &Addresses) {
     if Path::new("/sys/class/net").join(&a.host_veth).exists() {
         let _ = run(&["ip", "link", "delete", &a.host_veth]);
     }
+}
+
+/// Route `cidr` (a management plane's service range) from this machine through `node_ip`,
+/// whose kube-proxy turns Service addresses into pod addresses. The route goes when the
+/// node's link does.
+pub fn route_services(cidr: &str, node_ip: std::net::Ipv4Addr) -> Result<(), Error> {
+    run(&["ip", "route", "replace", cidr, "via", &node_ip.to_string()])
 }

@@ -135,7 +135,7 @@ impl Node {
         let dir = std::fs::canonicalize(&cfg.dir)
             .map_err(|e| Error::io(format!("resolving {}", cfg.dir.display()), e))?;
         let layout = Layout { dir: dir.clone() };
-        let slot = net::claim(&dir)?;
+        let slot = net::claim(&dir, clean_stale)?;
         let addrs = Addresses::of(slot.number);
         let mut node = Node {
             name: cfg.name.clone(),
@@ -155,7 +155,7 @@ impl Node {
         match node.bring_up(&cfg, kubelet_bin, proxy_bin).await {
             Ok(()) => Ok(node),
             Err(e) => {
-                node.teardown().await;
+                let _ = tokio::task::spawn_blocking(move || node.teardown()).await;
                 Err(e)
             }
         }
@@ -401,8 +401,15 @@ impl Node {
 
     /// Remove the node: its processes, containers, mounts, network namespace (bridge,
     /// iptables rules, routes), cgroups, directory and slot.
-    pub async fn remove(mut self) -> Result<(), Error> {
-        self.teardown().await;
+    pub async fn remove(self) -> Result<(), Error> {
+        tokio::task::spawn_blocking(move || self.remove_now())
+            .await
+            .map_err(|e| Error::io("removing a node", std::io::Error::other(e.to_string())))?
+    }
+
+    /// [`Node::remove`], blocking the calling thread.
+    pub fn remove_now(mut self) -> Result<(), Error> {
+        self.teardown();
         let left = leftovers(&self.addrs, &self.layout.dir);
         if left.is_empty() {
             Ok(())
@@ -414,7 +421,7 @@ impl Node {
         }
     }
 
-    async fn teardown(&mut self) {
+    fn teardown(&mut self) {
         for t in self.tasks.drain(..) {
             t.abort();
         }
@@ -430,30 +437,24 @@ impl Node {
             }
             Err(_) => (None, None, None, None),
         };
-        let slot = self.addrs.slot;
+        let cgroup = config::cgroup_root(&self.addrs);
         let sock = self.layout.containerd_socket();
-        let dir = self.layout.dir.clone();
-        let addrs = self.addrs.clone();
-        // Blocking work (signals, waits, rmdir) off the async threads.
-        let _ = tokio::task::spawn_blocking(move || {
-            for mut c in [kube_proxy, kubelet].into_iter().flatten() {
-                c.stop(Duration::from_secs(5));
-            }
-            kill_cgroup_tree(&format!("/nestplane/n{slot}"));
-            kill_shims(&sock);
-            if let Some(mut c) = containerd {
-                c.stop(Duration::from_secs(5));
-            }
-            kill_shims(&sock);
-            kill_cgroup_tree(&format!("/nestplane/n{slot}"));
-            if let Some(mut h) = holder {
-                h.kill();
-            }
-            remove_cgroups(&format!("/nestplane/n{slot}"));
-            net::teardown(&addrs);
-            let _ = std::fs::remove_dir_all(&dir);
-        })
-        .await;
+        for mut c in [kube_proxy, kubelet].into_iter().flatten() {
+            c.stop(Duration::from_secs(5));
+        }
+        kill_cgroup_tree(&cgroup);
+        kill_shims(&sock);
+        if let Some(mut c) = containerd {
+            c.stop(Duration::from_secs(5));
+        }
+        kill_shims(&sock);
+        kill_cgroup_tree(&cgroup);
+        if let Some(mut h) = holder {
+            h.kill();
+        }
+        remove_cgroups(&cgroup);
+        net::teardown(&self.addrs);
+        let _ = std::fs::remove_dir_all(&self.layout.dir);
         if let Some(s) = self.slot.take() {
             s.release();
         }
@@ -639,6 +640,25 @@ fn remove_cgroups(root: &str) {
     }
 }
 
+/// Remove what the node of a stale slot left when its owner died without removing it: its
+/// processes and containers, cgroups, network namespace and directory.
+fn clean_stale(slot: u8, dir: &Path) {
+    let addrs = Addresses::of(slot);
+    let cgroup = config::cgroup_root(&addrs);
+    let d = dir.to_string_lossy();
+    if !d.is_empty() && d != "/" {
+        for pid in processes_naming(&d) {
+            child::kill_pid(pid);
+        }
+    }
+    kill_cgroup_tree(&cgroup);
+    remove_cgroups(&cgroup);
+    net::teardown(&addrs);
+    if dir.join("containerd.toml").exists() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
 /// Processes whose command line names `needle` (the node's containerd socket or directory).
 fn processes_naming(needle: &str) -> Vec<u32> {
     let mut out = Vec::new();
@@ -695,6 +715,23 @@ pub fn leftovers(addrs: &Addresses, dir: &Path) -> Vec<String> {
     }
     if dir.exists() {
         left.push(format!("directory {d}"));
+    }
+    if let Ok(out) = std::process::Command::new("iptables-save").output() {
+        let rules = String::from_utf8_lossy(&out.stdout);
+        if rules.contains(&addrs.host_veth) || rules.contains(&addrs.pod_cidr) {
+            left.push("rules in this machine's iptables".into());
+        }
+    }
+    if let Ok(routes) = std::process::Command::new("ip")
+        .args(["route", "show"])
+        .output()
+        && String::from_utf8_lossy(&routes.stdout).contains(&addrs.pod_cidr)
+    {
+        left.push(format!("route to {}", addrs.pod_cidr));
+    }
+    let claim = net::slots_dir().join(addrs.slot.to_string());
+    if std::fs::read_to_string(&claim).is_ok_and(|c| c.contains(d.as_ref() as &str)) {
+        left.push(format!("slot claim {}", claim.display()));
     }
     left
 }

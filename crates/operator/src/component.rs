@@ -431,7 +431,9 @@ fn judge(
             reasons::PROVISIONING
         },
         message,
-        version: ready.then(|| version.to_string()),
+        // A version is reported once it runs: a tolerated failed probe (a rollout that cannot
+        // finish, say) keeps the component Ready but does not claim the new version.
+        version: (ready && seen.ok).then(|| version.to_string()),
         addresses: seen.addresses,
         service: seen.service,
         requeue: Some(if seen.ok {

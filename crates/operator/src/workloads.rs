@@ -259,8 +259,18 @@ async fn run(pass: Pass<'_>, settings: &KubernetesSettings) -> Result<Observatio
     let rendered = nestplane_render::render(c, &input)?;
     let mut objects = nestplane_render::objects(&rendered, &input, "", &settings.etcd_storage);
     policy::apply_checked(objects.all_mut(), patches, policy::Runtime::Kubernetes)?;
-    let owner = owner_of(t, c)
-        .ok_or_else(|| Error::Internal(format!("{c:?} object vanished during reconcile")))?;
+    let Some(owner) = owner_of(t, c) else {
+        // The component object was created a moment ago and is not in the watch cache yet:
+        // nothing to own the workload yet; its own event brings the next pass.
+        return Ok(Observation {
+            desired: rendered.replicas,
+            healthy: 0,
+            ok: false,
+            counting: "the component object is not in the cache yet".into(),
+            addresses: Vec::new(),
+            service: None,
+        });
+    };
     for o in objects.all_mut() {
         o["metadata"]["ownerReferences"] = json!([owner]);
     }

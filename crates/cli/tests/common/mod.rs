@@ -100,6 +100,7 @@ impl Env {
             dir: None,
             controller_manager: true,
             disabled_controllers: vec![],
+            nodes: None,
         })
         .await
         .expect("management plane");
