@@ -279,6 +279,13 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
                 let total = total.as_secs_f64();
                 println!("ready_seconds={total:.2}");
                 println!("management_plane_seconds={:.2}", mgmt_ready.as_secs_f64());
+                if startups.is_empty() {
+                    // The kubernetes runtime: start-ups happen in pods, not here.
+                    println!("tenant_seconds={:.2}", total - mgmt_ready.as_secs_f64());
+                    eprintln!("nestplane: stopping");
+                    stop(running).await;
+                    return Ok(());
+                }
                 for c in Component::ALL {
                     println!(
                         "startup_seconds{{component=\"{}\"}}={:.2}",

@@ -133,3 +133,71 @@ fn up_gives_a_working_tenant_and_comes_back_with_its_data() {
     assert!(!state.path().join("operator/tenants/default/demo").exists());
     assert!(running_under(state.path()).is_empty());
 }
+
+/// `nestplane up --runtime kubernetes`: a management plane with a real node, the operator
+/// in-cluster, a tenant made of pods; its kubeconfig works; SIGTERM removes the node.
+#[test]
+fn up_with_the_kubernetes_runtime_gives_a_tenant_made_of_pods() {
+    let state = tempfile::tempdir().unwrap();
+    let mut child = nestplane()
+        .args([
+            "up",
+            "--runtime",
+            "kubernetes",
+            "--name",
+            "pods",
+            "--timeout",
+            "300",
+            "--state-dir",
+        ])
+        .arg(state.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(480))
+        .expect("nestplane up --runtime kubernetes prints the kubectl command when ready");
+    let root = state.path().join("kubernetes");
+    let kubeconfig = root.join("pods.kubeconfig");
+    assert_eq!(
+        line,
+        format!("kubectl --kubeconfig {} get ns", kubeconfig.display())
+    );
+    let ns = kubectl_ok(&kubeconfig, &["get", "ns"]);
+    assert!(ns.contains("kube-system"), "{ns}");
+    let mgmt = root.join("management.kubeconfig");
+    let pods = kubectl_ok(
+        &mgmt,
+        &[
+            "get",
+            "pods",
+            "-A",
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.namespace}/{.metadata.name} {.spec.nodeName} {.status.phase}{\"\\n\"}{end}",
+        ],
+    );
+    for prefix in [
+        "nestplane-system/nestplane-controller-manager-",
+        "default/pods-etcd-0",
+        "default/pods-apiserver-",
+    ] {
+        assert!(
+            pods.lines()
+                .any(|l| l.starts_with(prefix) && l.ends_with(" node-0 Running")),
+            "{prefix}: {pods}"
+        );
+    }
+    let slot_dir = root.join("management/nodes/node-0");
+    assert!(slot_dir.join("containerd.sock").exists());
+    sigterm(child);
+    assert!(!slot_dir.exists(), "the node is removed on stop");
+    assert!(running_under(state.path()).is_empty());
+}
