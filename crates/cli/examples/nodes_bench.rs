@@ -87,7 +87,8 @@ async fn main() {
             .collect(),
         pause_image: "registry.k8s.io/pause:3.2".into(),
         labels: Default::default(),
-        taints: vec![],
+        // Nothing is scheduled here: the node is removed below.
+        taints: vec!["nestplane.io/bench=true:NoSchedule".into()],
         cluster: Default::default(),
         version: "v1.20.2".into(),
     })
@@ -99,6 +100,9 @@ async fn main() {
     let kib: u64 = n.pids().into_iter().map(rss_kib).sum();
     println!("idle_node_rss_mib={:.1}", kib as f64 / 1024.0);
     n.remove().await.expect("node removed");
+    let _ = Api::<Node>::all(client.clone())
+        .delete("bench-node", &Default::default())
+        .await;
 
     // A tenant in the kubernetes runtime, on the plane's node.
     nestplane_operator::crds::install(&client, Duration::from_secs(30))
