@@ -6,6 +6,13 @@
 
 /// Label Cluster API uses to find every object of a cluster.
 pub const CLUSTER_NAME_LABEL: &str = "cluster.x-k8s.io/cluster-name";
+
+/// Annotation recording the cluster name a control plane's objects are named after, fixed when
+/// it is first provisioned (so a Cluster owner reference that arrives later renames nothing).
+pub const CLUSTER_IDENTITY_ANNOTATION: &str = "nestplane.io/cluster-name";
+
+/// The API group of Cluster API's `Cluster`.
+pub const CLUSTER_API_GROUP: &str = "cluster.x-k8s.io";
 /// Annotation that pauses reconciliation (on the control plane or on the Cluster).
 pub const PAUSED_ANNOTATION: &str = "cluster.x-k8s.io/paused";
 /// Secret type of every Cluster API secret.

@@ -279,6 +279,9 @@ async fn write_status<K: ComponentKind>(
     Ok(())
 }
 
+/// How often a control plane paused by its Cluster (`spec.paused`) is looked at again.
+pub const CLUSTER_PAUSE_RECHECK: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The pipeline of one pass: gate (name, pause, version, replicas, patches, dependencies) →
 /// run (the runtime issues certificates, renders, applies or starts, observes) → judge
 /// (hysteresis) → the outcome that becomes status.
@@ -322,10 +325,12 @@ fn gate(ctx: &Context, t: &Tenant, c: Component, key: &str) -> Result<Gate, Erro
         return stop(reasons::INVALID_SPEC, msg, None, Some(EventType::Warning));
     }
     if t.paused(Some(c)) {
+        // A Cluster's pause is not watched: look again shortly.
+        let again = t.cluster_paused.then_some(CLUSTER_PAUSE_RECHECK);
         return stop(
             reasons::PAUSED,
             "reconciliation is paused".into(),
-            None,
+            again,
             None,
         );
     }

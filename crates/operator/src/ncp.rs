@@ -152,7 +152,10 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
                 .await;
         }
     }
-    Ok(if problem.is_some() || paused {
+    Ok(if problem.is_none() && tenant.cluster_paused {
+        // A Cluster's pause is not watched: look again shortly.
+        Action::requeue(crate::component::CLUSTER_PAUSE_RECHECK)
+    } else if problem.is_some() || paused {
         Action::await_change()
     } else {
         Action::requeue(Duration::from_secs(60))
@@ -171,6 +174,12 @@ pub fn finalizer_patch(ncp: &NestedControlPlane, add: bool) -> serde_json::Value
         .collect();
     if add {
         list.push(names::FINALIZER.to_string());
+        // The identity is fixed with the finalizer, before anything is provisioned.
+        return serde_json::json!({"metadata": {
+            "finalizers": list,
+            "resourceVersion": ncp.resource_version(),
+            "annotations": {names::CLUSTER_IDENTITY_ANNOTATION: tenant::cluster_name(ncp)},
+        }});
     }
     serde_json::json!({"metadata": {
         "finalizers": list,
@@ -226,7 +235,7 @@ async fn adopt<K: ComponentKind>(ctx: &Context, t: &Tenant, l: &Lookup<K>) -> Re
             });
             let field = tenant::reference_field(K::COMPONENT);
             ncps.patch(
-                &cluster,
+                &t.ncp.name_any(),
                 &PatchParams::default(),
                 &Patch::Merge(serde_json::json!({"spec": {field: reference}})),
             )
@@ -280,7 +289,7 @@ async fn cleanup(
     api: &Api<NestedControlPlane>,
 ) -> Result<Action, Error> {
     let ns = ncp.namespace().unwrap_or_default();
-    let name = ncp.name_any();
+    let name = tenant::cluster_name(ncp);
     if !ncp.finalizers().iter().any(|f| f == names::FINALIZER) {
         return Ok(Action::await_change());
     }
@@ -320,12 +329,12 @@ async fn cleanup(
         }
     }
     api.patch(
-        &name,
+        &ncp.name_any(),
         &PatchParams::default(),
         &Patch::Merge(finalizer_patch(ncp, false)),
     )
     .await?;
-    ctx.metrics.remove_tenant(&ns, &name);
+    ctx.metrics.remove_tenant(&ns, &ncp.name_any());
     tracing::info!(namespace = %ns, cluster = %name, "tenant removed");
     Ok(Action::await_change())
 }

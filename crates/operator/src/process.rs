@@ -36,7 +36,7 @@ impl Processes {
 fn tenant_key(ncp: &NestedControlPlane) -> TenantKey {
     TenantKey {
         namespace: ncp.namespace().unwrap_or_default(),
-        cluster: ncp.name_any(),
+        cluster: crate::tenant::cluster_name(ncp),
     }
 }
 

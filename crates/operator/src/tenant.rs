@@ -250,6 +250,51 @@ pub async fn lookup<K: ComponentKind>(
     })
 }
 
+/// The Cluster API `Cluster` that owns `ncp`: a controller or plain owner reference of kind
+/// `Cluster` in `cluster.x-k8s.io`, else the `cluster.x-k8s.io/cluster-name` label. Pure.
+pub fn owning_cluster(ncp: &NestedControlPlane) -> Option<String> {
+    let by_ref = ncp.owner_references().iter().find(|r| {
+        r.kind == "Cluster" && r.api_version.split('/').next() == Some(names::CLUSTER_API_GROUP)
+    });
+    by_ref.map(|r| r.name.clone()).or_else(|| {
+        ncp.labels()
+            .get(names::CLUSTER_NAME_LABEL)
+            .filter(|v| !v.is_empty())
+            .cloned()
+    })
+}
+
+/// The name a tenant's objects (secrets `<name>-kubeconfig`, `<name>-ca`, …, workloads,
+/// processes) are named after: the one recorded when it was first provisioned, else the
+/// owning Cluster's, else the control plane's own. Pure.
+pub fn cluster_name(ncp: &NestedControlPlane) -> String {
+    ncp.annotations()
+        .get(names::CLUSTER_IDENTITY_ANNOTATION)
+        .filter(|v| !v.is_empty())
+        .cloned()
+        .or_else(|| owning_cluster(ncp))
+        .unwrap_or_else(|| ncp.name_any())
+}
+
+/// Whether the owning Cluster says `spec.paused` (a Cluster that does not exist, or a
+/// management cluster without the `Cluster` kind, pauses nothing).
+pub async fn cluster_paused(client: &kube::Client, ncp: &NestedControlPlane) -> bool {
+    use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
+    let Some(name) = owning_cluster(ncp) else {
+        return false;
+    };
+    let ar = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk(names::CLUSTER_API_GROUP, "v1beta1", "Cluster"),
+        "clusters",
+    );
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), &ncp.namespace().unwrap_or_default(), &ar);
+    match api.get_opt(&name).await {
+        Ok(Some(c)) => c.data["spec"]["paused"].as_bool().unwrap_or(false),
+        _ => false,
+    }
+}
+
 /// Every component of a tenant.
 #[derive(Clone, Debug)]
 pub struct Tenant {
@@ -263,6 +308,8 @@ pub struct Tenant {
     pub controller_manager: Lookup<NestedControllerManager>,
     /// kube-scheduler.
     pub scheduler: Lookup<NestedScheduler>,
+    /// The owning Cluster's `spec.paused`.
+    pub cluster_paused: bool,
 }
 
 impl Tenant {
@@ -277,13 +324,14 @@ impl Tenant {
             apiserver: lookup(client, caches, &ncp).await?,
             controller_manager: lookup(client, caches, &ncp).await?,
             scheduler: lookup(client, caches, &ncp).await?,
+            cluster_paused: cluster_paused(client, &ncp).await,
             ncp,
         })
     }
 
-    /// The control plane's name (the cluster name of every derived object).
+    /// The cluster name every derived object is named after ([`cluster_name`]).
     pub fn cluster(&self) -> String {
-        self.ncp.name_any()
+        cluster_name(&self.ncp)
     }
 
     /// The control plane's namespace.
@@ -391,7 +439,8 @@ impl Tenant {
                 .as_ref()
                 .is_some_and(|a| a.contains_key(names::PAUSED_ANNOTATION))
         };
-        annotated(&self.ncp.metadata)
+        self.cluster_paused
+            || annotated(&self.ncp.metadata)
             || match c {
                 Some(Component::Etcd) => self.etcd.found().is_some_and(|k| annotated(&k.metadata)),
                 Some(Component::ApiServer) => self
@@ -488,5 +537,49 @@ impl Tenant {
         input.replicas = replicas;
         input.resources = resources;
         input
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::expect_used)]
+    use super::*;
+
+    fn ncp(meta: serde_json::Value) -> NestedControlPlane {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "controlplane.cluster.x-k8s.io/v1alpha1",
+            "kind": "NestedControlPlane",
+            "metadata": meta,
+            "spec": {}
+        }))
+        .expect("ncp")
+    }
+
+    #[test]
+    fn the_owning_cluster_names_the_tenant() {
+        let owned = ncp(
+            serde_json::json!({"name": "foo-control-plane", "ownerReferences": [
+            {"apiVersion": "cluster.x-k8s.io/v1beta1", "kind": "Cluster", "name": "foo", "uid": "u"}]}),
+        );
+        assert_eq!(cluster_name(&owned), "foo");
+        let labelled = ncp(
+            serde_json::json!({"name": "bar-cp", "labels": {"cluster.x-k8s.io/cluster-name": "bar"}}),
+        );
+        assert_eq!(cluster_name(&labelled), "bar");
+        let alone = ncp(serde_json::json!({"name": "demo"}));
+        assert_eq!(cluster_name(&alone), "demo");
+        assert_eq!(owning_cluster(&alone), None);
+        // A Cluster of another API group is not Cluster API's.
+        let other = ncp(serde_json::json!({"name": "x", "ownerReferences": [
+            {"apiVersion": "example.com/v1", "kind": "Cluster", "name": "y", "uid": "u"}]}));
+        assert_eq!(cluster_name(&other), "x");
+    }
+
+    #[test]
+    fn the_recorded_identity_wins_over_a_later_owner() {
+        let late = ncp(serde_json::json!({"name": "foo-control-plane",
+            "annotations": {"nestplane.io/cluster-name": "foo-control-plane"},
+            "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta1", "kind": "Cluster", "name": "foo", "uid": "u"}]}));
+        assert_eq!(cluster_name(&late), "foo-control-plane");
     }
 }

@@ -203,7 +203,7 @@ impl Runtime for Workloads {
             let services: Api<Service> =
                 Api::namespaced(client.clone(), &ncp.namespace().unwrap_or_default());
             Ok(services
-                .get_opt(&Component::ApiServer.workload_name(&ncp.name_any()))
+                .get_opt(&Component::ApiServer.workload_name(&crate::tenant::cluster_name(ncp)))
                 .await?
                 .as_ref()
                 .and_then(service_endpoint))
@@ -224,7 +224,7 @@ impl Runtime for Workloads {
             let selector = format!(
                 "{}={},{}={}",
                 names::CLUSTER_NAME_LABEL,
-                ncp.name_any(),
+                crate::tenant::cluster_name(ncp),
                 names::MANAGED_BY_LABEL,
                 names::MANAGED_BY
             );
