@@ -57,11 +57,13 @@ pub struct DownArgs {
     pub runtime: String,
 }
 
-/// Where a runtime's management plane and tenants live under the state directory.
-fn runtime_root(state_dir: &Path, runtime: &str) -> PathBuf {
+/// Where a runtime's management plane and tenants live: the state directory (given, or the
+/// default), under `kubernetes/` for the kubernetes runtime.
+fn runtime_root(state_dir: &Option<PathBuf>, runtime: &str) -> PathBuf {
+    let dir = state_dir.clone().unwrap_or_else(crate::default_state_dir);
     match runtime {
-        "kubernetes" => state_dir.join("kubernetes"),
-        _ => state_dir.to_path_buf(),
+        "kubernetes" => dir.join("kubernetes"),
+        _ => dir,
     }
 }
 
@@ -202,13 +204,7 @@ pub async fn tenant_kubeconfig(
 /// Run `nestplane up` until Ctrl-C or SIGTERM.
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let started = Instant::now();
-    let state_dir = runtime_root(
-        &args
-            .state_dir
-            .clone()
-            .unwrap_or_else(crate::default_state_dir),
-        &args.runtime,
-    );
+    let state_dir = runtime_root(&args.state_dir, &args.runtime);
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("creating {}", state_dir.display()))?;
     eprintln!("nestplane: state in {}", state_dir.display());
@@ -342,13 +338,7 @@ async fn wait_ready(
 /// `nestplane down`: delete the tenant (the operator stops its processes and removes its data
 /// and secrets).
 pub async fn down(args: DownArgs) -> anyhow::Result<()> {
-    let state_dir = runtime_root(
-        &args
-            .state_dir
-            .clone()
-            .unwrap_or_else(crate::default_state_dir),
-        &args.runtime,
-    );
+    let state_dir = runtime_root(&args.state_dir, &args.runtime);
     if !state_dir.join("management").exists() {
         eprintln!("nestplane: nothing in {}", state_dir.display());
         return Ok(());

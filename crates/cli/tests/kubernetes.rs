@@ -738,36 +738,8 @@ async fn three_member_etcd_from_pods_and_a_tenant_node_running_a_pod() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    eventually("the tenant's pod runs", Duration::from_secs(120), || {
-        let phase = kubectl_ok(
-            &tenant,
-            &["get", "pod", "shell", "-o", "jsonpath={.status.phase}"],
-        );
-        (phase.trim() == "Running").then_some(())
-    });
-    eventually("kubectl logs", Duration::from_secs(30), || {
-        let out = kubectl(&tenant, &["logs", "shell"]);
-        String::from_utf8_lossy(&out.stdout)
-            .contains("hello-from-a-tenant-pod")
-            .then_some(())
-    });
-    let uname = kubectl_ok(&tenant, &["exec", "shell", "--", "cat", "/etc/hostname"]);
-    assert_eq!(uname.trim(), "shell");
-    let api = eventually("the pod calls its API", Duration::from_secs(60), || {
-        let out = kubectl(
-            &tenant,
-            &[
-                "exec",
-                "shell",
-                "--",
-                "sh",
-                "-c",
-                "wget -q -O - --no-check-certificate --header \"Authorization: Bearer $(cat /var/run/secrets/kubernetes.io/serviceaccount/token)\" https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT/api/v1/namespaces/default/pods/shell",
-            ],
-        );
-        let s = String::from_utf8_lossy(&out.stdout).into_owned();
-        s.contains("\"kind\": \"Pod\"").then_some(s)
-    });
+    wait_pod_running_and_logging(&tenant, "shell", "hello-from-a-tenant-pod");
+    let api = pod_reads_itself_from_its_api(&tenant, "shell");
     assert!(api.contains("\"nodeName\": \"worker-0\""), "{api}");
 
     node.remove()

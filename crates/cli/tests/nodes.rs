@@ -125,23 +125,8 @@ async fn a_node_joins_a_process_tenant_by_bootstrap_token_and_runs_a_pod() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    eventually("the pod runs", READY, || {
-        let phase = kubectl_ok(
-            &tenant,
-            &["get", "pod", "shell", "-o", "jsonpath={.status.phase}"],
-        );
-        (phase.trim() == "Running").then_some(())
-    });
-
-    // logs, exec, port-forward: the API server reaches the kubelet, which trusts it.
-    eventually("kubectl logs", Duration::from_secs(30), || {
-        let out = kubectl(&tenant, &["logs", "shell"]);
-        String::from_utf8_lossy(&out.stdout)
-            .contains("hello-from-the-pod")
-            .then_some(())
-    });
-    let hostname = kubectl_ok(&tenant, &["exec", "shell", "--", "cat", "/etc/hostname"]);
-    assert_eq!(hostname.trim(), "shell");
+    // logs and exec (the API server reaches the kubelet, which trusts it), port-forward.
+    wait_pod_running_and_logging(&tenant, "shell", "hello-from-the-pod");
     let mut pf = KillOnDrop(
         std::process::Command::new("kubectl")
             .arg("--kubeconfig")
@@ -167,21 +152,7 @@ async fn a_node_joins_a_process_tenant_by_bootstrap_token_and_runs_a_pod() {
 
     // The pod reaches its cluster's API through the `kubernetes` Service (kube-proxy on the
     // node, the node-local proxy) with its own service-account token.
-    let api = eventually("the pod calls the API", Duration::from_secs(60), || {
-        let out = kubectl(
-            &tenant,
-            &[
-                "exec",
-                "shell",
-                "--",
-                "sh",
-                "-c",
-                "wget -q -O - --no-check-certificate --header \"Authorization: Bearer $(cat /var/run/secrets/kubernetes.io/serviceaccount/token)\" https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT/api/v1/namespaces/default/pods/shell",
-            ],
-        );
-        let s = String::from_utf8_lossy(&out.stdout).into_owned();
-        s.contains("\"kind\": \"Pod\"").then_some(s)
-    });
+    let api = pod_reads_itself_from_its_api(&tenant, "shell");
     assert!(api.contains("\"name\": \"shell\""), "{api}");
     let endpoints = kubectl_ok(
         &tenant,

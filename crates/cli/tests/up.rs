@@ -12,8 +12,16 @@ use common::*;
 
 /// Start `nestplane up` and wait for the line with the kubectl command.
 fn up(state: &std::path::Path) -> (Child, String) {
+    up_with(state, &["--name", "demo"], Duration::from_secs(180))
+}
+
+/// Start `nestplane up ARGS --state-dir STATE` and wait up to `timeout` for the line with the
+/// kubectl command.
+fn up_with(state: &std::path::Path, args: &[&str], timeout: Duration) -> (Child, String) {
     let mut child = nestplane()
-        .args(["up", "--name", "demo", "--state-dir"])
+        .arg("up")
+        .args(args)
+        .arg("--state-dir")
         .arg(state)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -27,7 +35,7 @@ fn up(state: &std::path::Path) -> (Child, String) {
         }
     });
     let line = rx
-        .recv_timeout(Duration::from_secs(180))
+        .recv_timeout(timeout)
         .expect("nestplane up prints the kubectl command when ready");
     (child, line)
 }
@@ -139,32 +147,18 @@ fn up_gives_a_working_tenant_and_comes_back_with_its_data() {
 #[test]
 fn up_with_the_kubernetes_runtime_gives_a_tenant_made_of_pods() {
     let state = tempfile::tempdir().unwrap();
-    let mut child = nestplane()
-        .args([
-            "up",
+    let (child, line) = up_with(
+        state.path(),
+        &[
             "--runtime",
             "kubernetes",
             "--name",
             "pods",
             "--timeout",
             "300",
-            "--state-dir",
-        ])
-        .arg(state.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let line = rx
-        .recv_timeout(Duration::from_secs(480))
-        .expect("nestplane up --runtime kubernetes prints the kubectl command when ready");
+        ],
+        Duration::from_secs(480),
+    );
     let root = state.path().join("kubernetes");
     let kubeconfig = root.join("pods.kubeconfig");
     assert_eq!(

@@ -467,3 +467,37 @@ pub fn wait_node_ready(kubeconfig: &Path, name: &str, node_dir: &Path, timeout: 
         std::thread::sleep(Duration::from_millis(500));
     }
 }
+
+/// Wait until pod `name` (namespace `default`) runs and its log contains `log_line`; then
+/// check that a command runs in it (`kubectl exec`).
+pub fn wait_pod_running_and_logging(kubeconfig: &Path, name: &str, log_line: &str) {
+    eventually("the pod runs", Duration::from_secs(120), || {
+        let phase = kubectl_ok(
+            kubeconfig,
+            &["get", "pod", name, "-o", "jsonpath={.status.phase}"],
+        );
+        (phase.trim() == "Running").then_some(())
+    });
+    eventually("kubectl logs", Duration::from_secs(30), || {
+        let out = kubectl(kubeconfig, &["logs", name]);
+        String::from_utf8_lossy(&out.stdout)
+            .contains(log_line)
+            .then_some(())
+    });
+    let hostname = kubectl_ok(kubeconfig, &["exec", name, "--", "cat", "/etc/hostname"]);
+    assert_eq!(hostname.trim(), name);
+}
+
+/// From inside pod `name` (namespace `default`, a busybox image), GET the pod itself from
+/// its cluster's API through the `kubernetes` Service with the pod's own service-account
+/// token; returns the JSON.
+pub fn pod_reads_itself_from_its_api(kubeconfig: &Path, name: &str) -> String {
+    let script = format!(
+        "wget -q -O - --no-check-certificate --header \"Authorization: Bearer $(cat /var/run/secrets/kubernetes.io/serviceaccount/token)\" https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT/api/v1/namespaces/default/pods/{name}"
+    );
+    eventually("the pod calls its API", Duration::from_secs(60), || {
+        let out = kubectl(kubeconfig, &["exec", name, "--", "sh", "-c", &script]);
+        let s = String::from_utf8_lossy(&out.stdout).into_owned();
+        s.contains("\"kind\": \"Pod\"").then_some(s)
+    })
+}
