@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 bin_line=$(scripts/install-deps.sh | grep '^NESTPLANE_BIN_DIR=')
 export "${bin_line?}"
 echo "bench: building nestplane (release)" >&2
-cargo build --release -p nestplane-cli --example nodes_bench
+cargo build --release -p nestplane-cli --bin nestplane --example nodes_bench
 runs="${1:-3}"
 for i in $(seq 1 "$runs"); do
   dir=$(mktemp -d)
