@@ -657,12 +657,7 @@ async fn three_member_etcd_from_pods_and_a_tenant_node_running_a_pod() {
         },
     );
     kubectl_ok(&kc, &["create", "namespace", NS]);
-    let out = kubectl_stdin(&kc, &["apply", "-f", "-"], Some(TRIO));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kubectl_apply(&kc, TRIO);
     let ncps: Api<NestedControlPlane> = Api::namespaced(admin.clone(), NS);
     eventually_async("trio ready", Duration::from_secs(300), || {
         let ncps = ncps.clone();
@@ -732,12 +727,7 @@ async fn three_member_etcd_from_pods_and_a_tenant_node_running_a_pod() {
     )
     .await;
     wait_node_ready(&tenant, "worker-0", &node_dir, Duration::from_secs(120));
-    let out = kubectl_stdin(&tenant, &["apply", "-f", "-"], Some(SHELL_POD));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kubectl_apply(&tenant, SHELL_POD);
     wait_pod_running_and_logging(&tenant, "shell", "hello-from-a-tenant-pod");
     let api = pod_reads_itself_from_its_api(&tenant, "shell");
     assert!(api.contains("\"nodeName\": \"worker-0\""), "{api}");

@@ -119,12 +119,7 @@ async fn a_node_joins_a_process_tenant_by_bootstrap_token_and_runs_a_pod() {
     assert_eq!(ip.trim(), node.ip().to_string());
 
     // A pod from the locally built image.
-    let out = kubectl_stdin(&tenant, &["apply", "-f", "-"], Some(POD));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kubectl_apply(&tenant, POD);
     // logs and exec (the API server reaches the kubelet, which trusts it), port-forward.
     wait_pod_running_and_logging(&tenant, "shell", "hello-from-the-pod");
     let mut pf = KillOnDrop(

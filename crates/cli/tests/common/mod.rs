@@ -147,12 +147,7 @@ impl Env {
 
     /// Create a control plane from YAML via kubectl (what a user does).
     pub fn apply(&self, yaml: &str) {
-        let out = kubectl_stdin(self.kubeconfig(), &["apply", "-f", "-"], Some(yaml));
-        assert!(
-            out.status.success(),
-            "kubectl apply: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        kubectl_apply(self.kubeconfig(), yaml);
     }
 
     pub async fn create_ncp(&self, ns: &str, name: &str) {
@@ -347,6 +342,17 @@ pub fn events_for(kubeconfig: &Path, ns: &str, name: &str) -> String {
             "jsonpath={range .items[*]}{.type} {.reason}: {.message}{\"\\n\"}{end}",
         ],
     )
+}
+
+/// `kubectl apply -f -` of `yaml` to the cluster of `kubeconfig`; panics with kubectl's
+/// error when it fails.
+pub fn kubectl_apply(kubeconfig: &Path, yaml: &str) {
+    let out = kubectl_stdin(kubeconfig, &["apply", "-f", "-"], Some(yaml));
+    assert!(
+        out.status.success(),
+        "kubectl apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// The locally built images (`nestplane images build`, which rebuilds only what changed), by
