@@ -199,10 +199,18 @@ pub struct ClusterSettings {
     pub cluster_domain: String,
 }
 
+/// The free disk space under which a node reports disk pressure.
+pub const NODE_DISK_RESERVE: &str = "512Mi";
+
 /// The kubelet's configuration: serving on the node address, client certificates checked
 /// against the cluster CA (so `kubectl logs/exec` work), webhook authentication and
 /// authorization, cgroupfs under the node's own cgroup root, certificate rotation, and no
 /// image garbage collection (images here cannot be pulled again).
+///
+/// Disk-pressure thresholds are absolute amounts, not percentages: a node's filesystem is the
+/// machine's, shared with everything else on it, so "10 % free" (the kubelet's default) or
+/// even "1 %" of a large shared disk taints every node for reasons no tenant controls. The
+/// node still evicts when the disk is really about to fill.
 pub fn kubelet_config(layout: &Layout, addrs: &Addresses, cluster: &ClusterSettings) -> String {
     let mut v = json!({
         "kind": "KubeletConfiguration",
@@ -230,9 +238,9 @@ pub fn kubelet_config(layout: &Layout, addrs: &Addresses, cluster: &ClusterSetti
         "imageGCLowThresholdPercent": 99,
         "evictionHard": {
             "memory.available": "100Mi",
-            "nodefs.available": "1%",
+            "nodefs.available": NODE_DISK_RESERVE,
             "nodefs.inodesFree": "1%",
-            "imagefs.available": "1%"
+            "imagefs.available": NODE_DISK_RESERVE
         },
         "volumePluginDir": layout.dir.join("volume-plugins").to_string_lossy(),
         "maxPods": 110
@@ -346,6 +354,21 @@ mod tests {
         assert_eq!(v["address"], "10.201.3.2");
         assert_eq!(v["cgroupRoot"], "/nestplane/n3");
         assert_eq!(v["clusterDNS"][0], "10.96.0.10");
+    }
+
+    #[test]
+    fn disk_pressure_is_an_absolute_reserve_not_a_share_of_the_machines_disk() {
+        let v: Value = serde_json::from_str(&kubelet_config(
+            &layout(),
+            &Addresses::of(3),
+            &ClusterSettings::default(),
+        ))
+        .expect("json");
+        for signal in ["nodefs.available", "imagefs.available"] {
+            let threshold = v["evictionHard"][signal].as_str().expect(signal);
+            assert!(!threshold.ends_with('%'), "{signal} is {threshold}");
+        }
+        assert_eq!(v["imageGCHighThresholdPercent"], 100);
     }
 
     #[test]
