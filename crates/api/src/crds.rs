@@ -15,6 +15,8 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         NestedAPIServer::crd(),
         NestedControllerManager::crd(),
         NestedScheduler::crd(),
+        crate::endpoint::ClusterEndpoint::crd(),
+        crate::postcreate::PostCreateConfig::crd(),
     ]
 }
 
@@ -31,8 +33,12 @@ mod tests {
     #[test]
     fn contract_labels_scale_and_short_name() {
         let crds = all();
-        assert_eq!(crds.len(), 5);
-        for crd in &crds {
+        let control_plane: Vec<_> = crds
+            .iter()
+            .filter(|c| c.spec.group == crate::controlplane::GROUP)
+            .collect();
+        assert_eq!(control_plane.len(), 5);
+        for crd in control_plane {
             let labels = crd.metadata.labels.clone().unwrap();
             assert_eq!(labels["cluster.x-k8s.io/v1beta1"], "v1alpha1");
             assert_eq!(labels["cluster.x-k8s.io/v1beta2"], "v1alpha1");

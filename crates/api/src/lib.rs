@@ -7,7 +7,11 @@
 pub mod conditions;
 pub mod controlplane;
 pub mod crds;
+pub mod endpoint;
 pub mod names;
+pub mod postcreate;
 mod schema;
 
 pub use controlplane::*;
+pub use endpoint::{ClusterEndpoint, ClusterEndpointSpec, ClusterEndpointType};
+pub use postcreate::{PostCreateConfig, PostCreateConfigSpec, PostCreateConfigStatus};

@@ -13,6 +13,10 @@ pub const CLUSTER_IDENTITY_ANNOTATION: &str = "nestplane.io/cluster-name";
 
 /// The API group of Cluster API's `Cluster`.
 pub const CLUSTER_API_GROUP: &str = "cluster.x-k8s.io";
+/// Cluster API's annotation for objects some other system manages. On a component object
+/// (`NestedEtcd`, …) it hands the component to an out-of-tree controller: nestplane then
+/// only reads its status. Its value names the manager (`nestplane` keeps it nestplane's).
+pub const EXTERNALLY_MANAGED_ANNOTATION: &str = "cluster.x-k8s.io/managed-by";
 /// Annotation that pauses reconciliation (on the control plane or on the Cluster).
 pub const PAUSED_ANNOTATION: &str = "cluster.x-k8s.io/paused";
 /// Secret type of every Cluster API secret.

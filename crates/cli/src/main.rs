@@ -91,6 +91,11 @@ struct OperatorArgs {
     /// Name of the leader election Lease.
     #[arg(long, default_value = "nestplane-leader")]
     leader_election_id: String,
+    /// Component controllers to run, as kube-controller-manager lists them: `*` for all,
+    /// `-etcd` to leave etcd to an out-of-tree controller (names: etcd, apiserver,
+    /// controller-manager, scheduler). nestplane then only reads that kind's status.
+    #[arg(long, default_value = "*", value_parser = nestplane_operator::Controllers::parse)]
+    controllers: nestplane_operator::Controllers,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -190,6 +195,7 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
             mode,
             leader_election,
             clock: Default::default(),
+            controllers: args.controllers,
         },
         token,
     )

@@ -1,6 +1,7 @@
 //! A Cluster API `Cluster` that owns a control plane is the source of the tenant's identity:
 //! a Cluster `foo` whose control plane is `foo-control-plane` gets `foo-kubeconfig`, and
-//! `Cluster.spec.paused` pauses reconciling (process runtime, real tenants).
+//! `Cluster.spec.paused` pauses reconciling; the endpoint is published as a `ClusterEndpoint`
+//! (seed 003) owned by the control plane (process runtime, real tenants).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -23,18 +24,7 @@ fn clusters(env: &Env) -> Api<DynamicObject> {
 async fn a_cluster_named_foo_gets_foo_kubeconfig_and_its_pause_pauses() {
     let env = Env::start(true).await;
     let kc = env.kubeconfig().to_path_buf();
-    let crd =
-        std::fs::read_to_string(repo().join("crates/cli/tests/fixtures/cluster-crd.yaml")).unwrap();
-    env.apply(&crd);
-    kubectl_ok(
-        &kc,
-        &[
-            "wait",
-            "--for=condition=Established",
-            "crd/clusters.cluster.x-k8s.io",
-            "--timeout=60s",
-        ],
-    );
+    env.install_cluster_crd();
     // A Cluster without infrastructureRef, and its control plane owned by it from the start
     // (as Cluster API's templates create them).
     env.apply(
@@ -60,9 +50,53 @@ async fn a_cluster_named_foo_gets_foo_kubeconfig_and_its_pause_pauses() {
     );
     let ncp = env.ncps("default").get("foo-control-plane").await.unwrap();
     assert_eq!(
-        ncp.metadata.annotations.unwrap()["nestplane.io/cluster-name"],
+        ncp.metadata.annotations.as_ref().unwrap()["nestplane.io/cluster-name"],
         "foo",
         "the identity is recorded"
+    );
+
+    // Seed 003: the endpoint is published as ClusterEndpoint foo-apiserver, controlled by the
+    // control plane, labelled with the Cluster's name, and it reaches the tenant.
+    let endpoint = Api::<nestplane_api::ClusterEndpoint>::namespaced(env.client(), "default")
+        .get("foo-apiserver")
+        .await
+        .unwrap();
+    assert_eq!(endpoint.spec.cluster, "foo");
+    assert_eq!(
+        serde_json::to_value(&endpoint.spec.type_).unwrap(),
+        "apiserver"
+    );
+    assert_eq!(
+        endpoint.metadata.labels.as_ref().unwrap()["cluster.x-k8s.io/cluster-name"],
+        "foo"
+    );
+    let owner = endpoint
+        .metadata
+        .owner_references
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|r| r.controller == Some(true))
+        .unwrap();
+    assert_eq!(
+        (owner.kind.as_str(), owner.uid.as_str()),
+        ("NestedControlPlane", ncp.metadata.uid.as_deref().unwrap())
+    );
+    let published = ncp.spec.control_plane_endpoint.clone().unwrap();
+    assert_eq!(
+        (endpoint.spec.host.as_str(), endpoint.spec.port),
+        (published.host.as_str(), published.port)
+    );
+    let server = format!("https://{}:{}", endpoint.spec.host, endpoint.spec.port);
+    let ns = kubectl_ok(
+        &kubeconfig,
+        &["--server", &server, "get", "ns", "default", "-o", "name"],
+    );
+    assert_eq!(ns.trim(), "namespace/default");
+    let columns = kubectl_ok(&kc, &["get", "clusterendpoints"]);
+    assert!(
+        columns.contains("CLUSTER") && columns.contains("HOST") && columns.contains("apiserver"),
+        "{columns}"
     );
 
     // Cluster.spec.paused pauses: a new API server replica is not started while paused, and is
@@ -131,6 +165,14 @@ async fn a_cluster_named_foo_gets_foo_kubeconfig_and_its_pause_pauses() {
         .list(&ListParams::default().labels("cluster.x-k8s.io/cluster-name=foo"))
         .await
         .unwrap();
+    eventually(
+        "the ClusterEndpoint goes with its control plane",
+        Duration::from_secs(60),
+        || {
+            let out = kubectl(&kc, &["get", "clusterendpoint", "foo-apiserver"]);
+            (!out.status.success()).then_some(())
+        },
+    );
     assert!(
         left.items.is_empty(),
         "{:?}",

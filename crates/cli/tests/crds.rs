@@ -92,6 +92,20 @@ async fn crds_install_samples_apply_scale_and_validate() {
         ],
     );
     assert_eq!(got.lines().count(), 4, "{got}");
+    // Seed 001's sample PostCreateConfig applies unchanged.
+    let pcc = repo().join("config/samples/postcreateconfig.yaml");
+    kubectl_ok(&kc, &["apply", "-f", pcc.to_str().unwrap()]);
+    let got = kubectl_ok(
+        &kc,
+        &[
+            "get",
+            "postcreateconfig",
+            "postcreate-conf",
+            "-o",
+            "jsonpath={.spec.resources[1].namespace}",
+        ],
+    );
+    assert_eq!(got, "nw-system");
 
     // The short name and the columns a person reads.
     let table = kubectl_ok(&kc, &["get", "ncp"]);

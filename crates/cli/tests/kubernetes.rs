@@ -223,6 +223,19 @@ async fn kubernetes_runtime_with_real_pods_and_the_operator_installed_by_kustomi
     let cluster_ip = svc.spec.as_ref().unwrap().cluster_ip.clone().unwrap();
     let ep = ncp.spec.control_plane_endpoint.as_ref().unwrap();
     assert_eq!((ep.host.as_str(), ep.port), (cluster_ip.as_str(), 6443));
+    // Published as a ClusterEndpoint too, by the operator under its shipped role.
+    let published = Api::<nestplane_api::ClusterEndpoint>::namespaced(admin.clone(), NS)
+        .get("demo-apiserver")
+        .await
+        .unwrap();
+    assert_eq!(
+        (published.spec.host.as_str(), published.spec.port),
+        (cluster_ip.as_str(), 6443)
+    );
+    assert!(controlled_by::<NestedControlPlane>(
+        &published.metadata,
+        "demo"
+    ));
     let serving = secrets.get("demo-apiserver").await.unwrap();
     let cert = String::from_utf8(serving.data.unwrap()["tls.crt"].0.clone()).unwrap();
     let info = nestplane_pki::inspect(&cert).unwrap();

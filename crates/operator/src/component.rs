@@ -67,6 +67,12 @@ impl Outcome {
 pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started(tenant::kind_of(K::COMPONENT));
     let ns = obj.namespace().unwrap_or_default();
+    // Handed to an out-of-tree controller: its status is that controller's to write, and
+    // the control plane reads it from there (seed 000's ordering through status).
+    if let Some(manager) = tenant::managed_elsewhere(obj.meta()) {
+        tracing::debug!(object = %obj.name_any(), %manager, "managed elsewhere; not reconciled");
+        return Ok(Action::await_change());
+    }
     let Some(owner) = tenant::controller_of(obj.as_ref()) else {
         // With a watch filter, an unowned component is nobody's business of this operator's.
         if ctx.watch_filter.is_some() {
@@ -88,7 +94,10 @@ pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Resu
     if ncp.metadata.deletion_timestamp.is_some() || !ctx.selects(&ncp) {
         return Ok(Action::await_change());
     }
-    let tenant = Tenant::load(&ctx.client, &ctx.caches, ncp).await?;
+    let mut tenant = Tenant::load(&ctx.client, &ctx.caches, ncp).await?;
+    if !ctx.runs_here(&tenant, Component::Etcd) {
+        tenant.external_etcd = Some(tenant.etcd_status_urls());
+    }
     let key = crate::context::object_key(obj.as_ref());
     let was_ready = obj.common_status().is_some_and(|s| s.ready);
     let out = match run::<K>(&ctx, &tenant, &key).await {

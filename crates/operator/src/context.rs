@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use nestplane_api::names::Component;
 use nestplane_runtime::process::ProcessRuntime;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -228,6 +229,75 @@ pub struct Context {
     pub clock: crate::clock::Clock,
     /// The watches' caches, read instead of the API server.
     pub caches: crate::tenant::Caches,
+    /// Which component controllers run here.
+    pub controllers: Controllers,
+    /// Per-cluster retries of PostCreateConfigs.
+    pub postcreate_retries: crate::postcreate::Retries,
+}
+
+/// Which component controllers an operator runs (`--controllers`), in
+/// kube-controller-manager's syntax: a comma-separated list where `*` is every controller,
+/// `etcd` adds one and `-etcd` removes one; without `*`, only the named ones run. Names are
+/// the components' short names (`etcd`, `apiserver`, `controller-manager`, `scheduler`) or
+/// their kinds (`NestedEtcd`, any case). The `NestedControlPlane` controller always runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Controllers {
+    on: std::collections::BTreeSet<Component>,
+}
+
+impl Default for Controllers {
+    fn default() -> Self {
+        Controllers {
+            on: Component::ALL.into_iter().collect(),
+        }
+    }
+}
+
+impl Controllers {
+    /// Parse a `--controllers` value.
+    pub fn parse(spec: &str) -> Result<Self, String> {
+        let items: Vec<&str> = spec
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .collect();
+        if items.is_empty() {
+            return Ok(Controllers::default());
+        }
+        let mut on = if items.contains(&"*") {
+            Controllers::default().on
+        } else {
+            Default::default()
+        };
+        for item in items.iter().filter(|i| **i != "*") {
+            let (add, name) = match item.strip_prefix('-') {
+                Some(n) => (false, n),
+                None => (true, *item),
+            };
+            let c = Component::ALL
+                .into_iter()
+                .find(|c| {
+                    c.short_name() == name || crate::tenant::kind_of(*c).eq_ignore_ascii_case(name)
+                })
+                .ok_or_else(|| {
+                    format!(
+                        "unknown controller {name:?}; the component controllers are {}",
+                        Component::ALL.map(|c| c.short_name()).join(", ")
+                    )
+                })?;
+            if add {
+                on.insert(c);
+            } else {
+                on.remove(&c);
+            }
+        }
+        Ok(Controllers { on })
+    }
+
+    /// Whether the controller of `c` runs here.
+    pub fn runs(&self, c: Component) -> bool {
+        self.on.contains(&c)
+    }
 }
 
 /// `Kind/namespace/name`: the key of an object in per-object state.
@@ -264,7 +334,15 @@ impl Context {
             watch_filter: None,
             clock: Default::default(),
             caches: Default::default(),
+            controllers: Controllers::default(),
+            postcreate_retries: Default::default(),
         }
+    }
+
+    /// Whether this operator runs component `c` of `t`: its controller runs here and the
+    /// component object names no other manager.
+    pub fn runs_here(&self, t: &crate::tenant::Tenant, c: Component) -> bool {
+        self.controllers.runs(c) && t.managed_elsewhere(c).is_none()
     }
 
     /// Whether this operator reconciles `ncp` (its watch filter matches).
@@ -299,5 +377,31 @@ impl Context {
         if let Err(e) = self.recorder.publish(&ev, &reference).await {
             tracing::warn!(error = %e, reason, "cannot publish event");
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod controller_tests {
+    use super::*;
+
+    #[test]
+    fn controllers_read_like_kube_controller_managers_list() {
+        let all = Controllers::default();
+        assert!(Component::ALL.iter().all(|c| all.runs(*c)));
+        assert_eq!(Controllers::parse("").unwrap(), all);
+        assert_eq!(Controllers::parse("*").unwrap(), all);
+        let no_etcd = Controllers::parse("*,-etcd").unwrap();
+        assert!(!no_etcd.runs(Component::Etcd));
+        assert!(no_etcd.runs(Component::ApiServer));
+        assert_eq!(Controllers::parse("*, -NestedEtcd").unwrap(), no_etcd);
+        let only = Controllers::parse("apiserver,scheduler").unwrap();
+        assert!(only.runs(Component::ApiServer) && only.runs(Component::Scheduler));
+        assert!(!only.runs(Component::Etcd) && !only.runs(Component::ControllerManager));
+        let err = Controllers::parse("*,-etdc").unwrap_err();
+        assert!(
+            err.contains("etdc") && err.contains("controller-manager"),
+            "{err}"
+        );
     }
 }

@@ -22,19 +22,24 @@ pub async fn install(client: &kube::Client, timeout: Duration) -> Result<(), kub
         let name = crd.metadata.name.clone().unwrap_or_default();
         loop {
             let got = api.get(&name).await?;
-            let established = got
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True");
-            if established || Instant::now() > deadline {
+            if established(&got) || Instant::now() > deadline {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
     Ok(())
+}
+
+/// Whether a CRD is served (its `Established` condition is `True`).
+pub fn established(crd: &CustomResourceDefinition) -> bool {
+    crd.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| {
+            c.iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
+        })
 }
 
 /// Every CRD as one multi-document YAML (what `nestplane crds` prints and `config/crd/`

@@ -8,10 +8,12 @@ pub mod clock;
 pub mod component;
 pub mod context;
 pub mod crds;
+pub mod endpoint;
 pub mod error;
 pub mod leader;
 pub mod ncp;
 pub mod pacing;
+pub mod postcreate;
 pub mod process;
 pub mod runtime;
 pub mod secrets;
@@ -38,7 +40,7 @@ use nestplane_api::{
 use nestplane_runtime::process::ProcessRuntime;
 use tokio_util::sync::CancellationToken;
 
-pub use context::{Context, Error, KubernetesSettings, Metrics, Mode};
+pub use context::{Context, Controllers, Error, KubernetesSettings, Metrics, Mode};
 
 /// How the operator runs.
 #[derive(Clone, Debug, Default)]
@@ -57,6 +59,8 @@ pub struct Config {
     pub leader_election: Option<leader::LeaderElection>,
     /// When certificates are due (the system clock unless a test moves it).
     pub clock: clock::Clock,
+    /// Which component controllers run here (all by default).
+    pub controllers: Controllers,
 }
 
 fn api<K>(client: &kube::Client, ns: &Option<String>) -> Api<K>
@@ -121,6 +125,7 @@ pub async fn run_with(
     let mut ctx = Context::new(client.clone(), runtime.clone(), config.mode.clone());
     ctx.watch_filter = config.watch_filter.clone();
     ctx.clock = config.clock.clone();
+    ctx.controllers = config.controllers.clone();
     let ctx = Arc::new(ctx);
     if let Some(addr) = config.metrics_addr {
         let metrics = ctx.metrics.clone();
@@ -221,8 +226,20 @@ pub async fn run_with(
         Some(ObjectRef::new(&name).within(&ns))
     }
     let workloads = matches!(config.mode, Mode::Kubernetes(_));
+    // A kind whose controller does not run here (`--controllers`) is someone else's: its
+    // objects are only read (through a GET, there being no cache of them).
     macro_rules! component_controller {
         ($k:ty) => {{
+            let kind = <$k as kube::Resource>::kind(&()).to_string();
+            let enabled = ctx
+                .controllers
+                .runs(<$k as tenant::ComponentKind>::COMPONENT);
+            if !enabled {
+                tracing::info!(%kind, "controller not run by this operator (--controllers)");
+            }
+            enabled.then(|| component_controller!(@run $k, kind))
+        }};
+        (@run $k:ty, $kind:expr) => {{
             let ctl = Controller::new(api::<$k>(&client, ns), wc());
             let _ = <$k as tenant::ComponentKind>::cache_slot(&ctx.caches).set(ctl.store());
             let ctl = ctl.watches(api::<NestedControlPlane>(&client, ns), wc(), refs::<$k>);
@@ -235,8 +252,13 @@ pub async fn run_with(
             };
             ctl.graceful_shutdown_on(shutdown.clone().cancelled_owned())
                 .run(component::reconcile::<$k>, error_policy, ctx.clone())
-                .for_each(report(<$k as kube::Resource>::kind(&()).to_string(), &ctx))
+                .for_each(report($kind, &ctx))
         }};
+    }
+    async fn maybe(f: Option<impl std::future::Future<Output = ()>>) {
+        if let Some(f) = f {
+            f.await
+        }
     }
     // nestplane's own secrets, cached: a pass reads certificates from here.
     let (secret_reader, secret_writer) = kube::runtime::reflector::store();
@@ -266,14 +288,63 @@ pub async fn run_with(
             std::future::ready(())
         }
     });
+    // PostCreateConfigs: looked at again when a control plane in their namespace changes
+    // (initialized, labelled), when a Secret they use or a kubeconfig appears or changes, and
+    // when a Cluster changes (where the kind is served; a watch that cannot start is only
+    // retried, quietly).
+    let pcc_ctl = Controller::new(api::<nestplane_api::PostCreateConfig>(&client, ns), wc());
+    let pccs = pcc_ctl.store();
+    let secret_trigger = {
+        let pccs = pccs.clone();
+        watcher(
+            api::<kube::core::PartialObjectMeta<k8s_openapi::api::core::v1::Secret>>(&client, ns),
+            wc(),
+        )
+        .default_backoff()
+        .touched_objects()
+        .filter_map(move |r| {
+            let hit = r.ok().is_some_and(|s| {
+                postcreate::secret_matters(&pccs, &s.namespace().unwrap_or_default(), &s.name_any())
+            });
+            std::future::ready(hit.then_some(()))
+        })
+    };
+    let cluster_trigger = {
+        let ar = kube::core::ApiResource::from_gvk_with_plural(
+            &kube::core::GroupVersionKind::gvk(
+                nestplane_api::names::CLUSTER_API_GROUP,
+                "v1beta1",
+                "Cluster",
+            ),
+            "clusters",
+        );
+        let api: Api<kube::api::DynamicObject> = match ns {
+            Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
+            None => Api::all_with(client.clone(), &ar),
+        };
+        watcher(api, wc())
+            .default_backoff()
+            .touched_objects()
+            .filter_map(|r| std::future::ready(r.ok().map(|_| ())))
+    };
+    let pcc_ctl = pcc_ctl
+        .watches(api::<NestedControlPlane>(&client, ns), wc(), move |ncp| {
+            postcreate::in_namespace(&pccs, ncp.namespace())
+        })
+        .reconcile_all_on(secret_trigger)
+        .reconcile_all_on(cluster_trigger)
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        .run(postcreate::reconcile, error_policy, ctx.clone())
+        .for_each(report("PostCreateConfig", &ctx));
     let controllers = async {
         tokio::join!(
             secret_watch,
             ncp_ctl,
-            component_controller!(NestedEtcd),
-            component_controller!(NestedAPIServer),
-            component_controller!(NestedControllerManager),
-            component_controller!(NestedScheduler),
+            pcc_ctl,
+            maybe(component_controller!(NestedEtcd)),
+            maybe(component_controller!(NestedAPIServer)),
+            maybe(component_controller!(NestedControllerManager)),
+            maybe(component_controller!(NestedScheduler)),
         )
     };
     // Reconciles in flight get a grace period to finish; a controller whose watch keeps

@@ -54,10 +54,25 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         changed |=
             adopt::<nestplane_api::NestedScheduler>(&ctx, &tenant, &tenant.scheduler).await?;
 
+        // An etcd run by someone else serves with a certificate from the tenant's etcd CA,
+        // which must therefore exist before the API server does (a provisioner may also
+        // bring its own by creating `<cluster>-etcd` first: it is then used as it is).
+        if !ctx.runs_here(&tenant, Component::Etcd) {
+            crate::secrets::ClusterSecrets::new(
+                ctx.client.clone(),
+                &ns,
+                &tenant.cluster(),
+                tenant::owner_ref(&ncp),
+                ctx.clock.clone(),
+            )
+            .with_cache(ctx.caches.secrets.get().cloned())
+            .ca(names::SecretPurpose::EtcdCa)
+            .await?;
+        }
         // The provider owns the endpoint.
         let want = ctx.runtime.endpoint(&ctx.client, &ncp).await?;
-        if let Some(want) = want
-            && tenant.ncp.spec.control_plane_endpoint.as_ref() != Some(&want)
+        if let Some(want) = &want
+            && tenant.ncp.spec.control_plane_endpoint.as_ref() != Some(want)
         {
             api.patch(
                 &name,
@@ -66,6 +81,14 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             )
             .await?;
             changed = true;
+        }
+        // Seed 003: the endpoint is published as a ClusterEndpoint as soon as it is known.
+        if let Some(endpoint) = want
+            .as_ref()
+            .or(tenant.ncp.spec.control_plane_endpoint.as_ref())
+            .filter(|e| !e.host.is_empty())
+        {
+            crate::endpoint::publish(&ctx, &ncp, &tenant.cluster(), endpoint).await?;
         }
         if changed {
             let fresh = api.get(&name).await?;

@@ -310,6 +310,28 @@ pub struct Tenant {
     pub scheduler: Lookup<NestedScheduler>,
     /// The owning Cluster's `spec.paused`.
     pub cluster_paused: bool,
+    /// Client URLs of an etcd run by someone else (see [`Tenant::etcd_status_urls`]);
+    /// `None` when nestplane runs it.
+    pub external_etcd: Option<Vec<String>>,
+}
+
+/// Who manages a component object instead of nestplane: the value of its
+/// `cluster.x-k8s.io/managed-by` annotation (any value but `nestplane`; an empty value is
+/// "someone"). Pure.
+pub fn managed_elsewhere(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> Option<String> {
+    let v = meta
+        .annotations
+        .as_ref()?
+        .get(names::EXTERNALLY_MANAGED_ANNOTATION)?;
+    (v != names::MANAGED_BY).then(|| {
+        if v.is_empty() {
+            "an out-of-tree controller".to_string()
+        } else {
+            v.clone()
+        }
+    })
 }
 
 impl Tenant {
@@ -325,8 +347,44 @@ impl Tenant {
             controller_manager: lookup(client, caches, &ncp).await?,
             scheduler: lookup(client, caches, &ncp).await?,
             cluster_paused: cluster_paused(client, &ncp).await,
+            external_etcd: None,
             ncp,
         })
+    }
+
+    /// Who manages component `c` instead of nestplane, per its annotation.
+    pub fn managed_elsewhere(&self, c: Component) -> Option<String> {
+        fn by<K: ComponentKind>(l: &Lookup<K>) -> Option<String> {
+            l.found().and_then(|k| managed_elsewhere(k.meta()))
+        }
+        match c {
+            Component::Etcd => by(&self.etcd),
+            Component::ApiServer => by(&self.apiserver),
+            Component::ControllerManager => by(&self.controller_manager),
+            Component::Scheduler => by(&self.scheduler),
+        }
+    }
+
+    /// The client URLs the etcd's status reports (`https://<hostname or ip>:<port>` per
+    /// address): how the API server reaches an etcd that nestplane does not run.
+    pub fn etcd_status_urls(&self) -> Vec<String> {
+        let Some(status) = self.etcd.found().and_then(|e| e.status.as_ref()) else {
+            return Vec::new();
+        };
+        status
+            .addresses
+            .iter()
+            .filter_map(|a| {
+                let host = a.hostname.clone().filter(|h| !h.is_empty()).or_else(|| {
+                    a.ip.as_ref()
+                        .map(|ip| match ip.parse::<std::net::Ipv6Addr>() {
+                            Ok(_) => format!("[{ip}]"),
+                            Err(_) => ip.clone(),
+                        })
+                })?;
+                Some(format!("https://{host}:{}", a.port))
+            })
+            .collect()
     }
 
     /// The cluster name every derived object is named after ([`cluster_name`]).
@@ -536,6 +594,7 @@ impl Tenant {
         }
         input.replicas = replicas;
         input.resources = resources;
+        input.external_etcd = self.external_etcd.clone();
         input
     }
 }

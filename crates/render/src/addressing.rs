@@ -190,9 +190,13 @@ pub fn apiserver_internal_url(input: &RenderInput) -> String {
     }
 }
 
-/// etcd client URLs the API server uses: Loopback `https://<hosts[i]>:2379` for each etcd
-/// replica, Cluster `https://<c>-etcd.<ns>.svc:2379`.
+/// etcd client URLs the API server uses: those of an external etcd when given, else
+/// Loopback `https://<hosts[i]>:2379` for each etcd replica, Cluster
+/// `https://<c>-etcd.<ns>.svc:2379`.
 pub fn etcd_client_urls(input: &RenderInput) -> Vec<String> {
+    if let Some(urls) = &input.external_etcd {
+        return urls.clone();
+    }
     match &input.network {
         Network::Loopback { hosts } => hosts
             .iter()

@@ -56,6 +56,9 @@ pub struct RenderInput {
     /// Type of the API server's Service on the Cluster network: `ClusterIP` (default),
     /// `NodePort` or `LoadBalancer`.
     pub apiserver_service_type: String,
+    /// Client URLs of an etcd that nestplane does not run (an out-of-tree provisioner's,
+    /// read from the `NestedEtcd` status); `None` for the etcd nestplane renders.
+    pub external_etcd: Option<Vec<String>>,
 }
 
 impl RenderInput {
@@ -78,6 +81,7 @@ impl RenderInput {
             service_cidr: DEFAULT_SERVICE_CIDR.into(),
             cluster_domain: DEFAULT_CLUSTER_DOMAIN.into(),
             apiserver_service_type: "ClusterIP".into(),
+            external_etcd: None,
         }
     }
 
@@ -114,6 +118,9 @@ impl RenderInput {
                     "0 replicas cannot be rendered; use at least 1",
                 ));
             }
+        }
+        if let Some(urls) = &self.external_etcd {
+            check_etcd_urls(urls)?;
         }
         if let Network::Loopback { hosts } = &self.network {
             if hosts.is_empty() {
@@ -266,4 +273,35 @@ pub fn first_service_ip(cidr: &str) -> Result<IpAddr, RenderError> {
             Ok(IpAddr::V6(Ipv6Addr::from((u128::from(a) & mask) + 1)))
         }
     }
+}
+
+/// External etcd client URLs: at least one, each `https://<host>:<port>` with a plain host
+/// (a DNS name, an IPv4 address or a bracketed IPv6 address) and a port.
+fn check_etcd_urls(urls: &[String]) -> Result<(), RenderError> {
+    if urls.is_empty() {
+        return Err(RenderError::invalid(
+            "etcd addresses",
+            "the external etcd reports no addresses",
+        ));
+    }
+    for u in urls {
+        let bad = |why: &str| RenderError::invalid("etcd addresses", format!("{u:?}: {why}"));
+        let Some(rest) = u.strip_prefix("https://") else {
+            return Err(bad("not an https:// URL (etcd is reached with TLS)"));
+        };
+        let Some((host, port)) = rest.rsplit_once(':') else {
+            return Err(bad("no port"));
+        };
+        if port.parse::<u16>().map_or(true, |p| p == 0) {
+            return Err(bad("the port is not a number from 1 to 65535"));
+        }
+        let host_ok = !host.is_empty()
+            && host
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']'));
+        if !host_ok {
+            return Err(bad("the host is not a DNS name or an IP address"));
+        }
+    }
+    Ok(())
 }

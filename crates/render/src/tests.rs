@@ -494,6 +494,34 @@ fn apiserver_etcd_servers_match_etcd_client_urls() {
 }
 
 #[test]
+fn an_external_etcd_is_reached_at_the_addresses_it_reports_and_bad_ones_are_refused() {
+    for mut input in [loopback(20, 3), cluster(20)] {
+        input.external_etcd = Some(vec![
+            "https://127.0.0.1:32379".into(),
+            "https://etcd-0.example:2379".into(),
+        ]);
+        let r = render(Component::ApiServer, &input).unwrap();
+        assert_eq!(
+            flag(&r, "etcd-servers").unwrap(),
+            "https://127.0.0.1:32379,https://etcd-0.example:2379"
+        );
+    }
+    for bad in [
+        vec![],
+        vec!["http://127.0.0.1:2379".to_string()],
+        vec!["https://127.0.0.1".to_string()],
+        vec!["https://127.0.0.1:0".to_string()],
+        vec!["https://a b:2379".to_string()],
+        vec!["https://a,--x=y:2379".to_string()],
+    ] {
+        let mut input = loopback(20, 3);
+        input.external_etcd = Some(bad.clone());
+        let err = render(Component::ApiServer, &input).expect_err(&format!("{bad:?}"));
+        assert!(err.to_string().contains("etcd addresses"), "{err}");
+    }
+}
+
+#[test]
 fn apiserver_internal_url_per_network() {
     assert_eq!(
         apiserver_internal_url(&loopback(20, 3)),

@@ -120,10 +120,16 @@ impl Env {
     }
 
     pub fn start_operator(&mut self) {
+        self.start_operator_running(nestplane_operator::Controllers::default());
+    }
+
+    /// Start the operator with only `controllers` (`--controllers`).
+    pub fn start_operator_running(&mut self, controllers: nestplane_operator::Controllers) {
         self.operator = Some(nestplane_operator::Operator::start(
             self.plane.client(),
             nestplane_operator::Config {
                 state_dir: self.operator_dir(),
+                controllers,
                 ..Default::default()
             },
         ));
@@ -143,6 +149,23 @@ impl Env {
 
     pub fn ncps(&self, ns: &str) -> Api<NestedControlPlane> {
         Api::namespaced(self.client(), ns)
+    }
+
+    /// Install the test fixture's Cluster API `Cluster` CRD and wait until it is served.
+    pub fn install_cluster_crd(&self) {
+        let crd =
+            std::fs::read_to_string(repo().join("crates/cli/tests/fixtures/cluster-crd.yaml"))
+                .unwrap();
+        self.apply(&crd);
+        kubectl_ok(
+            self.kubeconfig(),
+            &[
+                "wait",
+                "--for=condition=Established",
+                "crd/clusters.cluster.x-k8s.io",
+                "--timeout=60s",
+            ],
+        );
     }
 
     /// Create a control plane from YAML via kubectl (what a user does).
