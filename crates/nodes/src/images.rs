@@ -402,6 +402,16 @@ pub fn build(
 ) -> Result<Vec<Built>, Error> {
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    // One build at a time per directory (test binaries, `up` and checkouts side by side
+    // share it): the lock is released when the file closes, also when a builder dies.
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join(".build.lock"))
+        .map_err(|e| Error::io("opening the build lock", e))?;
+    lock.lock()
+        .map_err(|e| Error::io("taking the build lock", e))?;
     let mut out = Vec::new();
     for spec in specs {
         let archive = archive_path(dir, &spec.name);
@@ -456,6 +466,7 @@ pub fn build(
             rebuilt: true,
         });
     }
+    drop(lock);
     Ok(out)
 }
 
