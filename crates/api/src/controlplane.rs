@@ -340,10 +340,38 @@ pub struct NestedControlPlaneSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 7))]
     pub replicas: Option<i32>,
+    /// The tenant's service network and DNS domain (Cluster API's `clusterNetwork` shape;
+    /// `10.96.0.0/12` and `cluster.local` when unset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_network: Option<ClusterNetwork>,
     /// Where the tenant API server is reached. Set by nestplane: the provider owns the
     /// endpoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub control_plane_endpoint: Option<ApiEndpoint>,
+}
+
+/// A tenant's networks (Cluster API's `Cluster.spec.clusterNetwork`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterNetwork {
+    /// The service network (the first block is used).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub services: Option<NetworkRanges>,
+    /// The pod network.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pods: Option<NetworkRanges>,
+    /// The DNS domain of Services (`cluster.local`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_domain: Option<String>,
+}
+
+/// CIDR blocks.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkRanges {
+    /// `a.b.c.d/n` each.
+    #[serde(default)]
+    pub cidr_blocks: Vec<String>,
 }
 
 /// `status.initialization` of the v1beta2 contract.

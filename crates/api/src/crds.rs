@@ -17,6 +17,9 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         NestedScheduler::crd(),
         crate::endpoint::ClusterEndpoint::crd(),
         crate::postcreate::PostCreateConfig::crd(),
+        crate::hosted::HostedCluster::crd(),
+        crate::hosted::NodePool::crd(),
+        crate::hosted::ExternalInfraCluster::crd(),
     ]
 }
 

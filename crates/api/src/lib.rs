@@ -8,10 +8,12 @@ pub mod conditions;
 pub mod controlplane;
 pub mod crds;
 pub mod endpoint;
+pub mod hosted;
 pub mod names;
 pub mod postcreate;
 mod schema;
 
 pub use controlplane::*;
 pub use endpoint::{ClusterEndpoint, ClusterEndpointSpec, ClusterEndpointType};
+pub use hosted::{ExternalInfraCluster, HostedCluster, NodePool};
 pub use postcreate::{PostCreateConfig, PostCreateConfigSpec, PostCreateConfigStatus};

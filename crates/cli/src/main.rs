@@ -166,6 +166,14 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
         }
         _ => nestplane_operator::Mode::Process,
     };
+    // NodePools make nodes on this machine only when the operator runs on it (process
+    // runtime); an operator in a pod makes none.
+    let nodes = matches!(mode, nestplane_operator::Mode::Process).then(|| {
+        nestplane_operator::hosted::pool::NodeSettings {
+            dir: state_dir.join("nodes"),
+            images: nestplane_nodes::images::default_dir(),
+        }
+    });
     let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
     let leader_election = args.leader_elect.unwrap_or(in_cluster).then(|| {
         let identity = std::env::var("POD_NAME").unwrap_or_else(|_| {
@@ -196,6 +204,7 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
             leader_election,
             clock: Default::default(),
             controllers: args.controllers,
+            nodes,
         },
         token,
     )

@@ -84,6 +84,10 @@ impl BootstrapToken {
     }
 }
 
+/// The binding that has the controller-manager approve any bootstrap client certificate
+/// request.
+pub const AUTO_APPROVE_BOOTSTRAP: &str = "nestplane:node-autoapprove-bootstrap";
+
 /// The bindings that let bootstrapping kubelets join and renew, and kube-proxy (which uses the
 /// kubelet's credentials) watch Services and endpoints: `(binding, cluster role, group)`.
 pub fn bindings() -> Vec<(&'static str, &'static str, &'static str)> {
@@ -94,7 +98,7 @@ pub fn bindings() -> Vec<(&'static str, &'static str, &'static str)> {
             "system:bootstrappers",
         ),
         (
-            "nestplane:node-autoapprove-bootstrap",
+            AUTO_APPROVE_BOOTSTRAP,
             "system:certificates.k8s.io:certificatesigningrequests:nodeclient",
             "system:bootstrappers",
         ),
@@ -112,8 +116,20 @@ pub fn bindings() -> Vec<(&'static str, &'static str, &'static str)> {
 }
 
 /// Make `token` valid for `ttl` on the cluster `client` talks to (with an admin credential),
-/// and make sure the join bindings exist. Idempotent.
+/// and make sure the join bindings exist, including automatic approval of every bootstrap
+/// client certificate request (kubeadm's setup, for clusters whose tokens only nestplane
+/// holds). Idempotent.
 pub async fn prepare(
+    client: &kube::Client,
+    token: &BootstrapToken,
+    ttl: Duration,
+) -> Result<(), Error> {
+    create_token(client, token, ttl).await?;
+    ensure_bindings(client, true).await
+}
+
+/// Make `token` valid for `ttl` (its Secret in `kube-system`).
+pub async fn create_token(
     client: &kube::Client,
     token: &BootstrapToken,
     ttl: Duration,
@@ -130,8 +146,38 @@ pub async fn prepare(
         .patch(&name, &pp, &Patch::Apply(value))
         .await
         .map_err(|e| Error::Join(format!("creating the bootstrap token: {e}")))?;
+    Ok(())
+}
+
+/// Remove a token (a node that has joined, or was removed, needs it no more).
+pub async fn delete_token(client: &kube::Client, id: &str) -> Result<(), Error> {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), "kube-system");
+    match secrets
+        .delete(&format!("bootstrap-token-{id}"), &Default::default())
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        Err(e) => Err(Error::Join(format!("deleting bootstrap token {id}: {e}"))),
+    }
+}
+
+/// Make sure the join bindings exist. Without `approve_bootstrap`, the binding that lets the
+/// cluster's controller-manager approve every bootstrap client certificate request is left
+/// out (and removed if present): requests are then approved by whoever knows which node
+/// each token was made for (nestplane's NodePool controller).
+pub async fn ensure_bindings(client: &kube::Client, approve_bootstrap: bool) -> Result<(), Error> {
+    let pp = PatchParams::apply(MANAGER).force();
     let crbs: Api<ClusterRoleBinding> = Api::all(client.clone());
     for (name, role, group) in bindings() {
+        if !approve_bootstrap && name == AUTO_APPROVE_BOOTSTRAP {
+            match crbs.delete(name, &Default::default()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(Error::Join(format!("removing {name}: {e}"))),
+            }
+            continue;
+        }
         let crb = ClusterRoleBinding {
             metadata: ObjectMeta {
                 name: Some(name.into()),

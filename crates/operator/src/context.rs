@@ -233,6 +233,10 @@ pub struct Context {
     pub controllers: Controllers,
     /// Per-cluster retries of PostCreateConfigs.
     pub postcreate_retries: crate::postcreate::Retries,
+    /// Where NodePools make their nodes (`None`: this operator makes none).
+    pub node_settings: Option<crate::hosted::pool::NodeSettings>,
+    /// The nodes NodePools made.
+    pub nodes: crate::hosted::pool::Nodes,
 }
 
 /// Which component controllers an operator runs (`--controllers`), in
@@ -336,6 +340,8 @@ impl Context {
             caches: Default::default(),
             controllers: Controllers::default(),
             postcreate_retries: Default::default(),
+            node_settings: None,
+            nodes: Default::default(),
         }
     }
 

@@ -10,6 +10,7 @@ pub mod context;
 pub mod crds;
 pub mod endpoint;
 pub mod error;
+pub mod hosted;
 pub mod leader;
 pub mod ncp;
 pub mod pacing;
@@ -61,6 +62,8 @@ pub struct Config {
     pub clock: clock::Clock,
     /// Which component controllers run here (all by default).
     pub controllers: Controllers,
+    /// Where NodePools make nodes on this machine (`None`: no nodes are made).
+    pub nodes: Option<hosted::pool::NodeSettings>,
 }
 
 fn api<K>(client: &kube::Client, ns: &Option<String>) -> Api<K>
@@ -126,6 +129,7 @@ pub async fn run_with(
     ctx.watch_filter = config.watch_filter.clone();
     ctx.clock = config.clock.clone();
     ctx.controllers = config.controllers.clone();
+    ctx.node_settings = config.nodes.clone();
     let ctx = Arc::new(ctx);
     if let Some(addr) = config.metrics_addr {
         let metrics = ctx.metrics.clone();
@@ -336,11 +340,53 @@ pub async fn run_with(
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(postcreate::reconcile, error_policy, ctx.clone())
         .for_each(report("PostCreateConfig", &ctx));
+    // HostedClusters: their control plane (by annotation, across namespaces) and their
+    // NodePools bring them back; NodePools follow their HostedCluster.
+    let hc_ctl = Controller::new(api::<nestplane_api::HostedCluster>(&client, ns), wc());
+    let pool_ctl = Controller::new(api::<nestplane_api::NodePool>(&client, ns), wc());
+    let pools = pool_ctl.store();
+    let hc_ctl = hc_ctl
+        .watches(
+            Api::<NestedControlPlane>::all(client.clone()),
+            wc(),
+            |ncp| {
+                let v = ncp
+                    .annotations()
+                    .get(hosted::cluster::HOSTED_CLUSTER_ANNOTATION)?;
+                let (ns, name) = v.split_once('/')?;
+                Some(ObjectRef::new(name).within(ns))
+            },
+        )
+        .watches(api::<nestplane_api::NodePool>(&client, ns), wc(), |p| {
+            Some(ObjectRef::new(&p.spec.cluster_name).within(&p.namespace()?))
+        })
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        .run(hosted::cluster::reconcile, error_policy, ctx.clone())
+        .for_each(report("HostedCluster", &ctx));
+    let pool_ctl = pool_ctl
+        .watches(
+            api::<nestplane_api::HostedCluster>(&client, ns),
+            wc(),
+            move |hc| {
+                let ns = hc.namespace();
+                pools
+                    .state()
+                    .iter()
+                    .filter(|p| p.namespace() == ns && p.spec.cluster_name == hc.name_any())
+                    .map(|p| ObjectRef::from_obj(p.as_ref()))
+                    .collect::<Vec<_>>()
+            },
+        )
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        .run(hosted::pool::reconcile, error_policy, ctx.clone())
+        .for_each(report("NodePool", &ctx));
     let controllers = async {
         tokio::join!(
             secret_watch,
             ncp_ctl,
             pcc_ctl,
+            hc_ctl,
+            pool_ctl,
             maybe(component_controller!(NestedEtcd)),
             maybe(component_controller!(NestedAPIServer)),
             maybe(component_controller!(NestedControllerManager)),
@@ -357,6 +403,7 @@ pub async fn run_with(
         } => tracing::warn!("controllers did not stop within {SHUTDOWN_GRACE:?}; stopping them"),
     }
     runtime.shutdown().await;
+    ctx.nodes.remove_all().await;
     // Processes are down: the Lease can go to the next leader.
     release.cancel();
     if let Some(k) = keeper {

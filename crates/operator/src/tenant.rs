@@ -595,6 +595,14 @@ impl Tenant {
         input.replicas = replicas;
         input.resources = resources;
         input.external_etcd = self.external_etcd.clone();
+        if let Some(net) = &self.ncp.spec.cluster_network {
+            if let Some(cidr) = net.services.as_ref().and_then(|s| s.cidr_blocks.first()) {
+                input.service_cidr = cidr.clone();
+            }
+            if let Some(domain) = net.service_domain.as_ref().filter(|d| !d.is_empty()) {
+                input.cluster_domain = domain.clone();
+            }
+        }
         input
     }
 }

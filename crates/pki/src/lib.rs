@@ -276,6 +276,34 @@ pub fn inspect(cert_pem: &str) -> Result<CertInfo, PkiError> {
     })
 }
 
+/// The subject of a certificate signing request (PEM): its common name and organizations.
+/// The request's own signature must verify (it proves the requester holds the key).
+pub fn csr_subject(csr_pem: &str) -> Result<(String, Vec<String>), PkiError> {
+    use x509_parser::certification_request::X509CertificationRequest;
+    let parse = |reason: String| PkiError::Parse {
+        what: "a certificate signing request",
+        reason,
+    };
+    let (_, pem) =
+        x509_parser::pem::parse_x509_pem(csr_pem.as_bytes()).map_err(|e| parse(e.to_string()))?;
+    let (_, csr) =
+        X509CertificationRequest::from_der(&pem.contents).map_err(|e| parse(e.to_string()))?;
+    csr.verify_signature()
+        .map_err(|e| parse(format!("its signature does not verify: {e}")))?;
+    let subject = &csr.certification_request_info.subject;
+    let cn = subject
+        .iter_common_name()
+        .next()
+        .and_then(|a| a.as_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let orgs = subject
+        .iter_organization()
+        .filter_map(|a| a.as_str().ok().map(str::to_string))
+        .collect();
+    Ok((cn, orgs))
+}
+
 /// Whether `cert_pem`'s signature verifies with the public key of `ca_cert_pem`.
 pub fn verify_signed_by(cert_pem: &str, ca_cert_pem: &str) -> Result<bool, PkiError> {
     with_cert(ca_cert_pem, |ca| {

@@ -202,3 +202,26 @@ fn debug_never_prints_keys() {
     assert!(!printed.contains("PRIVATE KEY"), "{printed}");
     assert!(printed.contains("<redacted>"));
 }
+
+#[test]
+fn a_csr_says_who_it_asks_for_and_garbage_is_refused() {
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "system:node:pool-abcde");
+    params
+        .distinguished_name
+        .push(DnType::OrganizationName, "system:nodes");
+    let pem = params.serialize_request(&key).unwrap().pem().unwrap();
+    let (cn, orgs) = csr_subject(&pem).unwrap();
+    assert_eq!(cn, "system:node:pool-abcde");
+    assert_eq!(orgs, ["system:nodes"]);
+    assert!(
+        csr_subject(
+            "-----BEGIN CERTIFICATE REQUEST-----\nAAAA\n-----END CERTIFICATE REQUEST-----\n"
+        )
+        .is_err()
+    );
+    assert!(csr_subject("not a pem").is_err());
+}

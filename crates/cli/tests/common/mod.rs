@@ -130,6 +130,10 @@ impl Env {
             nestplane_operator::Config {
                 state_dir: self.operator_dir(),
                 controllers,
+                nodes: Some(nestplane_operator::hosted::pool::NodeSettings {
+                    dir: self.state.path().join("nodes"),
+                    images: nestplane_nodes::images::default_dir(),
+                }),
                 ..Default::default()
             },
         ));
@@ -521,12 +525,24 @@ pub fn wait_pod_running_and_logging(kubeconfig: &Path, name: &str, log_line: &st
 /// its cluster's API through the `kubernetes` Service with the pod's own service-account
 /// token; returns the JSON.
 pub fn pod_reads_itself_from_its_api(kubeconfig: &Path, name: &str) -> String {
+    pod_calls_its_api(
+        kubeconfig,
+        name,
+        &format!("/api/v1/namespaces/default/pods/{name}"),
+        "\"kind\": \"Pod\"",
+    )
+}
+
+/// From inside pod `name` (namespace `default`, a busybox image), GET `path` from the
+/// cluster's API with the pod's service-account token, through the `kubernetes` Service,
+/// until the answer contains `expect`; returns it.
+pub fn pod_calls_its_api(kubeconfig: &Path, name: &str, path: &str, expect: &str) -> String {
     let script = format!(
-        "wget -q -O - --no-check-certificate --header \"Authorization: Bearer $(cat /var/run/secrets/kubernetes.io/serviceaccount/token)\" https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT/api/v1/namespaces/default/pods/{name}"
+        "wget -q -O - --no-check-certificate --header \"Authorization: Bearer $(cat /var/run/secrets/kubernetes.io/serviceaccount/token)\" https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT{path}"
     );
     eventually("the pod calls its API", Duration::from_secs(60), || {
         let out = kubectl(kubeconfig, &["exec", name, "--", "sh", "-c", &script]);
         let s = String::from_utf8_lossy(&out.stdout).into_owned();
-        s.contains("\"kind\": \"Pod\"").then_some(s)
+        s.contains(expect).then_some(s)
     })
 }

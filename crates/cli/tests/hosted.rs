@@ -1,0 +1,467 @@
+//! HostedCluster and NodePool (seed 002) end to end: a hosted control plane, worker pools of
+//! real nodes (containerd + kubelet + kube-proxy on this machine) that run real pods, scale
+//! down with a drain, refuse a stranger's certificate request, and a teardown in order that
+//! leaves nothing behind. Nothing here writes what a kubelet or controller would.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+
+fn jsonpath(kc: &Path, what: &[&str], path: &str) -> String {
+    let mut args = vec!["get"];
+    args.extend_from_slice(what);
+    let p = format!("jsonpath={path}");
+    args.extend_from_slice(&["-o", &p]);
+    String::from_utf8_lossy(&kubectl(kc, &args).stdout).into_owned()
+}
+
+fn condition(kc: &Path, what: &[&str], type_: &str) -> String {
+    jsonpath(
+        kc,
+        what,
+        &format!("{{.status.conditions[?(@.type==\"{type_}\")].status}}"),
+    )
+}
+
+/// The node slots this test's nodes hold (`/run/nestplane/node-slots`), with their dirs.
+fn slots_under(dir: &Path) -> Vec<(u8, PathBuf)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(nestplane_nodes::net::slots_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let Ok(n) = e.file_name().to_string_lossy().parse::<u8>() else {
+            continue;
+        };
+        let claim = std::fs::read_to_string(e.path()).unwrap_or_default();
+        if let Some((_, d)) = claim.trim().split_once(' ')
+            && Path::new(d).starts_with(dir)
+        {
+            out.push((n, PathBuf::from(d)));
+        }
+    }
+    out
+}
+
+const WEB: &str = "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: web, namespace: default}\nspec:\n  replicas: 2\n  selector: {matchLabels: {app: web}}\n  template:\n    metadata: {labels: {app: web}}\n    spec:\n      affinity:\n        podAntiAffinity:\n          preferredDuringSchedulingIgnoredDuringExecution:\n          - weight: 100\n            podAffinityTerm: {topologyKey: kubernetes.io/hostname, labelSelector: {matchLabels: {app: web}}}\n      containers:\n      - name: web\n        image: docker.io/library/busybox:1.35\n        command: [sh, -c, 'mkdir -p /www && echo hello-from-$(hostname) > /www/index.html && exec httpd -f -p 8080 -h /www']\n---\napiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec:\n  selector: {app: web}\n  ports: [{port: 80, targetPort: 8080}]\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: client, namespace: default}\nspec:\n  containers:\n  - {name: client, image: 'docker.io/library/busybox:1.35', command: [sleep, '3600']}\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_down_cleanly() {
+    nestplane_nodes::check_prerequisites("v1.20.2").expect("node prerequisites");
+    let _ = images();
+    let env = Env::start(true).await;
+    let kc = env.kubeconfig().to_path_buf();
+    env.install_cluster_crd();
+    env.apply("apiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: demo, namespace: default}\nspec:\n  release: {version: 1.20.2}\n  initialNodes: 2\n");
+
+    // Available, with its objects in seed 002's order; the initial NodePool's two nodes Ready.
+    eventually(
+        "the HostedCluster Available",
+        Duration::from_secs(180),
+        || (condition(&kc, &["hostedcluster", "demo"], "Available") == "True").then_some(()),
+    );
+    let infra = jsonpath(
+        &kc,
+        &["externalinfracluster", "demo", "-n", "default-demo"],
+        "{.status.ready} {.spec.controlPlaneEndpoint.host}",
+    );
+    assert!(infra.starts_with("true "), "{infra}");
+    let refs = jsonpath(
+        &kc,
+        &["cluster", "demo", "-n", "default-demo"],
+        "{.spec.controlPlaneRef.kind}/{.spec.infrastructureRef.kind}",
+    );
+    assert_eq!(refs, "NestedControlPlane/ExternalInfraCluster");
+    eventually("the NodePool Ready", Duration::from_secs(240), || {
+        (condition(&kc, &["nodepool", "demo"], "Ready") == "True").then_some(())
+    });
+    let secret = jsonpath(
+        &kc,
+        &["secret", "demo-admin-kubeconfig"],
+        "{.data.kubeconfig}",
+    );
+    let hosted = env.state.path().join("demo.kubeconfig");
+    use base64::Engine as _;
+    std::fs::write(
+        &hosted,
+        base64::engine::general_purpose::STANDARD
+            .decode(secret.trim())
+            .unwrap(),
+    )
+    .unwrap();
+    let nodes = kubectl_ok(
+        &hosted,
+        &[
+            "get",
+            "nodes",
+            "-l",
+            "nestplane.io/nodepool=demo",
+            "-o",
+            "jsonpath={.items[*].metadata.name}",
+        ],
+    );
+    let nodes: Vec<String> = nodes.split_whitespace().map(str::to_string).collect();
+    assert_eq!(nodes.len(), 2, "{nodes:?}");
+    let approved = kubectl_ok(
+        &hosted,
+        &[
+            "get",
+            "csr",
+            "-o",
+            "jsonpath={.items[*].status.conditions[*].reason}",
+        ],
+    );
+    assert!(approved.contains("NestplaneNodePool"), "{approved}");
+
+    // Pods: one web pod per node, reached through a ClusterIP Service from another pod; a
+    // pod lists the cluster's namespaces with its service-account token.
+    kubectl_apply(&hosted, WEB);
+    kubectl_ok(
+        &hosted,
+        &[
+            "create",
+            "clusterrolebinding",
+            "default-view",
+            "--clusterrole=view",
+            "--serviceaccount=default:default",
+        ],
+    );
+    eventually("web pods on both nodes", Duration::from_secs(120), || {
+        let placed = kubectl_ok(
+            &hosted,
+            &[
+                "get",
+                "pods",
+                "-l",
+                "app=web",
+                "--field-selector=status.phase=Running",
+                "-o",
+                "jsonpath={.items[*].spec.nodeName}",
+            ],
+        );
+        let mut on: Vec<&str> = placed.split_whitespace().collect();
+        on.sort();
+        on.dedup();
+        (on.len() == 2).then_some(())
+    });
+    eventually("the client runs", Duration::from_secs(60), || {
+        (jsonpath(&hosted, &["pod", "client"], "{.status.phase}") == "Running").then_some(())
+    });
+    // Each web pod directly (pod to pod, across nodes), then both through the Service.
+    let pods = kubectl_ok(
+        &hosted,
+        &[
+            "get",
+            "pods",
+            "-l",
+            "app=web",
+            "-o",
+            "jsonpath={range .items[*]}{.status.podIP} {.spec.nodeName}{\"\\n\"}{end}",
+        ],
+    );
+    let client_node = jsonpath(&hosted, &["pod", "client"], "{.spec.nodeName}");
+    for line in pods.lines() {
+        let pod_ip = line.split_whitespace().next().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let mut last = String::new();
+        let out = eventually(
+            &format!("web pod {line} from the client on {client_node}"),
+            Duration::from_secs(3600),
+            || {
+                if std::time::Instant::now() > deadline {
+                    let wide = kubectl_ok(&hosted, &["get", "pods", "-o", "wide"]);
+                    let logs = kubectl(&hosted, &["logs", "-l", "app=web", "--tail=5"]);
+                    let ifs = kubectl(&hosted, &["exec", "client", "--", "ip", "addr"]);
+                    let routes = kubectl(&hosted, &["exec", "client", "--", "ip", "route"]);
+                    panic!(
+                        "web pod {line} unreachable from the client on {client_node}: {last}\n{wide}\n{}{}\n{}\n{}",
+                        String::from_utf8_lossy(&logs.stdout),
+                        String::from_utf8_lossy(&logs.stderr),
+                        String::from_utf8_lossy(&ifs.stdout),
+                        String::from_utf8_lossy(&routes.stdout)
+                    );
+                }
+                let out = kubectl(
+                    &hosted,
+                    &[
+                        "exec",
+                        "client",
+                        "--",
+                        "timeout",
+                        "5",
+                        "wget",
+                        "-q",
+                        "-O",
+                        "-",
+                        &format!("http://{pod_ip}:8080/"),
+                    ],
+                );
+                let body = String::from_utf8_lossy(&out.stdout).trim().to_string();
+                last = String::from_utf8_lossy(&out.stderr).into_owned();
+                body.starts_with("hello-from-web").then_some(body)
+            },
+        );
+        assert!(out.starts_with("hello-from-web"));
+    }
+    let ip = kubectl_ok(
+        &hosted,
+        &["get", "service", "web", "-o", "jsonpath={.spec.clusterIP}"],
+    );
+    let mut seen = std::collections::BTreeSet::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while seen.len() < 2 {
+        let out = kubectl(
+            &hosted,
+            &[
+                "exec",
+                "client",
+                "--",
+                "timeout",
+                "5",
+                "wget",
+                "-q",
+                "-O",
+                "-",
+                &format!("http://{}/", ip.trim()),
+            ],
+        );
+        let body = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        let last = String::from_utf8_lossy(&out.stderr).into_owned();
+        if body.starts_with("hello-from-web") {
+            seen.insert(body);
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "through Service {ip}: saw {seen:?}; last error {last}"
+        );
+    }
+    let listed = pod_calls_its_api(
+        &hosted,
+        "client",
+        "/api/v1/namespaces",
+        "\"kind\": \"NamespaceList\"",
+    );
+    assert!(listed.contains("kube-system"), "{listed}");
+
+    // A stranger allowed to ask for certificates asks for one for a plausible node name:
+    // nobody approves it.
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("k.pem");
+    let csr = dir.path().join("r.pem");
+    let ok = std::process::Command::new("openssl")
+        .args([
+            "req",
+            "-new",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-subj",
+            "/O=system:nodes/CN=system:node:demo-zzzzz",
+            "-keyout",
+        ])
+        .arg(&key)
+        .arg("-out")
+        .arg(&csr)
+        .status()
+        .expect("openssl not found: run scripts/install-deps.sh")
+        .success();
+    assert!(ok);
+    kubectl_ok(&hosted, &["create", "serviceaccount", "stranger"]);
+    kubectl_ok(
+        &hosted,
+        &[
+            "create",
+            "clusterrolebinding",
+            "stranger",
+            "--clusterrole=system:node-bootstrapper",
+            "--serviceaccount=default:stranger",
+        ],
+    );
+    let token_secret = eventually("the stranger's token", Duration::from_secs(30), || {
+        let s = jsonpath(
+            &hosted,
+            &["serviceaccount", "stranger"],
+            "{.secrets[0].name}",
+        );
+        (!s.trim().is_empty()).then_some(s)
+    });
+    let token = jsonpath(&hosted, &["secret", token_secret.trim()], "{.data.token}");
+    let token = String::from_utf8(
+        base64::engine::general_purpose::STANDARD
+            .decode(token.trim())
+            .unwrap(),
+    )
+    .unwrap();
+    let request = base64::engine::general_purpose::STANDARD.encode(std::fs::read(&csr).unwrap());
+    // The stranger's kubeconfig: the cluster's address and CA, the stranger's token only.
+    let mut kc_stranger = kube::config::Kubeconfig::read_from(&hosted).unwrap();
+    for a in &mut kc_stranger.auth_infos {
+        a.auth_info = Some(kube::config::AuthInfo {
+            token: Some(token.trim().to_string().into()),
+            ..Default::default()
+        });
+    }
+    let stranger = env.state.path().join("stranger.kubeconfig");
+    std::fs::write(&stranger, serde_norway::to_string(&kc_stranger).unwrap()).unwrap();
+    let whoami = kubectl(&stranger, &["get", "nodes"]);
+    assert!(!whoami.status.success(), "the stranger is not an admin");
+    let out = kubectl_stdin(
+        &stranger,
+        &["create", "-f", "-"],
+        Some(&format!(
+            "apiVersion: certificates.k8s.io/v1\nkind: CertificateSigningRequest\nmetadata: {{name: stranger}}\nspec:\n  signerName: kubernetes.io/kube-apiserver-client-kubelet\n  usages: [digital signature, key encipherment, client auth]\n  request: {request}\n"
+        )),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let verdict = jsonpath(
+        &hosted,
+        &["csr", "stranger"],
+        "{.status.conditions[*].type}",
+    );
+    assert_eq!(verdict.trim(), "", "the stranger's request stays pending");
+
+    // Scale down: one node is drained (its pod moves to the other), its Node goes.
+    kubectl_ok(&kc, &["scale", "nodepool", "demo", "--replicas", "1"]);
+    eventually("one Node left", Duration::from_secs(180), || {
+        let left = kubectl_ok(
+            &hosted,
+            &["get", "nodes", "-o", "jsonpath={.items[*].metadata.name}"],
+        );
+        (left.split_whitespace().count() == 1).then_some(left)
+    });
+    let left = kubectl_ok(
+        &hosted,
+        &["get", "nodes", "-o", "jsonpath={.items[*].metadata.name}"],
+    );
+    eventually(
+        "both web pods on the remaining node",
+        Duration::from_secs(120),
+        || {
+            let placed = kubectl_ok(
+                &hosted,
+                &[
+                    "get",
+                    "pods",
+                    "-l",
+                    "app=web",
+                    "--field-selector=status.phase=Running",
+                    "-o",
+                    "jsonpath={.items[*].spec.nodeName}",
+                ],
+            );
+            let on: Vec<&str> = placed.split_whitespace().collect();
+            (on.len() == 2 && on.iter().all(|n| *n == left.trim())).then_some(())
+        },
+    );
+    eventually(
+        "the NodePool reports one node",
+        Duration::from_secs(60),
+        || (jsonpath(&kc, &["nodepool", "demo"], "{.status.replicas}") == "1").then_some(()),
+    );
+    assert!(events_for(&kc, "default", "demo").contains("DrainingNode"));
+
+    // Teardown in order, each step in status, and nothing left on the machine.
+    let nodes_dir = env.state.path().join("nodes");
+    let slots = slots_under(&nodes_dir);
+    assert_eq!(slots.len(), 1, "{slots:?}");
+    let out = kubectl(&kc, &["delete", "hostedcluster", "demo", "--wait=false"]);
+    assert!(out.status.success());
+    let mut steps = std::collections::BTreeSet::new();
+    eventually("the HostedCluster gone", Duration::from_secs(240), || {
+        let r = jsonpath(
+            &kc,
+            &["hostedcluster", "demo"],
+            "{.status.conditions[?(@.type==\"Deleting\")].reason}",
+        );
+        if !r.trim().is_empty() {
+            steps.insert(r.trim().to_string());
+        }
+        (!kubectl(&kc, &["get", "hostedcluster", "demo"])
+            .status
+            .success())
+        .then_some(())
+    });
+    assert!(
+        steps.contains("DeletingNodePools") || steps.contains("DeletingControlPlane"),
+        "{steps:?}"
+    );
+    assert!(
+        !kubectl(&kc, &["get", "namespace", "default-demo"])
+            .status
+            .success(),
+        "the namespace is gone"
+    );
+    assert!(!kubectl(&kc, &["get", "nodepool", "demo"]).status.success());
+    for (n, d) in slots {
+        let left = nestplane_nodes::node::leftovers(&nestplane_nodes::config::Addresses::of(n), &d);
+        assert!(left.is_empty(), "{left:?}");
+    }
+    assert!(slots_under(&nodes_dir).is_empty());
+    assert!(!env.operator.as_ref().unwrap().is_finished());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_hosted_input_gets_a_reason_and_an_event_and_touches_nothing() {
+    let env = Env::start(true).await;
+    let kc = env.kubeconfig().to_path_buf();
+    // Overlapping networks.
+    env.apply("apiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: overlap, namespace: default}\nspec:\n  release: {version: 1.20.2}\n  networking:\n    clusterNetwork: [{cidr: 10.244.0.0/16}]\n    serviceNetwork: [{cidr: 10.244.128.0/20}]\n");
+    eventually("ValidConfiguration False", Duration::from_secs(30), || {
+        let m = jsonpath(
+            &kc,
+            &["hostedcluster", "overlap"],
+            "{.status.conditions[?(@.type==\"ValidConfiguration\")].message}",
+        );
+        m.contains("overlap").then_some(())
+    });
+    assert!(events_for(&kc, "default", "overlap").contains("InvalidConfiguration"));
+    assert!(
+        !kubectl(&kc, &["get", "namespace", "default-overlap"])
+            .status
+            .success(),
+        "nothing created"
+    );
+    // A NodePool for a cluster that does not exist.
+    env.apply("apiVersion: nestplane.io/v1alpha1\nkind: NodePool\nmetadata: {name: orphan, namespace: default}\nspec: {clusterName: nowhere, replicas: 1}\n");
+    eventually("HostedClusterNotFound", Duration::from_secs(30), || {
+        (jsonpath(
+            &kc,
+            &["nodepool", "orphan"],
+            "{.status.conditions[?(@.type==\"Ready\")].reason}",
+        ) == "HostedClusterNotFound")
+            .then_some(())
+    });
+    assert!(events_for(&kc, "default", "orphan").contains("HostedClusterNotFound"));
+    // A NodePool newer than its control plane (the cluster itself is valid, and left alone).
+    env.apply("apiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: ok, namespace: default}\nspec:\n  release: {version: 1.20.2}\n---\napiVersion: nestplane.io/v1alpha1\nkind: NodePool\nmetadata: {name: newer, namespace: default}\nspec: {clusterName: ok, replicas: 1, release: {version: 1.21.0}}\n");
+    eventually("UnsupportedSkew", Duration::from_secs(30), || {
+        (condition(&kc, &["nodepool", "newer"], "SupportedVersionSkew") == "False").then_some(())
+    });
+    assert!(events_for(&kc, "default", "newer").contains("newer than its control plane"));
+    assert_eq!(
+        jsonpath(&kc, &["nodepool", "newer"], "{.status.replicas}"),
+        "0"
+    );
+    // Deleting both pools and the clusters works though nothing was made.
+    kubectl_ok(
+        &kc,
+        &["delete", "nodepool", "orphan", "newer", "--timeout=60s"],
+    );
+    kubectl_ok(
+        &kc,
+        &["delete", "hostedcluster", "overlap", "ok", "--timeout=120s"],
+    );
+    assert!(!env.operator.as_ref().unwrap().is_finished());
+}

@@ -1,0 +1,3 @@
+pub mod cluster;
+pub mod plan;
+pub mod pool;

@@ -1,0 +1,259 @@
+//! The pure core of hosted clusters: validation, pause, version skew, the names of what a
+//! HostedCluster makes, and how a NodePool rolls its nodes. No IO.
+
+use std::net::Ipv4Addr;
+
+use k8s_openapi::jiff::Timestamp;
+use nestplane_api::hosted::{
+    ClusterNetworking, HostedClusterSpec, NetworkEntry, POD_NETWORK, SERVICE_NETWORK,
+};
+use nestplane_render::KubeVersion;
+
+/// A version with its `v`.
+pub fn version(v: &str) -> String {
+    let v = v.trim();
+    if v.starts_with('v') {
+        v.to_string()
+    } else {
+        format!("v{v}")
+    }
+}
+
+/// An IPv4 CIDR.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cidr {
+    base: u32,
+    prefix: u8,
+}
+
+impl Cidr {
+    /// Parse `a.b.c.d/n` (the address must be the network's first).
+    pub fn parse(s: &str) -> Result<Cidr, String> {
+        let (ip, prefix) = s
+            .split_once('/')
+            .ok_or_else(|| format!("{s:?} is not a CIDR (a.b.c.d/n)"))?;
+        let ip: Ipv4Addr = ip
+            .parse()
+            .map_err(|_| format!("{s:?}: {ip:?} is not an IPv4 address"))?;
+        let prefix: u8 = prefix
+            .parse()
+            .ok()
+            .filter(|p| *p <= 32)
+            .ok_or_else(|| format!("{s:?}: the prefix is not 0-32"))?;
+        let base = u32::from(ip);
+        let mask = Self::mask(prefix);
+        if base & !mask != 0 {
+            return Err(format!(
+                "{s:?}: host bits are set (the network is {}/{prefix})",
+                Ipv4Addr::from(base & mask)
+            ));
+        }
+        Ok(Cidr { base, prefix })
+    }
+
+    fn mask(prefix: u8) -> u32 {
+        if prefix == 0 {
+            0
+        } else {
+            u32::MAX << (32 - prefix)
+        }
+    }
+
+    /// Whether two networks share an address.
+    pub fn overlaps(&self, other: &Cidr) -> bool {
+        let p = self.prefix.min(other.prefix);
+        let m = Self::mask(p);
+        self.base & m == other.base & m
+    }
+}
+
+/// The networking a HostedCluster asks for, defaults filled in.
+pub fn networking(spec: &HostedClusterSpec) -> ClusterNetworking {
+    let mut n = spec.networking.clone();
+    if n.cluster_network.is_empty() {
+        n.cluster_network = vec![NetworkEntry {
+            cidr: POD_NETWORK.into(),
+        }];
+    }
+    if n.service_network.is_empty() {
+        n.service_network = vec![NetworkEntry {
+            cidr: SERVICE_NETWORK.into(),
+        }];
+    }
+    n
+}
+
+/// The publishing types nestplane knows for the API server.
+pub const PUBLISHING_TYPES: [&str; 3] = ["ClusterIP", "NodePort", "LoadBalancer"];
+
+/// Check a HostedCluster's spec; the message says what to fix.
+pub fn validate(spec: &HostedClusterSpec) -> Result<(), String> {
+    KubeVersion::parse(&version(&spec.release.version))
+        .and_then(|v| v.check_supported().map(|_| v))
+        .map_err(|e| format!("release.version {:?}: {e}", spec.release.version))?;
+    let n = networking(spec);
+    if n.cluster_network.len() != 1 || n.service_network.len() != 1 {
+        return Err("networking: one clusterNetwork and one serviceNetwork entry (IPv4)".into());
+    }
+    let pods = Cidr::parse(&n.cluster_network[0].cidr)
+        .map_err(|e| format!("networking.clusterNetwork: {e}"))?;
+    let services = Cidr::parse(&n.service_network[0].cidr)
+        .map_err(|e| format!("networking.serviceNetwork: {e}"))?;
+    if pods.overlaps(&services) {
+        return Err(format!(
+            "networking: clusterNetwork {} and serviceNetwork {} overlap",
+            n.cluster_network[0].cidr, n.service_network[0].cidr
+        ));
+    }
+    if pods != Cidr::parse(POD_NETWORK)? {
+        return Err(format!(
+            "networking.clusterNetwork must be {POD_NETWORK}: nestplane's nodes on this machine take their pod ranges from it"
+        ));
+    }
+    if services.prefix < 12 || services.prefix > 24 {
+        return Err(format!(
+            "networking.serviceNetwork {}: the prefix must be from /12 to /24",
+            n.service_network[0].cidr
+        ));
+    }
+    for s in &spec.services {
+        if s.service != "APIServer" {
+            return Err(format!(
+                "services: {:?} is not a service nestplane publishes (APIServer)",
+                s.service
+            ));
+        }
+        let t = &s.service_publishing_strategy.type_;
+        if !PUBLISHING_TYPES.contains(&t.as_str()) {
+            return Err(format!(
+                "services[APIServer]: type {t:?} is not one of {}",
+                PUBLISHING_TYPES.join(", ")
+            ));
+        }
+    }
+    if let Some(t) = spec
+        .etcd
+        .as_ref()
+        .and_then(|e| e.management_type.as_deref())
+        && !t.is_empty()
+        && t != "Managed"
+    {
+        return Err(format!(
+            "etcd.managementType {t:?}: only Managed is offered"
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `paused_until` pauses now: `Some(None)` paused with no end, `Some(Some(t))`
+/// paused until `t`, `None` not paused (an unparsable value is an error).
+pub fn paused(
+    paused_until: Option<&str>,
+    now: Timestamp,
+) -> Result<Option<Option<Timestamp>>, String> {
+    let Some(v) = paused_until.map(str::trim).filter(|v| !v.is_empty()) else {
+        return Ok(None);
+    };
+    if v == "true" {
+        return Ok(Some(None));
+    }
+    let t: Timestamp = v
+        .parse()
+        .map_err(|e| format!("pausedUntil {v:?} is neither \"true\" nor an RFC 3339 time: {e}"))?;
+    Ok((t > now).then_some(Some(t)))
+}
+
+/// Whether a pool's version is allowed with its control plane's: not newer, at most two
+/// minor versions older (Kubernetes' kubelet skew policy).
+pub fn version_skew(pool: &str, control_plane: &str) -> Result<(), String> {
+    let p =
+        KubeVersion::parse(&version(pool)).map_err(|e| format!("release.version {pool:?}: {e}"))?;
+    let c = KubeVersion::parse(&version(control_plane))
+        .map_err(|e| format!("the control plane's version {control_plane:?}: {e}"))?;
+    if (p.major, p.minor, p.patch) > (c.major, c.minor, c.patch) {
+        return Err(format!(
+            "the pool's version {} is newer than its control plane's {}",
+            version(pool),
+            version(control_plane)
+        ));
+    }
+    if p.major != c.major || c.minor > p.minor + 2 {
+        return Err(format!(
+            "the pool's version {} is more than two minor versions older than its control plane's {}",
+            version(pool),
+            version(control_plane)
+        ));
+    }
+    Ok(())
+}
+
+/// A node of a pool, as the rollout sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Member {
+    /// The Node's name.
+    pub name: String,
+    /// Built from the current spec.
+    pub current: bool,
+    /// Ready.
+    pub ready: bool,
+}
+
+/// What to do next with a pool's nodes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Actions {
+    /// Nodes to start.
+    pub create: u32,
+    /// Nodes to drain and remove, in order.
+    pub remove: Vec<String>,
+}
+
+/// The next step towards `replicas` current nodes, replacing outdated ones within
+/// `max_surge` (nodes above `replicas`) and `max_unavailable` (Ready nodes below
+/// `replicas`). With both 0, one node of surge is allowed (a rollout must move).
+/// Scale-down removes nodes that are not Ready first, then the newest.
+pub fn rollout(replicas: u32, max_surge: u32, max_unavailable: u32, nodes: &[Member]) -> Actions {
+    let max_surge = if max_surge == 0 && max_unavailable == 0 {
+        1
+    } else {
+        max_surge
+    };
+    let (new, old): (Vec<&Member>, Vec<&Member>) = nodes.iter().partition(|m| m.current);
+    let mut out = Actions::default();
+    if old.is_empty() {
+        let n = new.len() as u32;
+        if n < replicas {
+            out.create = replicas - n;
+        } else if n > replicas {
+            let mut order: Vec<&Member> = new.iter().filter(|m| !m.ready).copied().collect();
+            order.extend(new.iter().rev().filter(|m| m.ready));
+            out.remove = order
+                .into_iter()
+                .take((n - replicas) as usize)
+                .map(|m| m.name.clone())
+                .collect();
+        }
+        return out;
+    }
+    // Rolling: more current nodes while the total stays within the surge …
+    let total = nodes.len() as u32;
+    let room = (replicas + max_surge).saturating_sub(total);
+    out.create = room.min(replicas.saturating_sub(new.len() as u32));
+    // … and fewer outdated ones while enough nodes stay Ready (outdated nodes that are not
+    // Ready count for nothing and go first).
+    let min_ready = replicas.saturating_sub(max_unavailable);
+    let mut ready = nodes.iter().filter(|m| m.ready).count() as u32;
+    out.remove
+        .extend(old.iter().filter(|m| !m.ready).map(|m| m.name.clone()));
+    for m in old.iter().filter(|m| m.ready) {
+        if ready <= min_ready {
+            break;
+        }
+        out.remove.push(m.name.clone());
+        ready -= 1;
+    }
+    out
+}
+
+#[cfg(test)]
+#[path = "plan_tests.rs"]
+mod tests;

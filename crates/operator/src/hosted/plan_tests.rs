@@ -1,0 +1,155 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use super::*;
+use nestplane_api::hosted::Release;
+
+fn spec(pods: &str, services: &str) -> HostedClusterSpec {
+    HostedClusterSpec {
+        release: Release {
+            version: "1.20.2".into(),
+        },
+        networking: ClusterNetworking {
+            cluster_network: vec![NetworkEntry { cidr: pods.into() }],
+            service_network: vec![NetworkEntry {
+                cidr: services.into(),
+            }],
+        },
+        ..Default::default()
+    }
+}
+
+#[test]
+fn networks_are_checked_for_shape_overlap_and_this_machines_pod_network() {
+    assert_eq!(validate(&spec(POD_NETWORK, "10.96.0.0/12")), Ok(()));
+    assert_eq!(
+        validate(&HostedClusterSpec {
+            release: Release {
+                version: "v1.20.2".into()
+            },
+            ..Default::default()
+        }),
+        Ok(())
+    );
+    let overlap = validate(&spec(POD_NETWORK, "10.244.128.0/17")).unwrap_err();
+    assert!(overlap.contains("overlap"), "{overlap}");
+    let other = validate(&spec("10.132.0.0/14", "172.31.0.0/16")).unwrap_err();
+    assert!(other.contains("must be 10.244.0.0/16"), "{other}");
+    let bad = validate(&spec(POD_NETWORK, "10.96.0.1/12")).unwrap_err();
+    assert!(bad.contains("host bits"), "{bad}");
+    assert!(validate(&spec(POD_NETWORK, "nope")).is_err());
+    let mut s = spec(POD_NETWORK, "10.96.0.0/12");
+    s.release.version = "1.19.0".into();
+    assert!(validate(&s).unwrap_err().contains("release.version"));
+}
+
+#[test]
+fn cidrs_overlap_when_they_share_an_address() {
+    let a = Cidr::parse("10.0.0.0/8").unwrap();
+    assert!(a.overlaps(&Cidr::parse("10.96.0.0/12").unwrap()));
+    assert!(!a.overlaps(&Cidr::parse("172.16.0.0/12").unwrap()));
+    assert!(Cidr::parse("10.0.0.0/33").is_err());
+}
+
+#[test]
+fn paused_until_true_a_time_or_nothing() {
+    let now: Timestamp = "2026-11-23T12:00:00Z".parse().unwrap();
+    assert_eq!(paused(None, now), Ok(None));
+    assert_eq!(paused(Some("true"), now), Ok(Some(None)));
+    let later: Timestamp = "2026-11-23T13:00:00Z".parse().unwrap();
+    assert_eq!(
+        paused(Some("2026-11-23T13:00:00Z"), now),
+        Ok(Some(Some(later)))
+    );
+    assert_eq!(paused(Some("2026-11-23T11:00:00Z"), now), Ok(None));
+    assert!(paused(Some("tomorrow"), now).is_err());
+}
+
+#[test]
+fn a_pool_is_never_newer_than_its_control_plane_nor_too_old() {
+    assert_eq!(version_skew("v1.20.2", "v1.20.2"), Ok(()));
+    assert_eq!(version_skew("1.20.2", "v1.22.0"), Ok(()));
+    assert!(
+        version_skew("v1.21.0", "v1.20.2")
+            .unwrap_err()
+            .contains("newer")
+    );
+    assert!(
+        version_skew("v1.20.3", "v1.20.2")
+            .unwrap_err()
+            .contains("newer")
+    );
+    assert!(
+        version_skew("v1.20.2", "v1.23.0")
+            .unwrap_err()
+            .contains("two minor")
+    );
+}
+
+fn m(name: &str, current: bool, ready: bool) -> Member {
+    Member {
+        name: name.into(),
+        current,
+        ready,
+    }
+}
+
+#[test]
+fn scaling_creates_or_removes_not_ready_nodes_first_then_the_newest() {
+    assert_eq!(rollout(2, 1, 0, &[]).create, 2);
+    let nodes = [m("a", true, true), m("b", true, false), m("c", true, true)];
+    let a = rollout(1, 1, 0, &nodes);
+    assert_eq!(a.create, 0);
+    assert_eq!(a.remove, ["b", "c"]);
+    assert_eq!(rollout(3, 1, 0, &nodes), Actions::default());
+}
+
+#[test]
+fn a_rollout_surges_then_removes_outdated_nodes_one_at_a_time() {
+    // replicas 2, maxSurge 1, maxUnavailable 0.
+    let step1 = [m("a", false, true), m("b", false, true)];
+    assert_eq!(
+        rollout(2, 1, 0, &step1),
+        Actions {
+            create: 1,
+            remove: vec![]
+        }
+    );
+    let step2 = [
+        m("a", false, true),
+        m("b", false, true),
+        m("c", true, false),
+    ];
+    assert_eq!(rollout(2, 1, 0, &step2), Actions::default(), "wait for c");
+    let step3 = [m("a", false, true), m("b", false, true), m("c", true, true)];
+    assert_eq!(rollout(2, 1, 0, &step3).remove, ["a"]);
+    let step4 = [m("b", false, true), m("c", true, true)];
+    assert_eq!(
+        rollout(2, 1, 0, &step4),
+        Actions {
+            create: 1,
+            remove: vec![]
+        }
+    );
+    let step5 = [m("b", false, true), m("c", true, true), m("d", true, true)];
+    assert_eq!(rollout(2, 1, 0, &step5).remove, ["b"]);
+}
+
+#[test]
+fn without_surge_a_rollout_goes_below_size_within_max_unavailable() {
+    let nodes = [m("a", false, true), m("b", false, true)];
+    assert_eq!(
+        rollout(2, 0, 1, &nodes),
+        Actions {
+            create: 0,
+            remove: vec!["a".into()]
+        }
+    );
+    let broken = [m("a", false, false), m("b", false, true)];
+    assert_eq!(
+        rollout(2, 1, 0, &broken).remove,
+        ["a"],
+        "a broken outdated node just goes"
+    );
+    // Both zero: one node of surge, so the rollout moves.
+    assert_eq!(rollout(2, 0, 0, &nodes).create, 1);
+}

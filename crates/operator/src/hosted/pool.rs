@@ -1,0 +1,1051 @@
+//! The `NodePool` controller: a pool's `replicas` as real nodes (containerd + kubelet +
+//! kube-proxy on this machine, `nestplane_nodes`) that join their hosted cluster with a
+//! bootstrap token made for each node. nestplane approves a kubelet's client certificate
+//! request only when it comes with the token made for that very node; anyone else's stays
+//! pending. Scaling down cordons and drains (evictions honour PodDisruptionBudgets, up to
+//! `nodeDrainTimeout`), deletes the Node and removes the node. A change of version, labels
+//! or taints replaces nodes one by one within `maxSurge`/`maxUnavailable`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
+use k8s_openapi::api::core::v1::{Node as KubeNode, Pod};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
+use kube::{Resource, ResourceExt};
+use nestplane_api::NestedControlPlane;
+use nestplane_api::conditions;
+use nestplane_api::hosted::{HostedCluster, NodeInfo, NodePool, NodePoolStatus, types};
+use nestplane_api::names;
+use nestplane_nodes::join::{self, BootstrapToken};
+use nestplane_nodes::node::{Node, NodeConfig};
+use rand::Rng;
+use sha2::{Digest, Sha256};
+
+use super::{cluster, plan};
+use crate::context::{Context, Error};
+
+/// The finalizer on a NodePool.
+pub const FINALIZER: &str = "nestplane.io/nodepool";
+/// The label on a pool's Nodes (the NodePool's name).
+pub const POOL_LABEL: &str = "nestplane.io/nodepool";
+/// How long a node is drained when the pool does not say.
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a bootstrap token is valid (it is deleted once its node has joined).
+pub const TOKEN_TTL: Duration = Duration::from_secs(3600);
+
+/// Where nodes live and what they are given.
+#[derive(Clone, Debug)]
+pub struct NodeSettings {
+    /// Nodes' directories go under `<dir>/<namespace>/<pool>/<node>`.
+    pub dir: PathBuf,
+    /// Where `nestplane images build` put its archives.
+    pub images: PathBuf,
+}
+
+/// A node this operator made.
+pub struct Managed {
+    /// The Node's name.
+    pub name: String,
+    /// The id of the bootstrap token made for it.
+    pub token_id: String,
+    /// Hash of what it was built from (version, labels, taints).
+    pub hash: String,
+    /// Its kubelet's version.
+    pub version: String,
+    node: Option<Node>,
+}
+
+/// The nodes of every pool, by `namespace/name` of the pool. Nodes are this process's
+/// children: an operator that stops takes them with it, and its successor makes new ones.
+#[derive(Default)]
+pub struct Nodes(Mutex<HashMap<String, Vec<Managed>>>);
+
+impl Nodes {
+    fn with<T>(&self, pool: &str, f: impl FnOnce(&mut Vec<Managed>) -> T) -> T {
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        f(map.entry(pool.to_string()).or_default())
+    }
+
+    /// The names of a pool's nodes.
+    pub fn names(&self, pool: &str) -> Vec<String> {
+        self.with(pool, |v| v.iter().map(|m| m.name.clone()).collect())
+    }
+
+    /// Remove every node (the operator is stopping): no drain, the cluster keeps its Node
+    /// objects, which the next operator replaces.
+    pub async fn remove_all(&self) {
+        let all: Vec<Managed> = {
+            let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            map.drain().flat_map(|(_, v)| v).collect()
+        };
+        for mut m in all {
+            if let Some(n) = m.node.take()
+                && let Err(e) = n.remove().await
+            {
+                tracing::warn!(node = %m.name, error = %e, "removing a node left something behind");
+            }
+        }
+    }
+
+    fn take(&self, pool: &str, name: &str) -> Option<Managed> {
+        self.with(pool, |v| {
+            let i = v.iter().position(|m| m.name == name)?;
+            Some(v.remove(i))
+        })
+    }
+}
+
+/// Hash of what a node is built from.
+pub fn node_hash(version: &str, pool: &NodePool) -> String {
+    let mut h = Sha256::new();
+    h.update(version.as_bytes());
+    for (k, v) in &pool.spec.node_labels {
+        h.update(format!("\0l{k}={v}").as_bytes());
+    }
+    for t in &pool.spec.taints {
+        h.update(
+            format!(
+                "\0t{}={}:{}",
+                t.key,
+                t.value.as_deref().unwrap_or_default(),
+                t.effect
+            )
+            .as_bytes(),
+        );
+    }
+    format!("{:x}", h.finalize())[..10].to_string()
+}
+
+/// Check labels and taints (they reach the kubelet's flags).
+pub fn validate_pool(pool: &NodePool) -> Result<(), String> {
+    let label_ok = |s: &str, max: usize| {
+        !s.is_empty()
+            && s.len() <= max
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'))
+    };
+    for (k, v) in &pool.spec.node_labels {
+        if !label_ok(k, 253) || !(v.is_empty() || label_ok(v, 63)) || v.contains('/') {
+            return Err(format!("nodeLabels: {k:?}={v:?} is not a valid label"));
+        }
+        if k == POOL_LABEL {
+            return Err(format!("nodeLabels: {POOL_LABEL} is set by nestplane"));
+        }
+    }
+    for t in &pool.spec.taints {
+        let value_ok = t
+            .value
+            .as_deref()
+            .is_none_or(|v| v.is_empty() || label_ok(v, 63));
+        if !label_ok(&t.key, 253) || !value_ok {
+            return Err(format!("taints: {:?} is not a valid taint", t.key));
+        }
+        if !["NoSchedule", "PreferNoSchedule", "NoExecute"].contains(&t.effect.as_str()) {
+            return Err(format!(
+                "taints: effect {:?} is not NoSchedule, PreferNoSchedule or NoExecute",
+                t.effect
+            ));
+        }
+    }
+    if let Some(d) = &pool.spec.node_drain_timeout {
+        parse_duration(d)?;
+    }
+    if let Some(t) = pool.spec.management.upgrade_type.as_deref()
+        && !t.is_empty()
+        && t != "Replace"
+    {
+        return Err(format!(
+            "management.upgradeType {t:?}: only Replace is offered"
+        ));
+    }
+    Ok(())
+}
+
+/// `90s`, `5m`, `1h`, `1m30s`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let mut total = 0u64;
+    let mut num = String::new();
+    for c in s.trim().chars() {
+        if c.is_ascii_digit() {
+            num.push(c);
+            continue;
+        }
+        let n: u64 = num
+            .parse()
+            .map_err(|_| format!("{s:?} is not a duration (like 90s, 5m)"))?;
+        num.clear();
+        total += n * match c {
+            's' => 1,
+            'm' => 60,
+            'h' => 3600,
+            _ => return Err(format!("{s:?} is not a duration (like 90s, 5m)")),
+        };
+    }
+    if !num.is_empty() {
+        return Err(format!(
+            "{s:?} is not a duration (like 90s, 5m): a unit is missing"
+        ));
+    }
+    Ok(Duration::from_secs(total))
+}
+
+fn pool_key(pool: &NodePool) -> String {
+    format!(
+        "{}/{}",
+        pool.namespace().unwrap_or_default(),
+        pool.name_any()
+    )
+}
+
+async fn write_status(
+    api: &Api<NodePool>,
+    pool: &NodePool,
+    status: NodePoolStatus,
+) -> Result<(), Error> {
+    if pool.status.as_ref() == Some(&status) {
+        return Ok(());
+    }
+    let body = serde_json::to_value(&status).map_err(|e| Error::Internal(e.to_string()))?;
+    api.patch_status(
+        &pool.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "status": body })),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Why a pass stops: `Ready` False with `reason` and `message`; a Warning Event when
+/// `warning` and new; looked at again after `again` (else on a change).
+struct Halt {
+    reason: &'static str,
+    message: String,
+    warning: bool,
+    again: Option<Duration>,
+}
+
+impl Halt {
+    fn warn(reason: &'static str, message: String) -> Halt {
+        Halt {
+            reason,
+            message,
+            warning: true,
+            again: None,
+        }
+    }
+    fn wait(reason: &'static str, message: String) -> Halt {
+        Halt {
+            reason,
+            message,
+            warning: false,
+            again: None,
+        }
+    }
+    fn again(mut self, d: Duration) -> Halt {
+        self.again = Some(d);
+        self
+    }
+}
+
+/// A refusal or a wait: nothing touched.
+async fn stop(
+    ctx: &Context,
+    api: &Api<NodePool>,
+    pool: &NodePool,
+    mut status: NodePoolStatus,
+    halt: Halt,
+) -> Result<Action, Error> {
+    let Halt {
+        reason,
+        message,
+        warning,
+        again: requeue,
+    } = halt;
+    let before = conditions::get(&status.conditions, types::READY)
+        .map(|c| (c.reason.clone(), c.message.clone()));
+    conditions::set(
+        &mut status.conditions,
+        conditions::new(types::READY, false, reason, &message),
+        pool.metadata.generation,
+        Timestamp::now(),
+    );
+    if warning
+        && before
+            != Some((
+                reason.to_string(),
+                conditions::cut(&message, conditions::MAX_MESSAGE),
+            ))
+    {
+        ctx.event(pool.object_ref(&()), EventType::Warning, reason, &message)
+            .await;
+    }
+    write_status(api, pool, status).await?;
+    Ok(requeue
+        .map(Action::requeue)
+        .unwrap_or_else(Action::await_change))
+}
+
+/// The hosted cluster's admin client, CA and API server address, once its control plane
+/// serves.
+struct Target {
+    client: kube::Client,
+    ca_pem: String,
+    apiserver: std::net::SocketAddr,
+}
+
+async fn target(ctx: &Context, hc: &HostedCluster) -> Result<Option<Target>, Error> {
+    let cp_ns = cluster::control_plane_namespace(hc);
+    let name = hc.name_any();
+    let Some(ncp) = Api::<NestedControlPlane>::namespaced(ctx.client.clone(), &cp_ns)
+        .get_opt(&name)
+        .await?
+    else {
+        return Ok(None);
+    };
+    if !ncp.status.as_ref().is_some_and(|s| s.ready) {
+        return Ok(None);
+    }
+    let Some(ep) = ncp.spec.control_plane_endpoint.as_ref() else {
+        return Ok(None);
+    };
+    let Ok(ip) = ep.host.parse::<std::net::IpAddr>() else {
+        return Ok(None);
+    };
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(ctx.client.clone(), &cp_ns);
+    let read = |s: Option<k8s_openapi::api::core::v1::Secret>, key: &str| {
+        s.and_then(|s| s.data).and_then(|d| {
+            d.get(key)
+                .map(|b| String::from_utf8_lossy(&b.0).into_owned())
+        })
+    };
+    let kubeconfig = read(
+        secrets
+            .get_opt(&names::SecretPurpose::AdminKubeconfig.secret_name(&name))
+            .await?,
+        names::KUBECONFIG_KEY,
+    );
+    let ca = read(
+        secrets
+            .get_opt(&names::SecretPurpose::ClusterCa.secret_name(&name))
+            .await?,
+        names::TLS_CRT,
+    );
+    let (Some(kubeconfig), Some(ca_pem)) = (kubeconfig, ca) else {
+        return Ok(None);
+    };
+    let kc = kube::config::Kubeconfig::from_yaml(&kubeconfig)
+        .map_err(|e| Error::Internal(e.to_string()))?;
+    let mut cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .map_err(|e| Error::Internal(e.to_string()))?;
+    cfg.connect_timeout = Some(Duration::from_secs(5));
+    cfg.read_timeout = Some(Duration::from_secs(30));
+    let client = kube::Client::try_from(cfg).map_err(|e| Error::Internal(e.to_string()))?;
+    Ok(Some(Target {
+        client,
+        ca_pem,
+        apiserver: std::net::SocketAddr::new(ip, ep.port as u16),
+    }))
+}
+
+/// Reconcile one NodePool.
+pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let _timer = ctx.metrics.reconcile_started("NodePool");
+    let ns = pool.namespace().unwrap_or_default();
+    let name = pool.name_any();
+    let api: Api<NodePool> = Api::namespaced(ctx.client.clone(), &ns);
+    let status = pool.status.clone().unwrap_or_default();
+    let hc = Api::<HostedCluster>::namespaced(ctx.client.clone(), &ns)
+        .get_opt(&pool.spec.cluster_name)
+        .await?;
+    if pool.metadata.deletion_timestamp.is_some() {
+        return teardown(&pool, &ctx, &api, hc.as_ref()).await;
+    }
+    let Some(hc) = hc else {
+        return stop(
+            &ctx,
+            &api,
+            &pool,
+            status,
+            Halt::warn(
+                "HostedClusterNotFound",
+                format!(
+                    "HostedCluster {ns}/{} does not exist",
+                    pool.spec.cluster_name
+                ),
+            )
+            .again(Duration::from_secs(30)),
+        )
+        .await;
+    };
+    if let Err(msg) = validate_pool(&pool) {
+        return stop(
+            &ctx,
+            &api,
+            &pool,
+            status,
+            Halt::warn("InvalidConfiguration", msg),
+        )
+        .await;
+    }
+    let cp_version = plan::version(&hc.spec.release.version);
+    let version = pool
+        .spec
+        .release
+        .as_ref()
+        .map(|r| plan::version(&r.version))
+        .unwrap_or_else(|| cp_version.clone());
+    let now = Timestamp::now();
+    let generation = pool.metadata.generation;
+    let mut status = status;
+    if let Err(msg) = plan::version_skew(&version, &cp_version) {
+        conditions::set(
+            &mut status.conditions,
+            conditions::new(
+                types::SUPPORTED_VERSION_SKEW,
+                false,
+                "UnsupportedSkew",
+                &msg,
+            ),
+            generation,
+            now,
+        );
+        return stop(
+            &ctx,
+            &api,
+            &pool,
+            status,
+            Halt::warn("UnsupportedSkew", msg),
+        )
+        .await;
+    }
+    conditions::set(
+        &mut status.conditions,
+        conditions::new(types::SUPPORTED_VERSION_SKEW, true, "AsExpected", ""),
+        generation,
+        now,
+    );
+    match plan::paused(pool.spec.paused_until.as_deref(), now) {
+        Err(msg) => {
+            return stop(
+                &ctx,
+                &api,
+                &pool,
+                status,
+                Halt::warn("InvalidConfiguration", msg),
+            )
+            .await;
+        }
+        Ok(Some(_)) => {
+            return stop(
+                &ctx,
+                &api,
+                &pool,
+                status,
+                Halt::wait("ReconciliationPaused", "paused (pausedUntil)".into())
+                    .again(Duration::from_secs(30)),
+            )
+            .await;
+        }
+        Ok(None) => {}
+    }
+    let Some(settings) = ctx.node_settings.clone() else {
+        return stop(&ctx, &api, &pool, status, Halt::warn("NodesNeedAHostOperator", "this operator does not run on a machine it may make nodes on (nodes need the process runtime, as root)".into()))
+        .await;
+    };
+    if let Err(e) = nestplane_nodes::check_prerequisites(&version) {
+        return stop(
+            &ctx,
+            &api,
+            &pool,
+            status,
+            Halt::warn("NodePrerequisitesMissing", e.to_string()).again(Duration::from_secs(60)),
+        )
+        .await;
+    }
+    let images = node_images(&settings);
+    if images.is_empty() {
+        return stop(
+            &ctx,
+            &api,
+            &pool,
+            status,
+            Halt::warn(
+                "ImagesMissing",
+                format!(
+                    "no node images under {}: run `nestplane images build`",
+                    settings.images.display()
+                ),
+            )
+            .again(Duration::from_secs(60)),
+        )
+        .await;
+    }
+    // Finalizer, before any node exists.
+    if !pool.finalizers().iter().any(|f| f == FINALIZER) {
+        let mut list = pool.finalizers().to_vec();
+        list.push(FINALIZER.into());
+        api.patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"finalizers": list, "resourceVersion": pool.resource_version()}})),
+        )
+        .await?;
+    }
+    let Some(t) = target(&ctx, &hc).await? else {
+        return stop(
+            &ctx,
+            &api,
+            &pool,
+            status,
+            Halt::wait(
+                "WaitingForControlPlane",
+                format!(
+                    "waiting for HostedCluster {ns}/{}'s control plane to be Ready",
+                    hc.name_any()
+                ),
+            )
+            .again(Duration::from_secs(3)),
+        )
+        .await;
+    };
+    let key = pool_key(&pool);
+    let hash = node_hash(&version, &pool);
+    let kube_nodes: Api<KubeNode> = Api::all(t.client.clone());
+    let listed = match kube_nodes
+        .list(&ListParams::default().labels(&format!("{POOL_LABEL}={name}")))
+        .await
+    {
+        Ok(l) => l.items,
+        Err(e) => {
+            return stop(
+                &ctx,
+                &api,
+                &pool,
+                status,
+                Halt::warn(
+                    "ClusterUnreachable",
+                    format!("listing the hosted cluster's Nodes: {e}"),
+                )
+                .again(Duration::from_secs(5)),
+            )
+            .await;
+        }
+    };
+    let mine = ctx.nodes.names(&key);
+    // Nodes of this pool that no node of this operator backs (a predecessor's): gone.
+    for n in listed.iter().filter(|n| !mine.contains(&n.name_any())) {
+        let _ = kube_nodes
+            .delete(&n.name_any(), &DeleteParams::default())
+            .await;
+    }
+    let ready_of = |n: &str| {
+        listed.iter().find(|k| k.name_any() == n).is_some_and(|k| {
+            k.status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+        })
+    };
+    let members: Vec<plan::Member> = ctx.nodes.with(&key, |v| {
+        v.iter()
+            .map(|m| plan::Member {
+                name: m.name.clone(),
+                current: m.hash == hash,
+                ready: ready_of(&m.name),
+            })
+            .collect()
+    });
+    let replicas = pool.spec.replicas.unwrap_or(0).max(0) as u32;
+    let rolling = pool
+        .spec
+        .management
+        .replace
+        .as_ref()
+        .and_then(|r| r.rolling_update.clone())
+        .unwrap_or_default();
+    let actions = plan::rollout(
+        replicas,
+        rolling.max_surge.unwrap_or(1).max(0) as u32,
+        rolling.max_unavailable.unwrap_or(0).max(0) as u32,
+        &members,
+    );
+
+    // Approve the client certificates of the nodes we made (and nobody else's).
+    approve(&ctx, &t.client, &key).await;
+
+    if actions.create > 0 {
+        join::ensure_bindings(&t.client, false)
+            .await
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        let starts =
+            (0..actions.create).map(|_| start_node(&settings, &t, &pool, &version, &hash, &images));
+        for r in futures::future::join_all(starts).await {
+            match r {
+                Ok(m) => {
+                    ctx.event(
+                        pool.object_ref(&()),
+                        EventType::Normal,
+                        "NodeCreated",
+                        &format!("node {} ({version})", m.name),
+                    )
+                    .await;
+                    ctx.nodes.with(&key, |v| v.push(m));
+                }
+                Err(e) => {
+                    ctx.event(pool.object_ref(&()), EventType::Warning, "NodeFailed", &e)
+                        .await;
+                    tracing::warn!(nodepool = %key, error = %e, "starting a node failed");
+                }
+            }
+        }
+    }
+    let drain_timeout = pool
+        .spec
+        .node_drain_timeout
+        .as_deref()
+        .and_then(|d| parse_duration(d).ok())
+        .unwrap_or(DEFAULT_DRAIN_TIMEOUT);
+    for n in &actions.remove {
+        ctx.event(
+            pool.object_ref(&()),
+            EventType::Normal,
+            "DrainingNode",
+            &format!("node {n}"),
+        )
+        .await;
+        remove_node(&ctx, &key, Some(&t.client), n, drain_timeout).await;
+    }
+
+    // Status.
+    let names = ctx.nodes.names(&key);
+    let infos: Vec<NodeInfo> = ctx.nodes.with(&key, |v| {
+        v.iter()
+            .map(|m| NodeInfo {
+                name: m.name.clone(),
+                version: m.version.clone(),
+                ready: ready_of(&m.name),
+                current: m.hash == hash,
+            })
+            .collect()
+    });
+    let ready = infos.iter().filter(|i| i.ready).count() as i32;
+    let current = infos.iter().filter(|i| i.current).count() as u32;
+    let old_versions = infos.iter().any(|i| i.version != version);
+    let old_config = infos.iter().any(|i| !i.current) && !old_versions;
+    let done = names.len() as u32 == replicas && current == replicas && ready as u32 == replicas;
+    status.replicas = ready;
+    status.nodes = infos;
+    status.observed_generation = generation;
+    if done {
+        status.version = Some(version.clone());
+    }
+    let set = |st: &mut NodePoolStatus, c| conditions::set(&mut st.conditions, c, generation, now);
+    set(
+        &mut status,
+        if done {
+            conditions::new(
+                types::READY,
+                true,
+                "AsExpected",
+                format!("{ready}/{replicas} nodes Ready"),
+            )
+        } else {
+            conditions::new(
+                types::READY,
+                false,
+                "ScalingOrUpdating",
+                format!("{ready}/{replicas} nodes Ready"),
+            )
+        },
+    );
+    let healthy = status.nodes.iter().all(|n| n.ready);
+    let not_ready = status
+        .nodes
+        .iter()
+        .filter(|n| !n.ready)
+        .map(|n| n.name.clone())
+        .collect::<Vec<_>>()
+        .join(", ");
+    set(
+        &mut status,
+        conditions::new(
+            types::ALL_NODES_HEALTHY,
+            healthy,
+            if healthy {
+                "AsExpected"
+            } else {
+                "NodesNotReady"
+            },
+            not_ready,
+        ),
+    );
+    set(
+        &mut status,
+        conditions::new(
+            types::UPDATING_VERSION,
+            old_versions,
+            if old_versions {
+                "Replacing"
+            } else {
+                "AsExpected"
+            },
+            if old_versions {
+                format!("replacing nodes for {version}")
+            } else {
+                String::new()
+            },
+        ),
+    );
+    set(
+        &mut status,
+        conditions::new(
+            types::UPDATING_CONFIG,
+            old_config,
+            if old_config {
+                "Replacing"
+            } else {
+                "AsExpected"
+            },
+            if old_config {
+                "replacing nodes for new labels or taints".to_string()
+            } else {
+                String::new()
+            },
+        ),
+    );
+    if done
+        && !pool
+            .status
+            .as_ref()
+            .is_some_and(|s| conditions::is_true(&s.conditions, types::READY))
+    {
+        ctx.event(
+            pool.object_ref(&()),
+            EventType::Normal,
+            "Ready",
+            &format!("{ready}/{replicas} nodes Ready"),
+        )
+        .await;
+    }
+    write_status(&api, &pool, status).await?;
+    Ok(Action::requeue(if done {
+        Duration::from_secs(30)
+    } else {
+        Duration::from_secs(2)
+    }))
+}
+
+/// The archives every node gets: the pause image and the small shell image.
+fn node_images(settings: &NodeSettings) -> Vec<PathBuf> {
+    [
+        "registry.k8s.io/pause:3.2",
+        nestplane_nodes::images::SHELL_IMAGE,
+    ]
+    .iter()
+    .map(|n| nestplane_nodes::images::archive_path(&settings.images, n))
+    .filter(|p| p.exists())
+    .collect()
+}
+
+async fn start_node(
+    settings: &NodeSettings,
+    t: &Target,
+    pool: &NodePool,
+    version: &str,
+    hash: &str,
+    images: &[PathBuf],
+) -> Result<Managed, String> {
+    const CHARS: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    let suffix: String = {
+        let mut rng = rand::rng();
+        (0..5)
+            .map(|_| CHARS[rng.random_range(0..CHARS.len())] as char)
+            .collect()
+    };
+    let name = format!("{}-{suffix}", pool.name_any());
+    let token = BootstrapToken::generate();
+    join::create_token(&t.client, &token, TOKEN_TTL)
+        .await
+        .map_err(|e| format!("node {name}: {e}"))?;
+    let mut labels: BTreeMap<String, String> = pool.spec.node_labels.clone();
+    labels.insert(POOL_LABEL.into(), pool.name_any());
+    let taints = pool
+        .spec
+        .taints
+        .iter()
+        .map(|t| match &t.value {
+            Some(v) if !v.is_empty() => format!("{}={v}:{}", t.key, t.effect),
+            _ => format!("{}:{}", t.key, t.effect),
+        })
+        .collect();
+    let dir = settings
+        .dir
+        .join(pool.namespace().unwrap_or_default())
+        .join(pool.name_any())
+        .join(&name);
+    let node = Node::start(NodeConfig {
+        name: name.clone(),
+        dir,
+        ca_pem: t.ca_pem.clone(),
+        token: token.token(),
+        apiservers: vec![t.apiserver],
+        api_port: t.apiserver.port(),
+        images: images.to_vec(),
+        pause_image: "registry.k8s.io/pause:3.2".into(),
+        labels,
+        taints,
+        cluster: Default::default(),
+        version: version.into(),
+    })
+    .await
+    .map_err(|e| format!("node {name}: {e}"))?;
+    Ok(Managed {
+        name,
+        token_id: token.id,
+        hash: hash.into(),
+        version: version.into(),
+        node: Some(node),
+    })
+}
+
+/// Approve pending kubelet client certificate requests that come with the bootstrap token
+/// made for the node they name; leave every other request alone.
+async fn approve(ctx: &Context, client: &kube::Client, key: &str) {
+    let tokens: HashMap<String, String> = ctx.nodes.with(key, |v| {
+        v.iter()
+            .map(|m| (format!("system:bootstrap:{}", m.token_id), m.name.clone()))
+            .collect()
+    });
+    if tokens.is_empty() {
+        return;
+    }
+    let api: Api<CertificateSigningRequest> = Api::all(client.clone());
+    let Ok(list) = api.list(&ListParams::default()).await else {
+        return;
+    };
+    for mut csr in list.items {
+        let decided = csr
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| !c.is_empty());
+        let Some(node) = csr.spec.username.as_ref().and_then(|u| tokens.get(u)) else {
+            continue;
+        };
+        if decided || csr.spec.signer_name != "kubernetes.io/kube-apiserver-client-kubelet" {
+            continue;
+        }
+        let pem = String::from_utf8_lossy(&csr.spec.request.0).into_owned();
+        match nestplane_pki::csr_subject(&pem) {
+            Ok((cn, orgs)) if cn == format!("system:node:{node}") && orgs == ["system:nodes"] => {}
+            _ => {
+                tracing::warn!(csr = %csr.name_any(), %node, "a request with node {node}'s token asks for something else; not approved");
+                continue;
+            }
+        }
+        let name = csr.name_any();
+        let status = csr.status.get_or_insert_with(Default::default);
+        status.conditions = Some(vec![
+            k8s_openapi::api::certificates::v1::CertificateSigningRequestCondition {
+                type_: "Approved".into(),
+                status: "True".into(),
+                reason: Some("NestplaneNodePool".into()),
+                message: Some(format!(
+                    "node {node} of NodePool {key}, joining with the token made for it"
+                )),
+                ..Default::default()
+            },
+        ]);
+        match api
+            .replace_subresource("approval", &name, &PostParams::default(), &csr)
+            .await
+        {
+            Ok(_) => tracing::info!(csr = %name, %node, "approved"),
+            Err(e) => tracing::warn!(csr = %name, error = %e, "approving failed"),
+        }
+    }
+}
+
+/// Cordon and drain `node` (evictions, which PodDisruptionBudgets may refuse, until
+/// `timeout`; then its pods are deleted), delete its Node and remove it from this machine.
+async fn remove_node(
+    ctx: &Context,
+    key: &str,
+    client: Option<&kube::Client>,
+    node: &str,
+    timeout: Duration,
+) {
+    if let Some(client) = client {
+        if let Err(e) = drain(client, node, timeout).await {
+            tracing::warn!(nodepool = %key, %node, error = %e, "draining failed; removing the node anyway");
+        }
+        let _ = Api::<KubeNode>::all(client.clone())
+            .delete(node, &DeleteParams::default())
+            .await;
+    }
+    if let Some(mut m) = ctx.nodes.take(key, node) {
+        if let Some(client) = client {
+            let _ = join::delete_token(client, &m.token_id).await;
+        }
+        if let Some(n) = m.node.take()
+            && let Err(e) = n.remove().await
+        {
+            tracing::warn!(nodepool = %key, %node, error = %e, "removing the node left something behind");
+        }
+    }
+}
+
+/// Whether a pod is left alone by a drain (a DaemonSet's, a static pod's, or finished).
+pub fn drain_skips(p: &Pod) -> bool {
+    let daemon = p
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.kind == "DaemonSet");
+    let mirror = p.annotations().contains_key("kubernetes.io/config.mirror");
+    let finished = p
+        .status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .is_some_and(|ph| ph == "Succeeded" || ph == "Failed");
+    daemon || mirror || finished
+}
+
+async fn drain(client: &kube::Client, node: &str, timeout: Duration) -> Result<(), String> {
+    let nodes: Api<KubeNode> = Api::all(client.clone());
+    match nodes
+        .patch(
+            node,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"unschedulable": true}})),
+        )
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 404 => return Ok(()),
+        Err(e) => return Err(format!("cordoning: {e}")),
+    }
+    let deadline = Instant::now() + timeout;
+    let pods: Api<Pod> = Api::all(client.clone());
+    loop {
+        let list = pods
+            .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+            .await
+            .map_err(|e| format!("listing pods: {e}"))?;
+        let left: Vec<Pod> = list.items.into_iter().filter(|p| !drain_skips(p)).collect();
+        if left.is_empty() {
+            return Ok(());
+        }
+        let force = Instant::now() > deadline;
+        for p in &left {
+            let api: Api<Pod> = Api::namespaced(client.clone(), &p.namespace().unwrap_or_default());
+            if force {
+                let _ = api
+                    .delete(&p.name_any(), &DeleteParams::default().grace_period(0))
+                    .await;
+            } else if p.metadata.deletion_timestamp.is_none() {
+                // 429: a PodDisruptionBudget says not now; tried again below.
+                let _ = api.evict(&p.name_any(), &EvictParams::default()).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Deletion: every node drained (when the cluster still answers) and removed, then the
+/// finalizer. Works when the HostedCluster or its control plane is already gone.
+async fn teardown(
+    pool: &NodePool,
+    ctx: &Context,
+    api: &Api<NodePool>,
+    hc: Option<&HostedCluster>,
+) -> Result<Action, Error> {
+    if !pool.finalizers().iter().any(|f| f == FINALIZER) {
+        return Ok(Action::await_change());
+    }
+    let key = pool_key(pool);
+    let t = match hc {
+        Some(hc) => target(ctx, hc).await.ok().flatten(),
+        None => None,
+    };
+    let timeout = pool
+        .spec
+        .node_drain_timeout
+        .as_deref()
+        .and_then(|d| parse_duration(d).ok())
+        .unwrap_or(DEFAULT_DRAIN_TIMEOUT);
+    for n in ctx.nodes.names(&key) {
+        remove_node(ctx, &key, t.as_ref().map(|t| &t.client), &n, timeout).await;
+    }
+    let list: Vec<String> = pool
+        .finalizers()
+        .iter()
+        .filter(|f| *f != FINALIZER)
+        .cloned()
+        .collect();
+    api.patch(
+        &pool.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"metadata": {"finalizers": list, "resourceVersion": pool.resource_version()}})),
+    )
+    .await?;
+    Ok(Action::await_change())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn pool(spec: serde_json::Value) -> NodePool {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "nestplane.io/v1alpha1", "kind": "NodePool",
+            "metadata": {"name": "p", "namespace": "n"}, "spec": spec,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn labels_taints_and_durations_are_checked_before_they_reach_a_kubelet() {
+        assert!(validate_pool(&pool(serde_json::json!({"clusterName": "c", "nodeLabels": {"tier": "web"}, "taints": [{"key": "gpu", "effect": "NoSchedule"}], "nodeDrainTimeout": "1m30s"}))).is_ok());
+        assert!(
+            validate_pool(&pool(
+                serde_json::json!({"clusterName": "c", "nodeLabels": {"a": "b,--x=y"}})
+            ))
+            .is_err()
+        );
+        assert!(validate_pool(&pool(serde_json::json!({"clusterName": "c", "taints": [{"key": "gpu", "effect": "Maybe"}]}))).is_err());
+        assert!(
+            validate_pool(&pool(
+                serde_json::json!({"clusterName": "c", "nodeLabels": {POOL_LABEL: "x"}})
+            ))
+            .is_err()
+        );
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert!(parse_duration("5").is_err());
+        assert!(parse_duration("5d").is_err());
+    }
+
+    #[test]
+    fn what_a_node_is_built_from_changes_its_hash() {
+        let a = pool(serde_json::json!({"clusterName": "c"}));
+        let b = pool(serde_json::json!({"clusterName": "c", "nodeLabels": {"tier": "web"}}));
+        assert_eq!(node_hash("v1.20.2", &a), node_hash("v1.20.2", &a));
+        assert_ne!(node_hash("v1.20.2", &a), node_hash("v1.20.2", &b));
+        assert_ne!(node_hash("v1.20.2", &a), node_hash("v1.20.1", &a));
+        let replicas_only = pool(serde_json::json!({"clusterName": "c", "replicas": 5}));
+        assert_eq!(
+            node_hash("v1.20.2", &a),
+            node_hash("v1.20.2", &replicas_only)
+        );
+    }
+}
