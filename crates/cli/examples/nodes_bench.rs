@@ -91,6 +91,7 @@ async fn main() {
         taints: vec!["nestplane.io/bench=true:NoSchedule".into()],
         cluster: Default::default(),
         version: "v1.20.2".into(),
+        group: None,
     })
     .await
     .expect("node");

@@ -248,8 +248,9 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
     );
     assert!(listed.contains("kube-system"), "{listed}");
 
-    // A stranger allowed to ask for certificates asks for one for a plausible node name:
-    // nobody approves it.
+    // A stranger holding a valid bootstrap token that nestplane did not make (so the
+    // cluster's bootstrap RBAC lets it ask for a kubelet client certificate) asks for one for
+    // a plausible node name of this pool: nobody approves it.
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("k.pem");
     let csr = dir.path().join("r.pem");
@@ -273,32 +274,11 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
         .expect("openssl not found: run scripts/install-deps.sh")
         .success();
     assert!(ok);
-    kubectl_ok(&hosted, &["create", "serviceaccount", "stranger"]);
-    kubectl_ok(
+    kubectl_apply(
         &hosted,
-        &[
-            "create",
-            "clusterrolebinding",
-            "stranger",
-            "--clusterrole=system:node-bootstrapper",
-            "--serviceaccount=default:stranger",
-        ],
+        "apiVersion: v1\nkind: Secret\nmetadata: {name: bootstrap-token-strngr, namespace: kube-system}\ntype: bootstrap.kubernetes.io/token\nstringData:\n  token-id: strngr\n  token-secret: 0123456789abcdef\n  usage-bootstrap-authentication: 'true'\n",
     );
-    let token_secret = eventually("the stranger's token", Duration::from_secs(30), || {
-        let s = jsonpath(
-            &hosted,
-            &["serviceaccount", "stranger"],
-            "{.secrets[0].name}",
-        );
-        (!s.trim().is_empty()).then_some(s)
-    });
-    let token = jsonpath(&hosted, &["secret", token_secret.trim()], "{.data.token}");
-    let token = String::from_utf8(
-        base64::engine::general_purpose::STANDARD
-            .decode(token.trim())
-            .unwrap(),
-    )
-    .unwrap();
+    let token = "strngr.0123456789abcdef".to_string();
     let request = base64::engine::general_purpose::STANDARD.encode(std::fs::read(&csr).unwrap());
     // The stranger's kubeconfig: the cluster's address and CA, the stranger's token only.
     let mut kc_stranger = kube::config::Kubeconfig::read_from(&hosted).unwrap();
@@ -323,6 +303,11 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        jsonpath(&hosted, &["csr", "stranger"], "{.spec.username}"),
+        "system:bootstrap:strngr",
+        "the request came with the stranger's bootstrap token"
     );
     tokio::time::sleep(Duration::from_secs(10)).await;
     let verdict = jsonpath(
@@ -372,30 +357,130 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
     );
     assert!(events_for(&kc, "default", "demo").contains("DrainingNode"));
 
+    // The hosted cluster's join configuration is kept: a deleted binding comes back.
+    kubectl_ok(
+        &hosted,
+        &["delete", "clusterrolebinding", "nestplane:node-proxier"],
+    );
+    eventually(
+        "the node-proxier binding back",
+        Duration::from_secs(90),
+        || {
+            kubectl(
+                &hosted,
+                &["get", "clusterrolebinding", "nestplane:node-proxier"],
+            )
+            .status
+            .success()
+            .then_some(())
+        },
+    );
+
+    // A new label is a new node: the pool rolls (a new node first, then the old one drained),
+    // and the label reaches the Node.
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "nodepool",
+            "demo",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"nodeLabels":{"tier":"web"}}}"#,
+        ],
+    );
+    let mut updating = false;
+    let rolled = eventually(
+        "the pool rolled to a labelled node",
+        Duration::from_secs(240),
+        || {
+            updating |= condition(&kc, &["nodepool", "demo"], "UpdatingConfig") == "True";
+            let names = kubectl_ok(
+                &hosted,
+                &[
+                    "get",
+                    "nodes",
+                    "-l",
+                    "tier=web",
+                    "-o",
+                    "jsonpath={.items[*].metadata.name}",
+                ],
+            );
+            let all = kubectl_ok(
+                &hosted,
+                &["get", "nodes", "-o", "jsonpath={.items[*].metadata.name}"],
+            );
+            let ready = condition(&kc, &["nodepool", "demo"], "Ready") == "True";
+            (ready && all.split_whitespace().count() == 1 && names.trim() == all.trim())
+                .then_some(all)
+        },
+    );
+    assert!(updating, "UpdatingConfig was reported during the rollout");
+    assert_ne!(rolled.trim(), left.trim(), "the node was replaced");
+    eventually("web pods on the new node", Duration::from_secs(120), || {
+        let placed = kubectl_ok(
+            &hosted,
+            &[
+                "get",
+                "pods",
+                "-l",
+                "app=web",
+                "--field-selector=status.phase=Running",
+                "-o",
+                "jsonpath={.items[*].spec.nodeName}",
+            ],
+        );
+        let on: Vec<&str> = placed.split_whitespace().collect();
+        (on.len() == 2 && on.iter().all(|n| *n == rolled.trim())).then_some(())
+    });
+
     // Teardown in order, each step in status, and nothing left on the machine.
     let nodes_dir = env.state.path().join("nodes");
     let slots = slots_under(&nodes_dir);
     assert_eq!(slots.len(), 1, "{slots:?}");
     let out = kubectl(&kc, &["delete", "hostedcluster", "demo", "--wait=false"]);
     assert!(out.status.success());
-    let mut steps = std::collections::BTreeSet::new();
+    // The steps as status showed them while polling (each once, in the order seen).
+    let mut steps: Vec<String> = Vec::new();
     eventually("the HostedCluster gone", Duration::from_secs(240), || {
         let r = jsonpath(
             &kc,
             &["hostedcluster", "demo"],
             "{.status.conditions[?(@.type==\"Deleting\")].reason}",
         );
-        if !r.trim().is_empty() {
-            steps.insert(r.trim().to_string());
+        let r = r.trim();
+        if !r.is_empty() && steps.last().map(String::as_str) != Some(r) {
+            steps.push(r.to_string());
         }
         (!kubectl(&kc, &["get", "hostedcluster", "demo"])
             .status
             .success())
         .then_some(())
     });
+    // Every step happened (each emits an Event once), and what status showed came in order.
+    const ORDER: [&str; 4] = [
+        "DeletingNodePools",
+        "DeletingCluster",
+        "DeletingControlPlane",
+        "DeletingNamespace",
+    ];
+    let events = events_for(&kc, "default", "demo");
+    for step in ORDER {
+        assert!(
+            events.contains(&format!("Normal {step}:")),
+            "{step}: {events}"
+        );
+    }
+    let rank = |s: &String| ORDER.iter().position(|o| o == s);
+    let ranks: Vec<_> = steps.iter().map(rank).collect();
     assert!(
-        steps.contains("DeletingNodePools") || steps.contains("DeletingControlPlane"),
-        "{steps:?}"
+        ranks.iter().all(Option::is_some) && ranks.windows(2).all(|w| w[0] < w[1]),
+        "the Deleting steps in order: {steps:?}"
+    );
+    assert_eq!(
+        steps.first().map(String::as_str),
+        Some("DeletingNodePools"),
+        "the pool (a node to drain) is the first step: {steps:?}"
     );
     assert!(
         !kubectl(&kc, &["get", "namespace", "default-demo"])

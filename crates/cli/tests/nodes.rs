@@ -198,6 +198,13 @@ async fn nodes_started_and_removed_100_times_leave_nothing_behind() {
                 taints: vec![],
                 cluster: Default::default(),
                 version: "v1.20.2".into(),
+                // Two nodes of one group, one of another, one without: isolation rules come
+                // and go with their nodes too.
+                group: match cycle % 4 {
+                    0 => None,
+                    1 | 2 => Some(7),
+                    _ => Some(9),
+                },
             };
             batch.push(tokio::spawn(nestplane_nodes::node::Node::start(cfg)));
             cycle += 1;
@@ -210,6 +217,22 @@ async fn nodes_started_and_removed_100_times_leave_nothing_behind() {
         for n in &nodes {
             assert!(nestplane_nodes::net::netns_path(n.addresses()).exists());
             assert!(n.dir().join("containerd.sock").exists());
+        }
+        // Nodes of a group reach each other and no other node (checked once).
+        if cycle == 4 {
+            let reaches = |from: usize, to: usize| {
+                std::process::Command::new("ip")
+                    .args(["netns", "exec", &nodes[from].addresses().netns])
+                    .args(["busybox", "ping", "-c", "1", "-W", "1"])
+                    .arg(nodes[to].ip().to_string())
+                    .output()
+                    .unwrap()
+                    .status
+                    .success()
+            };
+            assert!(reaches(1, 2) && reaches(2, 1), "one group");
+            assert!(!reaches(1, 3) && !reaches(3, 2), "two groups");
+            assert!(!reaches(0, 1) && !reaches(3, 0), "a group and no group");
         }
         for n in nodes {
             let (addrs, d) = (n.addresses().clone(), n.dir().to_path_buf());

@@ -461,6 +461,7 @@ impl LocalPlane {
                     cluster_domain: CLUSTER_DOMAIN.into(),
                 },
                 version: DEFAULT_VERSION.into(),
+                group: None,
             })
             .await
             .map_err(node_err)?;

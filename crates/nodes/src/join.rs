@@ -162,7 +162,7 @@ pub async fn delete_token(client: &kube::Client, id: &str) -> Result<(), Error> 
     }
 }
 
-/// Make sure the join bindings exist. Without `approve_bootstrap`, the binding that lets the
+/// Make sure the join bindings exist (a deleted one comes back). Without `approve_bootstrap`, the binding that lets the
 /// cluster's controller-manager approve every bootstrap client certificate request is left
 /// out (and removed if present): requests are then approved by whoever knows which node
 /// each token was made for (nestplane's NodePool controller).
@@ -170,12 +170,27 @@ pub async fn ensure_bindings(client: &kube::Client, approve_bootstrap: bool) -> 
     let pp = PatchParams::apply(MANAGER).force();
     let crbs: Api<ClusterRoleBinding> = Api::all(client.clone());
     for (name, role, group) in bindings() {
+        let current = crbs
+            .get_opt(name)
+            .await
+            .map_err(|e| Error::Join(format!("reading {name}: {e}")))?;
         if !approve_bootstrap && name == AUTO_APPROVE_BOOTSTRAP {
-            match crbs.delete(name, &Default::default()).await {
-                Ok(_) => {}
-                Err(kube::Error::Api(e)) if e.code == 404 => {}
-                Err(e) => return Err(Error::Join(format!("removing {name}: {e}"))),
+            if current.is_some() {
+                match crbs.delete(name, &Default::default()).await {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(e)) if e.code == 404 => {}
+                    Err(e) => return Err(Error::Join(format!("removing {name}: {e}"))),
+                }
             }
+            continue;
+        }
+        // Written only when missing or changed: a pass that finds them in place only reads.
+        if let Some(c) = &current
+            && c.role_ref.name == role
+            && c.subjects
+                .as_ref()
+                .is_some_and(|s| s.len() == 1 && s[0].kind == "Group" && s[0].name == group)
+        {
             continue;
         }
         let crb = ClusterRoleBinding {

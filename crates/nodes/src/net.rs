@@ -204,12 +204,83 @@ pub fn setup(a: &Addresses) -> Result<(), Error> {
 /// Remove the node's network namespace (its veth pair, bridge, iptables rules and routes go
 /// with it). Idempotent.
 pub fn teardown(a: &Addresses) {
+    unisolate(a);
     if netns_path(a).exists() {
         let _ = run(&["ip", "netns", "delete", &a.netns]);
     }
     // Deleting the namespace deletes the pair; a half-made setup may have left the host end.
     if Path::new("/sys/class/net").join(&a.host_veth).exists() {
         let _ = run(&["ip", "link", "delete", &a.host_veth]);
+    }
+}
+
+/// Keep nodes of other groups out: packets entering this machine from the node are marked
+/// with `group`, and only packets so marked are forwarded to it. Nodes of one hosted cluster
+/// share a group, so its pods reach each other across nodes, and no other cluster's pods or
+/// nodes reach them.
+pub fn isolate(a: &Addresses, group: u32) -> Result<(), Error> {
+    let mark = format!("{:#x}", group.max(1));
+    let steps: [Vec<&str>; 2] = [
+        vec![
+            "iptables",
+            "-w",
+            "-t",
+            "mangle",
+            "-A",
+            "PREROUTING",
+            "-i",
+            &a.host_veth,
+            "-j",
+            "MARK",
+            "--set-mark",
+            &mark,
+        ],
+        vec![
+            "iptables",
+            "-w",
+            "-A",
+            "FORWARD",
+            "-o",
+            &a.host_veth,
+            "-m",
+            "mark",
+            "!",
+            "--mark",
+            &mark,
+            "-j",
+            "DROP",
+        ],
+    ];
+    for s in steps {
+        if let Err(e) = run(&s) {
+            unisolate(a);
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Remove [`isolate`]'s rules (whatever group they name). Idempotent.
+pub fn unisolate(a: &Addresses) {
+    for (table, chain, flag) in [("mangle", "PREROUTING", "-i"), ("filter", "FORWARD", "-o")] {
+        let Ok(out) = Command::new("iptables")
+            .args(["-w", "-t", table, "-S", chain])
+            .output()
+        else {
+            continue;
+        };
+        let needle = format!(" {flag} {} ", a.host_veth);
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let Some(rule) = line.strip_prefix(&format!("-A {chain} ")) else {
+                continue;
+            };
+            if !format!(" {rule} ").contains(&needle) {
+                continue;
+            }
+            let mut args = vec!["iptables", "-w", "-t", table, "-D", chain];
+            args.extend(rule.split_whitespace());
+            let _ = run(&args);
+        }
     }
 }
 

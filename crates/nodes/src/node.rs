@@ -52,6 +52,9 @@ pub struct NodeConfig {
     pub cluster: ClusterSettings,
     /// Kubernetes version of the kubelet and kube-proxy (`v1.20.2`).
     pub version: String,
+    /// The isolation group: nodes of a group reach each other and no other node
+    /// ([`crate::net::isolate`]); `None` for a node on its own terms (no rules).
+    pub group: Option<u32>,
 }
 
 impl std::fmt::Debug for NodeConfig {
@@ -206,6 +209,9 @@ impl Node {
             mkdir(&p)?;
         }
         net::setup(addrs)?;
+        if let Some(g) = cfg.group {
+            net::isolate(addrs, g)?;
+        }
 
         // The mount namespace: a holder process keeps it; every node process joins it.
         let holder = spawn(

@@ -464,6 +464,7 @@ pub async fn join_node(
         taints: vec![],
         cluster: Default::default(),
         version: "v1.20.2".into(),
+        group: None,
     })
     .await
     .expect("node starts")

@@ -122,6 +122,13 @@ pub fn node_hash(version: &str, pool: &NodePool) -> String {
     format!("{:x}", h.finalize())[..10].to_string()
 }
 
+/// The isolation group of a hosted cluster's nodes (every pool of the cluster shares it):
+/// 31 bits of a hash of `namespace/name`, never 0.
+pub fn isolation_group(namespace: &str, cluster: &str) -> u32 {
+    let d = Sha256::digest(format!("{namespace}/{cluster}").as_bytes());
+    (u32::from_be_bytes([d[0], d[1], d[2], d[3]]) & 0x7fff_ffff).max(1)
+}
+
 /// Check labels and taints (they reach the kubelet's flags).
 pub fn validate_pool(pool: &NodePool) -> Result<(), String> {
     let label_ok = |s: &str, max: usize| {
@@ -581,10 +588,11 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<Context>) -> Result<Action,
     // Approve the client certificates of the nodes we made (and nobody else's).
     approve(&ctx, &t.client, &key).await;
 
+    // The cluster's side of joining, kept in place (a deleted binding comes back).
+    if let Err(e) = join::ensure_bindings(&t.client, false).await {
+        tracing::warn!(nodepool = %key, error = %e, "keeping the join bindings failed");
+    }
     if actions.create > 0 {
-        join::ensure_bindings(&t.client, false)
-            .await
-            .map_err(|e| Error::Internal(e.to_string()))?;
         let starts =
             (0..actions.create).map(|_| start_node(&settings, &t, &pool, &version, &hash, &images));
         for r in futures::future::join_all(starts).await {
@@ -804,6 +812,10 @@ async fn start_node(
         taints,
         cluster: Default::default(),
         version: version.into(),
+        group: Some(isolation_group(
+            &pool.namespace().unwrap_or_default(),
+            &pool.spec.cluster_name,
+        )),
     })
     .await
     .map_err(|e| format!("node {name}: {e}"))?;
@@ -1033,6 +1045,15 @@ mod tests {
         assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
         assert!(parse_duration("5").is_err());
         assert!(parse_duration("5d").is_err());
+    }
+
+    #[test]
+    fn each_hosted_cluster_has_its_own_isolation_group() {
+        let a = isolation_group("default", "a");
+        assert_eq!(a, isolation_group("default", "a"));
+        assert_ne!(a, isolation_group("default", "b"));
+        assert_ne!(a, isolation_group("other", "a"));
+        assert!(a > 0 && a <= 0x7fff_ffff);
     }
 
     #[test]
