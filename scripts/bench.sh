@@ -2,6 +2,8 @@
 # Benchmarks.
 #  1. `nestplane up` from start to a ready tenant (process runtime), on a fresh state
 #     directory, N runs (default 3): every figure `nestplane up --exit-when-ready` reports.
+#  3. A HostedCluster applied to Available with N real nodes Ready (N = 1, 3):
+#     `nestplane up --nodes N --exit-when-ready`; `tenant_seconds` is that time.
 #  2. Real nodes: node start to Ready, memory of an idle node, and a `NestedControlPlane` to
 #     Ready in the kubernetes runtime on a real node (crates/cli/examples/nodes_bench.rs).
 set -euo pipefail
@@ -20,3 +22,9 @@ done
 echo "nodes (images built here first)"
 target/release/nestplane images build >/dev/null
 target/release/examples/nodes_bench | sed 's/^/  /'
+for n in 1 3; do
+  dir=$(mktemp -d)
+  echo "hosted cluster with $n node(s) (state in $dir); tenant_seconds = HostedCluster applied -> Available and $n node(s) Ready"
+  target/release/nestplane up --nodes "$n" --exit-when-ready --state-dir "$dir" 2>/dev/null | grep -v '^kubectl' | sed 's/^/  /'
+  rm -rf "$dir"
+done

@@ -38,6 +38,11 @@ pub struct UpArgs {
     /// manifest; state under `<state-dir>/kubernetes`.
     #[arg(long, default_value = "process", value_parser = ["process", "kubernetes"])]
     pub runtime: String,
+    /// Real worker nodes for the tenant (`process` runtime): the tenant is then a
+    /// `HostedCluster` whose NodePool has this many nodes (containerd + kubelet + kube-proxy
+    /// on this machine), so `kubectl run` works against it.
+    #[arg(long, default_value_t = 0)]
+    pub nodes: u32,
 }
 
 /// Arguments of `nestplane down`.
@@ -82,19 +87,24 @@ const RELEASE_MANIFEST: &str = include_str!("../../../control-plane-components.y
 /// Images for the management plane's node: built here (only what changed), the operator's
 /// from this binary.
 fn node_options() -> anyhow::Result<nestplane_localplane::NodeOptions> {
+    let built = build_images()?;
+    Ok(nestplane_localplane::NodeOptions {
+        count: 1,
+        images: built.into_iter().map(|b| b.archive).collect(),
+        dns_image: Some(nestplane_nodes::images::OPERATOR_IMAGE.into()),
+    })
+}
+
+/// Check that nodes can run here and build the images they use (only what changed).
+fn build_images() -> anyhow::Result<Vec<nestplane_nodes::images::Built>> {
     nestplane_nodes::check_prerequisites(nestplane_localplane::DEFAULT_VERSION)?;
     eprintln!("nestplane: building images (only what changed; about a minute the first time)");
-    let built = crate::images::build(&crate::images::BuildArgs {
+    crate::images::build(&crate::images::BuildArgs {
         registry: nestplane_render::DEFAULT_IMAGE_REGISTRY.into(),
         version: nestplane_localplane::DEFAULT_VERSION.into(),
         dir: None,
         operator_binary: None,
         containerfile: None,
-    })?;
-    Ok(nestplane_localplane::NodeOptions {
-        count: 1,
-        images: built.into_iter().map(|b| b.archive).collect(),
-        dns_image: Some(nestplane_nodes::images::OPERATOR_IMAGE.into()),
     })
 }
 
@@ -162,6 +172,10 @@ async fn start(state_dir: &Path, runtime: &str) -> anyhow::Result<Running> {
             plane.client(),
             nestplane_operator::Config {
                 state_dir: state_dir.join("operator"),
+                nodes: Some(nestplane_operator::hosted::pool::NodeSettings {
+                    dir: state_dir.join("nodes"),
+                    images: nestplane_nodes::images::default_dir(),
+                }),
                 ..Default::default()
             },
         ))
@@ -204,6 +218,14 @@ pub async fn tenant_kubeconfig(
 /// Run `nestplane up` until Ctrl-C or SIGTERM.
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let started = Instant::now();
+    if args.nodes > 0 {
+        if args.runtime != "process" {
+            bail!(
+                "--nodes needs the process runtime (the operator makes the nodes on this machine)"
+            );
+        }
+        build_images()?;
+    }
     let state_dir = runtime_root(&args.state_dir, &args.runtime);
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("creating {}", state_dir.display()))?;
@@ -217,6 +239,10 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
 
     let result = async {
         let client = running.plane.client();
+        if args.nodes > 0 {
+            let total = up_hosted(&client, &state_dir, &args, started).await?;
+            return Ok::<_, anyhow::Error>((total, Default::default()));
+        }
         let ncps: Api<NestedControlPlane> = Api::namespaced(client.clone(), NAMESPACE);
         if ncps.get_opt(&args.name).await?.is_none() {
             let ncp = NestedControlPlane::new(
@@ -308,6 +334,103 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     }
 }
 
+/// The tenant as a HostedCluster with `--nodes` real nodes: created when missing, waited for
+/// until it is Available and its NodePool Ready; its admin kubeconfig written next to the
+/// state. Returns the time it took.
+async fn up_hosted(
+    client: &kube::Client,
+    state_dir: &Path,
+    args: &UpArgs,
+    started: Instant,
+) -> anyhow::Result<Duration> {
+    use nestplane_api::hosted::{HostedCluster, NodePool};
+    let hcs: Api<HostedCluster> = Api::namespaced(client.clone(), NAMESPACE);
+    let pools: Api<NodePool> = Api::namespaced(client.clone(), NAMESPACE);
+    let version = args
+        .version
+        .clone()
+        .unwrap_or_else(|| nestplane_localplane::DEFAULT_VERSION.into());
+    if hcs.get_opt(&args.name).await?.is_none() {
+        let hc: HostedCluster = serde_json::from_value(serde_json::json!({
+            "apiVersion": "nestplane.io/v1alpha1", "kind": "HostedCluster",
+            "metadata": {"name": args.name, "namespace": NAMESPACE},
+            "spec": {"release": {"version": version}, "initialNodes": args.nodes},
+        }))?;
+        hcs.create(&PostParams::default(), &hc)
+            .await
+            .context("creating the HostedCluster")?;
+        eprintln!(
+            "nestplane: created HostedCluster {NAMESPACE}/{} with {} node(s)",
+            args.name, args.nodes
+        );
+    } else if pools.get_opt(&args.name).await?.is_some() {
+        pools
+            .patch(
+                &args.name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(serde_json::json!({"spec": {"replicas": args.nodes}})),
+            )
+            .await?;
+        eprintln!(
+            "nestplane: HostedCluster {NAMESPACE}/{} exists; {} node(s)",
+            args.name, args.nodes
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(args.timeout + 120);
+    let mut last = String::new();
+    loop {
+        let hc = hcs.get(&args.name).await?;
+        let pool = pools.get_opt(&args.name).await?;
+        let st = hc.status.unwrap_or_default();
+        let available = conditions::is_true(&st.conditions, "Available");
+        let pool_ready = pool
+            .as_ref()
+            .and_then(|p| p.status.as_ref())
+            .is_some_and(|s| {
+                conditions::is_true(&s.conditions, "Ready") && s.replicas == args.nodes as i32
+            });
+        if available && pool_ready && st.kubeconfig.is_some() {
+            break;
+        }
+        let line = if !available {
+            conditions::get(&st.conditions, "Available")
+                .map(|c| format!("control plane: {}: {}", c.reason, c.message))
+                .unwrap_or_else(|| "waiting for the operator".into())
+        } else {
+            pool.and_then(|p| p.status)
+                .and_then(|s| conditions::get(&s.conditions, "Ready").cloned())
+                .map(|c| format!("nodes: {}: {}", c.reason, c.message))
+                .unwrap_or_else(|| "nodes: starting".into())
+        };
+        if line != last {
+            eprintln!("nestplane:   {line}");
+            last = line;
+        }
+        if Instant::now() > deadline {
+            bail!("the hosted cluster is not ready in time; last state: {last}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), NAMESPACE);
+    let kc = secrets
+        .get(&format!("{}-admin-kubeconfig", args.name))
+        .await?
+        .data
+        .and_then(|d| d.get("kubeconfig").cloned())
+        .context("the admin kubeconfig has no key `kubeconfig`")?;
+    let path = state_dir.join(format!("{}.kubeconfig", args.name));
+    nestplane_localplane::write_private(&path, &String::from_utf8_lossy(&kc.0))?;
+    let total = started.elapsed();
+    eprintln!(
+        "nestplane: hosted cluster {} with {} node(s) ready in {:.1}s",
+        args.name,
+        args.nodes,
+        total.as_secs_f64()
+    );
+    println!("kubectl --kubeconfig {} get nodes", path.display());
+    Ok(total)
+}
+
 async fn wait_ready(
     ncps: &Api<NestedControlPlane>,
     name: &str,
@@ -345,6 +468,25 @@ pub async fn down(args: DownArgs) -> anyhow::Result<()> {
     }
     let running = start(&state_dir, &args.runtime).await?;
     let result = async {
+        let hcs: Api<nestplane_api::hosted::HostedCluster> =
+            Api::namespaced(running.plane.client(), NAMESPACE);
+        if hcs.get_opt(&args.name).await?.is_some() {
+            hcs.delete(&args.name, &DeleteParams::default()).await?;
+            let deadline = Instant::now() + Duration::from_secs(300);
+            while hcs.get_opt(&args.name).await?.is_some() {
+                if Instant::now() > deadline {
+                    bail!(
+                        "HostedCluster {NAMESPACE}/{} still exists after 300s",
+                        args.name
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            eprintln!(
+                "nestplane: deleted hosted cluster {} and its nodes",
+                args.name
+            );
+        }
         let ncps: Api<NestedControlPlane> = Api::namespaced(running.plane.client(), NAMESPACE);
         if ncps.get_opt(&args.name).await?.is_some() {
             ncps.delete(&args.name, &DeleteParams::default()).await?;

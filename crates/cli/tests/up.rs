@@ -195,3 +195,51 @@ fn up_with_the_kubernetes_runtime_gives_a_tenant_made_of_pods() {
     assert!(!slot_dir.exists(), "the node is removed on stop");
     assert!(running_under(state.path()).is_empty());
 }
+
+#[test]
+fn up_with_nodes_gives_a_cluster_where_kubectl_run_and_logs_work() {
+    let _ = images();
+    let state = tempfile::tempdir().unwrap();
+    let (child, line) = up_with(
+        state.path(),
+        &["--name", "work", "--nodes", "1"],
+        Duration::from_secs(400),
+    );
+    let kubeconfig = state.path().join("work.kubeconfig");
+    assert_eq!(
+        line,
+        format!("kubectl --kubeconfig {} get nodes", kubeconfig.display())
+    );
+    let nodes = kubectl_ok(&kubeconfig, &["get", "nodes", "-o", "name"]);
+    assert_eq!(nodes.lines().count(), 1, "{nodes}");
+    kubectl_ok(
+        &kubeconfig,
+        &[
+            "run",
+            "hello",
+            "--image=docker.io/library/busybox:1.35",
+            "--restart=Never",
+            "--",
+            "sh",
+            "-c",
+            "echo hello from a real node; sleep 3600",
+        ],
+    );
+    wait_pod_running_and_logging(&kubeconfig, "hello", "hello from a real node");
+    sigterm(child);
+    // `down` tears the hosted cluster down (its nodes went with `up`).
+    let out = nestplane()
+        .args(["down", "--name", "work", "--state-dir"])
+        .arg(state.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        running_under(state.path()).is_empty(),
+        "nothing runs from the state directory"
+    );
+}
