@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything nestplane needs on a Debian machine (idempotent, safe to re-run).
 #
-#  - Debian packages: etcd (server + client), Go, rsync, build tools;
+#  - Debian packages: etcd (server + client), openssl (tests read certificates), Go, rsync,
+#    build tools;
 #  - Debian packages for real nodes: containerd, runc, the CNI plugins, buildah (images),
 #    busybox-static (the shell image), iptables and conntrack (kube-proxy);
 #  - kube-apiserver, kube-controller-manager, kube-scheduler, kubelet and kube-proxy 1.20.2,
@@ -62,7 +63,7 @@ apt_install() {
 }
 
 # 1. Runtime packages: etcd for the management plane and the tenants, etcdctl for checks.
-apt_install etcd-server etcd-client ca-certificates
+apt_install etcd-server etcd-client ca-certificates openssl
 # 1b. Real nodes: a container runtime, pod networking, image building, a shell image.
 apt_install containerd runc containernetworking-plugins buildah busybox-static iptables conntrack \
   gcc libc6-dev

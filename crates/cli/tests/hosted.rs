@@ -48,6 +48,19 @@ fn slots_under(dir: &Path) -> Vec<(u8, PathBuf)> {
     out
 }
 
+/// The certificate a TLS server at `addr` presents (PEM), read with `openssl s_client`.
+fn served_certificate(addr: &str) -> Option<String> {
+    let out = std::process::Command::new("openssl")
+        .args(["s_client", "-connect", addr])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("openssl not found: run scripts/install-deps.sh");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let begin = text.find("-----BEGIN CERTIFICATE-----")?;
+    let end = text.find("-----END CERTIFICATE-----")? + "-----END CERTIFICATE-----".len();
+    Some(format!("{}\n", &text[begin..end]))
+}
+
 const WEB: &str = "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: web, namespace: default}\nspec:\n  replicas: 2\n  selector: {matchLabels: {app: web}}\n  template:\n    metadata: {labels: {app: web}}\n    spec:\n      affinity:\n        podAntiAffinity:\n          preferredDuringSchedulingIgnoredDuringExecution:\n          - weight: 100\n            podAffinityTerm: {topologyKey: kubernetes.io/hostname, labelSelector: {matchLabels: {app: web}}}\n      containers:\n      - name: web\n        image: docker.io/library/busybox:1.35\n        command: [sh, -c, 'mkdir -p /www && echo hello-from-$(hostname) > /www/index.html && exec httpd -f -p 8080 -h /www']\n---\napiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec:\n  selector: {app: web}\n  ports: [{port: 80, targetPort: 8080}]\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: client, namespace: default}\nspec:\n  containers:\n  - {name: client, image: 'docker.io/library/busybox:1.35', command: [sleep, '3600']}\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,6 +130,64 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
         ],
     );
     assert!(approved.contains("NestplaneNodePool"), "{approved}");
+
+    // Each kubelet serves with a certificate the cluster's CA issued for that node (its
+    // serving request approved by nestplane), not one it signed itself.
+    let ca = kube::config::Kubeconfig::read_from(&hosted)
+        .unwrap()
+        .clusters[0]
+        .cluster
+        .as_ref()
+        .unwrap()
+        .certificate_authority_data
+        .clone()
+        .unwrap();
+    let ca = String::from_utf8(
+        base64::engine::general_purpose::STANDARD
+            .decode(ca.trim())
+            .unwrap(),
+    )
+    .unwrap();
+    for node in &nodes {
+        let ip = jsonpath(
+            &hosted,
+            &["node", node],
+            "{.status.addresses[?(@.type==\"InternalIP\")].address}",
+        );
+        let served = eventually(
+            &format!("node {node} serving with the cluster's certificate"),
+            Duration::from_secs(90),
+            || {
+                let pem = served_certificate(&format!("{}:10250", ip.trim()))?;
+                nestplane_pki::verify_signed_by(&pem, &ca)
+                    .unwrap_or(false)
+                    .then_some(pem)
+            },
+        );
+        let info = nestplane_pki::inspect(&served).unwrap();
+        assert_eq!(info.subject_cn, format!("system:node:{node}"));
+        assert!(info.server_auth);
+        assert_eq!(
+            info.ips,
+            [ip.trim().parse::<std::net::IpAddr>().unwrap()],
+            "{info:?}"
+        );
+    }
+    let serving = kubectl_ok(
+        &hosted,
+        &[
+            "get",
+            "csr",
+            "-o",
+            "jsonpath={range .items[?(@.spec.signerName==\"kubernetes.io/kubelet-serving\")]}{.spec.username} {.status.conditions[0].reason}{\"\\n\"}{end}",
+        ],
+    );
+    for node in &nodes {
+        assert!(
+            serving.contains(&format!("system:node:{node} NestplaneNodePool")),
+            "{serving}"
+        );
+    }
 
     // Pods: one web pod per node, reached through a ClusterIP Service from another pod; a
     // pod lists the cluster's namespaces with its service-account token.

@@ -459,6 +459,7 @@ impl LocalPlane {
                 cluster: nestplane_nodes::config::ClusterSettings {
                     cluster_dns: vec![service_ip_dns.clone()],
                     cluster_domain: CLUSTER_DOMAIN.into(),
+                    ..Default::default()
                 },
                 version: DEFAULT_VERSION.into(),
                 group: None,

@@ -197,6 +197,11 @@ pub struct ClusterSettings {
     pub cluster_dns: Vec<String>,
     /// The cluster domain (`cluster.local`).
     pub cluster_domain: String,
+    /// The kubelet asks the cluster for its serving certificate (`serverTLSBootstrap`: a
+    /// `kubernetes.io/kubelet-serving` request that somebody must approve) instead of signing
+    /// its own; `kubectl logs/exec` then reach a kubelet whose certificate the cluster's CA
+    /// issued.
+    pub serving_certificates_from_cluster: bool,
 }
 
 /// The free disk space under which a node reports disk pressure.
@@ -247,6 +252,9 @@ pub fn kubelet_config(layout: &Layout, addrs: &Addresses, cluster: &ClusterSetti
     });
     if !cluster.cluster_dns.is_empty() {
         v["clusterDNS"] = json!(cluster.cluster_dns);
+    }
+    if cluster.serving_certificates_from_cluster {
+        v["serverTLSBootstrap"] = json!(true);
     }
     serde_json::to_string_pretty(&v).unwrap_or_default()
 }
@@ -342,9 +350,15 @@ mod tests {
             &ClusterSettings {
                 cluster_dns: vec!["10.96.0.10".into()],
                 cluster_domain: "cluster.local".into(),
+                ..Default::default()
             },
         ))
         .expect("json");
+        assert_eq!(
+            v["serverTLSBootstrap"],
+            Value::Null,
+            "signs its own by default"
+        );
         assert_eq!(
             v["authentication"]["x509"]["clientCAFile"],
             "/n/worker-0/ca.crt"
@@ -354,6 +368,21 @@ mod tests {
         assert_eq!(v["address"], "10.201.3.2");
         assert_eq!(v["cgroupRoot"], "/nestplane/n3");
         assert_eq!(v["clusterDNS"][0], "10.96.0.10");
+    }
+
+    #[test]
+    fn a_kubelet_can_ask_the_cluster_for_its_serving_certificate() {
+        let v: Value = serde_json::from_str(&kubelet_config(
+            &layout(),
+            &Addresses::of(3),
+            &ClusterSettings {
+                serving_certificates_from_cluster: true,
+                ..Default::default()
+            },
+        ))
+        .expect("json");
+        assert_eq!(v["serverTLSBootstrap"], true);
+        assert_eq!(v["rotateCertificates"], true);
     }
 
     #[test]

@@ -688,6 +688,26 @@ fn processes_naming(needle: &str) -> Vec<u32> {
     out
 }
 
+/// Processes whose working directory is `dir` or under it (also when it was deleted).
+fn processes_with_cwd_under(dir: &Path) -> Vec<u32> {
+    let me = std::process::id();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(cwd) = std::fs::read_link(e.path().join("cwd")) else {
+            continue;
+        };
+        let cwd = cwd.to_string_lossy();
+        let cwd = Path::new(cwd.strip_suffix(" (deleted)").unwrap_or(&cwd));
+        if pid != me && cwd.starts_with(dir) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
 /// Kill the containerd shims of the node's containerd (they outlive containerd by design).
 fn kill_shims(socket: &Path) {
     for pid in processes_naming(&socket.to_string_lossy()) {
@@ -703,6 +723,12 @@ pub fn leftovers(addrs: &Addresses, dir: &Path) -> Vec<String> {
     let procs = processes_naming(&d);
     if !procs.is_empty() {
         left.push(format!("processes {procs:?}"));
+    }
+    // Processes started in the node's directory (the mount-namespace holder names it only
+    // there), even once the directory is gone.
+    let inside = processes_with_cwd_under(dir);
+    if !inside.is_empty() {
+        left.push(format!("processes working in it {inside:?}"));
     }
     if let Ok(m) = std::fs::read_to_string("/proc/self/mountinfo")
         && m.contains(&d)
@@ -724,7 +750,9 @@ pub fn leftovers(addrs: &Addresses, dir: &Path) -> Vec<String> {
     }
     if let Ok(out) = std::process::Command::new("iptables-save").output() {
         let rules = String::from_utf8_lossy(&out.stdout);
-        if rules.contains(&addrs.host_veth) || rules.contains(&addrs.pod_cidr) {
+        // Whole words: `npn1` is not `npn12`.
+        let names = |w: &str| w == addrs.host_veth || w == addrs.pod_cidr;
+        if rules.lines().any(|l| l.split_whitespace().any(names)) {
             left.push("rules in this machine's iptables".into());
         }
     }

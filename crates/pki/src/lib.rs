@@ -276,10 +276,22 @@ pub fn inspect(cert_pem: &str) -> Result<CertInfo, PkiError> {
     })
 }
 
-/// The subject of a certificate signing request (PEM): its common name and organizations.
-/// The request's own signature must verify (it proves the requester holds the key).
-pub fn csr_subject(csr_pem: &str) -> Result<(String, Vec<String>), PkiError> {
+/// What a certificate signing request asks for: subject and subject alternative names.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CsrInfo {
+    pub common_name: String,
+    pub organizations: Vec<String>,
+    pub dns_names: Vec<String>,
+    pub ips: Vec<IpAddr>,
+    /// Names of other kinds (e-mail, URI, …), as text: a kubelet never asks for them.
+    pub other_names: Vec<String>,
+}
+
+/// Read a certificate signing request (PEM). The request's own signature must verify (it
+/// proves the requester holds the key).
+pub fn csr_info(csr_pem: &str) -> Result<CsrInfo, PkiError> {
     use x509_parser::certification_request::X509CertificationRequest;
+    use x509_parser::extensions::ParsedExtension;
     let parse = |reason: String| PkiError::Parse {
         what: "a certificate signing request",
         reason,
@@ -291,17 +303,46 @@ pub fn csr_subject(csr_pem: &str) -> Result<(String, Vec<String>), PkiError> {
     csr.verify_signature()
         .map_err(|e| parse(format!("its signature does not verify: {e}")))?;
     let subject = &csr.certification_request_info.subject;
-    let cn = subject
-        .iter_common_name()
-        .next()
-        .and_then(|a| a.as_str().ok())
-        .unwrap_or_default()
-        .to_string();
-    let orgs = subject
-        .iter_organization()
-        .filter_map(|a| a.as_str().ok().map(str::to_string))
-        .collect();
-    Ok((cn, orgs))
+    let mut info = CsrInfo {
+        common_name: subject
+            .iter_common_name()
+            .next()
+            .and_then(|a| a.as_str().ok())
+            .unwrap_or_default()
+            .to_string(),
+        organizations: subject
+            .iter_organization()
+            .filter_map(|a| a.as_str().ok().map(str::to_string))
+            .collect(),
+        ..Default::default()
+    };
+    for ext in csr.requested_extensions().into_iter().flatten() {
+        let ParsedExtension::SubjectAlternativeName(san) = ext else {
+            continue;
+        };
+        for n in &san.general_names {
+            match n {
+                GeneralName::DNSName(d) => info.dns_names.push(d.to_string()),
+                GeneralName::IPAddress(b) => match b.len() {
+                    4 => info
+                        .ips
+                        .push(IpAddr::from(<[u8; 4]>::try_from(*b).unwrap_or_default())),
+                    16 => info
+                        .ips
+                        .push(IpAddr::from(<[u8; 16]>::try_from(*b).unwrap_or_default())),
+                    _ => info.other_names.push(format!("{n:?}")),
+                },
+                other => info.other_names.push(format!("{other:?}")),
+            }
+        }
+    }
+    Ok(info)
+}
+
+/// The subject of a certificate signing request (PEM): its common name and organizations.
+/// The request's own signature must verify (it proves the requester holds the key).
+pub fn csr_subject(csr_pem: &str) -> Result<(String, Vec<String>), PkiError> {
+    csr_info(csr_pem).map(|i| (i.common_name, i.organizations))
 }
 
 /// Whether `cert_pem`'s signature verifies with the public key of `ca_cert_pem`.

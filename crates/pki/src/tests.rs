@@ -225,3 +225,21 @@ fn a_csr_says_who_it_asks_for_and_garbage_is_refused() {
     );
     assert!(csr_subject("not a pem").is_err());
 }
+
+#[test]
+fn a_csr_names_its_alternative_names() {
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(vec!["pool-abcde".to_string()]).unwrap();
+    params
+        .subject_alt_names
+        .push(rcgen::SanType::IpAddress("10.201.3.2".parse().unwrap()));
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "system:node:pool-abcde");
+    let pem = params.serialize_request(&key).unwrap().pem().unwrap();
+    let info = csr_info(&pem).unwrap();
+    assert_eq!(info.common_name, "system:node:pool-abcde");
+    assert_eq!(info.dns_names, ["pool-abcde"]);
+    assert_eq!(info.ips, ["10.201.3.2".parse::<IpAddr>().unwrap()]);
+    assert!(info.other_names.is_empty());
+}

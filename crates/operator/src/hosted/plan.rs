@@ -257,3 +257,51 @@ pub fn rollout(replicas: u32, max_surge: u32, max_unavailable: u32, nodes: &[Mem
 #[cfg(test)]
 #[path = "plan_tests.rs"]
 mod tests;
+
+/// The signer of kubelet client certificates.
+pub const KUBELET_CLIENT_SIGNER: &str = "kubernetes.io/kube-apiserver-client-kubelet";
+/// The signer of kubelet serving certificates.
+pub const KUBELET_SERVING_SIGNER: &str = "kubernetes.io/kubelet-serving";
+
+/// Whether a kubelet serving certificate request may be approved for `node`, whose address is
+/// `ip`: it must come from that node's own credential (`requester`), name that node and
+/// `system:nodes`, ask only for that node's name and address, and only for serving. Anything
+/// else stays pending (the reason says why).
+pub fn judge_serving_request(
+    requester: &str,
+    usages: &[String],
+    info: &nestplane_pki::CsrInfo,
+    node: &str,
+    ip: Ipv4Addr,
+) -> Result<(), String> {
+    let me = format!("system:node:{node}");
+    if requester != me {
+        return Err(format!("requested by {requester}, not by {me}"));
+    }
+    if info.common_name != me || info.organizations != ["system:nodes"] {
+        return Err(format!(
+            "asks for {} in {:?}, not {me} in system:nodes",
+            info.common_name, info.organizations
+        ));
+    }
+    if info.dns_names.is_empty() && info.ips.is_empty() {
+        return Err("names no address".into());
+    }
+    if let Some(d) = info.dns_names.iter().find(|d| *d != node) {
+        return Err(format!("asks for the name {d}"));
+    }
+    if let Some(a) = info.ips.iter().find(|a| **a != std::net::IpAddr::V4(ip)) {
+        return Err(format!("asks for the address {a}"));
+    }
+    if let Some(o) = info.other_names.first() {
+        return Err(format!("asks for {o}"));
+    }
+    let allowed = ["digital signature", "key encipherment", "server auth"];
+    if let Some(u) = usages.iter().find(|u| !allowed.contains(&u.as_str())) {
+        return Err(format!("asks for the usage {u}"));
+    }
+    if !usages.iter().any(|u| u == "server auth") {
+        return Err("does not ask for server auth".into());
+    }
+    Ok(())
+}

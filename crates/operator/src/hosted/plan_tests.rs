@@ -153,3 +153,50 @@ fn without_surge_a_rollout_goes_below_size_within_max_unavailable() {
     // Both zero: one node of surge, so the rollout moves.
     assert_eq!(rollout(2, 0, 0, &nodes).create, 1);
 }
+
+#[test]
+fn a_serving_request_is_approved_only_for_the_node_itself_and_its_own_address() {
+    let ip: Ipv4Addr = "10.201.4.2".parse().unwrap();
+    let good = nestplane_pki::CsrInfo {
+        common_name: "system:node:p-abcde".into(),
+        organizations: vec!["system:nodes".into()],
+        dns_names: vec!["p-abcde".into()],
+        ips: vec![ip.into()],
+        other_names: vec![],
+    };
+    let usages: Vec<String> = ["digital signature", "key encipherment", "server auth"]
+        .map(String::from)
+        .to_vec();
+    let judge = |requester: &str, usages: &[String], info: &nestplane_pki::CsrInfo| {
+        judge_serving_request(requester, usages, info, "p-abcde", ip)
+    };
+    assert_eq!(judge("system:node:p-abcde", &usages, &good), Ok(()));
+    // Another node's credential, or a stranger's.
+    assert!(judge("system:node:p-zzzzz", &usages, &good).is_err());
+    assert!(judge("system:bootstrap:abcdef", &usages, &good).is_err());
+    // Another name or address than the node's.
+    let mut other = good.clone();
+    other.ips.push("127.0.0.1".parse().unwrap());
+    assert!(
+        judge("system:node:p-abcde", &usages, &other)
+            .unwrap_err()
+            .contains("127.0.0.1")
+    );
+    let mut other = good.clone();
+    other.dns_names = vec!["kubernetes.default.svc".into()];
+    assert!(judge("system:node:p-abcde", &usages, &other).is_err());
+    let mut other = good.clone();
+    other.organizations = vec!["system:masters".into()];
+    assert!(judge("system:node:p-abcde", &usages, &other).is_err());
+    let mut other = good.clone();
+    other.other_names = vec!["URI(spiffe://x)".into()];
+    assert!(judge("system:node:p-abcde", &usages, &other).is_err());
+    let mut none = good.clone();
+    none.dns_names.clear();
+    none.ips.clear();
+    assert!(judge("system:node:p-abcde", &usages, &none).is_err());
+    // Client auth is not serving.
+    let mut client = usages.clone();
+    client.push("client auth".into());
+    assert!(judge("system:node:p-abcde", &client, &good).is_err());
+}

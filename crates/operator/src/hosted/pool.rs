@@ -7,6 +7,7 @@
 //! or taints replaces nodes one by one within `maxSurge`/`maxUnavailable`.
 
 use std::collections::{BTreeMap, HashMap};
+use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -810,7 +811,11 @@ async fn start_node(
         pause_image: "registry.k8s.io/pause:3.2".into(),
         labels,
         taints,
-        cluster: Default::default(),
+        // Serving certificates from the cluster's CA, approved by [`approve`].
+        cluster: nestplane_nodes::config::ClusterSettings {
+            serving_certificates_from_cluster: true,
+            ..Default::default()
+        },
         version: version.into(),
         group: Some(isolation_group(
             &pool.namespace().unwrap_or_default(),
@@ -828,14 +833,22 @@ async fn start_node(
     })
 }
 
-/// Approve pending kubelet client certificate requests that come with the bootstrap token
-/// made for the node they name; leave every other request alone.
+/// Approve pending kubelet certificate requests of the nodes this pool made, and nobody
+/// else's: a client certificate when the request comes with the bootstrap token made for the
+/// node it names; a serving certificate when the node asks with its own credential for its own
+/// name and address ([`plan::judge_serving_request`]). Every other request stays pending.
 async fn approve(ctx: &Context, client: &kube::Client, key: &str) {
-    let tokens: HashMap<String, String> = ctx.nodes.with(key, |v| {
-        v.iter()
-            .map(|m| (format!("system:bootstrap:{}", m.token_id), m.name.clone()))
-            .collect()
-    });
+    let (tokens, addresses): (HashMap<String, String>, HashMap<String, Ipv4Addr>) =
+        ctx.nodes.with(key, |v| {
+            (
+                v.iter()
+                    .map(|m| (format!("system:bootstrap:{}", m.token_id), m.name.clone()))
+                    .collect(),
+                v.iter()
+                    .filter_map(|m| Some((m.name.clone(), m.node.as_ref()?.ip())))
+                    .collect(),
+            )
+        });
     if tokens.is_empty() {
         return;
     }
@@ -849,20 +862,47 @@ async fn approve(ctx: &Context, client: &kube::Client, key: &str) {
             .as_ref()
             .and_then(|s| s.conditions.as_ref())
             .is_some_and(|c| !c.is_empty());
-        let Some(node) = csr.spec.username.as_ref().and_then(|u| tokens.get(u)) else {
-            continue;
-        };
-        if decided || csr.spec.signer_name != "kubernetes.io/kube-apiserver-client-kubelet" {
+        if decided {
             continue;
         }
+        let requester = csr.spec.username.clone().unwrap_or_default();
         let pem = String::from_utf8_lossy(&csr.spec.request.0).into_owned();
-        match nestplane_pki::csr_subject(&pem) {
-            Ok((cn, orgs)) if cn == format!("system:node:{node}") && orgs == ["system:nodes"] => {}
-            _ => {
-                tracing::warn!(csr = %csr.name_any(), %node, "a request with node {node}'s token asks for something else; not approved");
-                continue;
+        let (node, what) = match csr.spec.signer_name.as_str() {
+            plan::KUBELET_CLIENT_SIGNER => {
+                let Some(node) = tokens.get(&requester) else {
+                    continue;
+                };
+                match nestplane_pki::csr_subject(&pem) {
+                    Ok((cn, orgs))
+                        if cn == format!("system:node:{node}") && orgs == ["system:nodes"] => {}
+                    _ => {
+                        tracing::warn!(csr = %csr.name_any(), %node, "a request with node {node}'s token asks for something else; not approved");
+                        continue;
+                    }
+                }
+                (node.clone(), "joining with the token made for it")
             }
-        }
+            plan::KUBELET_SERVING_SIGNER => {
+                let Some((node, ip)) = requester
+                    .strip_prefix("system:node:")
+                    .and_then(|n| Some((n.to_string(), *addresses.get(n)?)))
+                else {
+                    continue;
+                };
+                let usages = csr.spec.usages.clone().unwrap_or_default();
+                let verdict = nestplane_pki::csr_info(&pem)
+                    .map_err(|e| e.to_string())
+                    .and_then(|info| {
+                        plan::judge_serving_request(&requester, &usages, &info, &node, ip)
+                    });
+                if let Err(why) = verdict {
+                    tracing::warn!(csr = %csr.name_any(), %node, reason = %why, "a serving certificate request of node {node} not approved");
+                    continue;
+                }
+                (node, "serving on its own name and address")
+            }
+            _ => continue,
+        };
         let name = csr.name_any();
         let status = csr.status.get_or_insert_with(Default::default);
         status.conditions = Some(vec![
@@ -870,9 +910,7 @@ async fn approve(ctx: &Context, client: &kube::Client, key: &str) {
                 type_: "Approved".into(),
                 status: "True".into(),
                 reason: Some("NestplaneNodePool".into()),
-                message: Some(format!(
-                    "node {node} of NodePool {key}, joining with the token made for it"
-                )),
+                message: Some(format!("node {node} of NodePool {key}, {what}")),
                 ..Default::default()
             },
         ]);
