@@ -6,12 +6,14 @@
 #     `nestplane up --nodes N --exit-when-ready`; `tenant_seconds` is that time.
 #  2. Real nodes: node start to Ready, memory of an idle node, and a `NestedControlPlane` to
 #     Ready in the kubernetes runtime on a real node (crates/cli/examples/nodes_bench.rs).
+#  4. The built-in DNS server with 2,000 Services: queries/s and p99 latency from dnsperf,
+#     resident memory (crates/cli/examples/dns_bench.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin_line=$(scripts/install-deps.sh | grep '^NESTPLANE_BIN_DIR=')
 export "${bin_line?}"
 echo "bench: building nestplane (release)" >&2
-cargo build --release -p nestplane-cli --bin nestplane --example nodes_bench
+cargo build --release -p nestplane-cli --bin nestplane --example nodes_bench --example dns_bench
 runs="${1:-3}"
 for i in $(seq 1 "$runs"); do
   dir=$(mktemp -d)
@@ -28,3 +30,5 @@ for n in 1 3; do
   target/release/nestplane up --nodes "$n" --exit-when-ready --state-dir "$dir" 2>/dev/null | grep -v '^kubectl' | sed 's/^/  /'
   rm -rf "$dir"
 done
+echo "cluster DNS (built-in server, dnsperf)"
+target/release/examples/dns_bench | sed 's/^/  /'

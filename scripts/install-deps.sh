@@ -3,6 +3,7 @@
 #
 #  - Debian packages: etcd (server + client), openssl (tests read certificates), Go, rsync,
 #    build tools;
+#  - Debian packages for cluster DNS: dnsmasq-base (a resolver the tests run) and dnsperf;
 #  - Debian packages for real nodes: containerd, runc, the CNI plugins, buildah (images),
 #    busybox-static (the shell image), iptables and conntrack (kube-proxy);
 #  - kube-apiserver, kube-controller-manager, kube-scheduler, kubelet and kube-proxy 1.20.2,
@@ -67,6 +68,9 @@ apt_install etcd-server etcd-client ca-certificates openssl
 # 1b. Real nodes: a container runtime, pod networking, image building, a shell image.
 apt_install containerd runc containernetworking-plugins buildah busybox-static iptables conntrack \
   gcc libc6-dev
+# 1c. Cluster DNS: a resolver the tests run on the machine (names outside a cluster's zone are
+# forwarded to it), and dnsperf for the DNS benchmark.
+apt_install dnsmasq-base dnsperf
 if ! command -v kubectl >/dev/null 2>&1; then
   apt_install kubernetes-client
 fi

@@ -36,6 +36,8 @@ pub mod types {
     pub const RECONCILIATION_ACTIVE: &str = "ReconciliationActive";
     /// While deleting: the teardown step (reason) and what it waits for (message).
     pub const DELETING: &str = "Deleting";
+    /// A HostedCluster's cluster DNS has an available replica.
+    pub const CLUSTER_DNS_AVAILABLE: &str = "ClusterDNSAvailable";
     /// A NodePool's nodes are all Ready and as specified.
     pub const READY: &str = "Ready";
     /// Every node of a pool is Ready.
@@ -102,6 +104,49 @@ pub struct EtcdSpec {
     pub management_type: Option<String>,
 }
 
+/// Which cluster DNS a hosted cluster gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum DnsProvider {
+    /// nestplane's own Kubernetes DNS server (`nestplane dns`, in the locally built
+    /// `nestplane` image): for clusters that cannot pull images.
+    Builtin,
+    /// CoreDNS, the release of the cluster's Kubernetes version, from the image registry.
+    #[serde(rename = "CoreDNS")]
+    CoreDns,
+}
+
+impl DnsProvider {
+    /// The name in the API (`Builtin`, `CoreDNS`).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DnsProvider::Builtin => "Builtin",
+            DnsProvider::CoreDns => "CoreDNS",
+        }
+    }
+}
+
+/// Cluster DNS of a hosted cluster: a `kube-dns` Service in `kube-system` at the tenth
+/// address of the service network, which every node's kubelet gives pods.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DnsSpec {
+    /// `Builtin` or `CoreDNS`; unset: the operator's default (`Builtin` where nodes are made
+    /// on the operator's machine from images built there, which cannot pull; else `CoreDNS`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<DnsProvider>,
+}
+
+/// The cluster DNS a hosted cluster has.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DnsStatus {
+    /// `Builtin` or `CoreDNS`.
+    pub provider: String,
+    /// The `kube-dns` Service's address.
+    #[serde(rename = "serviceIP")]
+    pub service_ip: String,
+}
+
 /// A hosted cluster: a control plane nestplane runs and worker pools of real nodes.
 #[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
@@ -137,6 +182,7 @@ pub struct EtcdSpec {
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"Progressing\")].status"
     ),
+    printcolumn(name = "DNS", type_ = "string", json_path = ".status.dns.provider"),
     printcolumn(
         name = "Message",
         type_ = "string",
@@ -169,6 +215,9 @@ pub struct HostedClusterSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 20))]
     pub initial_nodes: Option<i32>,
+    /// Cluster DNS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns: Option<DnsSpec>,
 }
 
 /// One version the cluster was at.
@@ -231,6 +280,9 @@ pub struct HostedClusterStatus {
     /// The networking the control plane was created with (immutable).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub networking: Option<ClusterNetworking>,
+    /// The cluster DNS nestplane keeps in the cluster.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns: Option<DnsStatus>,
     /// The generation this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,

@@ -37,9 +37,14 @@ enum Command {
         /// Address for DNS over UDP and TCP.
         #[arg(long, default_value = "0.0.0.0:5353")]
         listen: std::net::SocketAddr,
-        /// Address of `/healthz` and `/readyz`.
+        /// Address of `/healthz`, `/readyz` and `/metrics`.
         #[arg(long, default_value = "0.0.0.0:8081")]
         health: std::net::SocketAddr,
+        /// Resolvers for names outside the zone (repeat for more; `none` for no forwarding);
+        /// by default the name servers of /etc/resolv.conf (a pod with `dnsPolicy: Default`
+        /// gets its node's).
+        #[arg(long = "upstream")]
+        upstreams: Vec<String>,
     },
     /// Container images built on this machine (nothing is pulled).
     Images {
@@ -66,6 +71,11 @@ struct OperatorArgs {
     /// Registry of the component images (`kubernetes` runtime).
     #[arg(long, default_value = nestplane_render::DEFAULT_IMAGE_REGISTRY)]
     image_registry: String,
+    /// Cluster DNS of HostedClusters whose spec names none: `Builtin` or `CoreDNS` (default:
+    /// `Builtin` when NodePools make nodes on this machine, from images built here, which
+    /// cannot pull; `CoreDNS` otherwise). CoreDNS images come from `--image-registry`.
+    #[arg(long, value_parser = ["Builtin", "CoreDNS"])]
+    default_dns_provider: Option<String>,
     /// Size of each etcd member's volume (`kubernetes` runtime).
     #[arg(long, default_value = nestplane_render::workload::DEFAULT_ETCD_STORAGE)]
     etcd_storage: String,
@@ -124,11 +134,13 @@ fn main() -> anyhow::Result<()> {
             zone,
             listen,
             health,
+            upstreams,
         } => runtime()?.block_on(async move {
+            let upstreams = dns_upstreams(&upstreams, listen)?;
             let client = kube::Client::try_default()
                 .await
                 .context("connecting to the cluster")?;
-            nestplane_dns::server::serve(client, &zone, listen, health).await?;
+            nestplane_dns::server::serve(client, &zone, listen, health, upstreams).await?;
             Ok(())
         }),
         Command::Kubeconfig { name, namespace } => runtime()?.block_on(async move {
@@ -157,6 +169,13 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
         up::wait_for_signal().await;
         t.cancel();
     });
+    let dns = nestplane_operator::hosted::dns::DnsSettings {
+        default_provider: args.default_dns_provider.as_deref().map(|p| match p {
+            "CoreDNS" => nestplane_api::hosted::DnsProvider::CoreDns,
+            _ => nestplane_api::hosted::DnsProvider::Builtin,
+        }),
+        registry: args.image_registry.clone(),
+    };
     let mode = match args.runtime.as_str() {
         "kubernetes" => {
             nestplane_operator::Mode::Kubernetes(nestplane_operator::KubernetesSettings {
@@ -205,6 +224,7 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
             clock: Default::default(),
             controllers: args.controllers,
             nodes,
+            dns,
         },
         token,
     )
@@ -228,4 +248,27 @@ pub fn default_state_dir() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("."));
     home.join(".local").join("state").join("nestplane")
+}
+
+/// The resolvers `nestplane dns` forwards to: those given (`IP` or `IP:PORT`; `none` for
+/// none), else the name servers of /etc/resolv.conf.
+fn dns_upstreams(
+    given: &[String],
+    listen: std::net::SocketAddr,
+) -> anyhow::Result<Vec<std::net::SocketAddr>> {
+    if given.is_empty() {
+        let text = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+        return Ok(nestplane_dns::server::upstreams_from_resolv_conf(
+            &text, listen,
+        ));
+    }
+    let mut out = Vec::new();
+    for g in given.iter().filter(|g| g.as_str() != "none") {
+        let a = g
+            .parse::<std::net::SocketAddr>()
+            .or_else(|_| g.parse::<std::net::IpAddr>().map(|ip| (ip, 53).into()))
+            .with_context(|| format!("--upstream {g:?} is neither an address nor address:port"))?;
+        out.push(a);
+    }
+    Ok(out)
 }

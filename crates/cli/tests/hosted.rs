@@ -11,22 +11,6 @@ use std::time::Duration;
 
 use common::*;
 
-fn jsonpath(kc: &Path, what: &[&str], path: &str) -> String {
-    let mut args = vec!["get"];
-    args.extend_from_slice(what);
-    let p = format!("jsonpath={path}");
-    args.extend_from_slice(&["-o", &p]);
-    String::from_utf8_lossy(&kubectl(kc, &args).stdout).into_owned()
-}
-
-fn condition(kc: &Path, what: &[&str], type_: &str) -> String {
-    jsonpath(
-        kc,
-        what,
-        &format!("{{.status.conditions[?(@.type==\"{type_}\")].status}}"),
-    )
-}
-
 /// The node slots this test's nodes hold (`/run/nestplane/node-slots`), with their dirs.
 fn slots_under(dir: &Path) -> Vec<(u8, PathBuf)> {
     let mut out = Vec::new();
@@ -93,20 +77,8 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
     eventually("the NodePool Ready", Duration::from_secs(240), || {
         (condition(&kc, &["nodepool", "demo"], "Ready") == "True").then_some(())
     });
-    let secret = jsonpath(
-        &kc,
-        &["secret", "demo-admin-kubeconfig"],
-        "{.data.kubeconfig}",
-    );
-    let hosted = env.state.path().join("demo.kubeconfig");
+    let hosted = hosted_kubeconfig(&kc, "demo", env.state.path());
     use base64::Engine as _;
-    std::fs::write(
-        &hosted,
-        base64::engine::general_purpose::STANDARD
-            .decode(secret.trim())
-            .unwrap(),
-    )
-    .unwrap();
     let nodes = kubectl_ok(
         &hosted,
         &[

@@ -2,8 +2,10 @@
 //! answers the *Kubernetes DNS-Based Service Discovery* names of a cluster from watch caches,
 //! and the manifests that run it in the cluster as `kube-dns`.
 //!
-//! Pure: [`records`] (what a name resolves to), [`manifests`]. IO: [`server`].
+//! Pure: [`records`] (what a name resolves to), [`manifests`], [`coredns`] (CoreDNS for
+//! clusters that can pull it). IO: [`server`].
 
+pub mod coredns;
 pub mod records;
 pub mod server;
 

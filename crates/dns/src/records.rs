@@ -32,6 +32,10 @@ pub enum Kind {
     Txt,
     /// Pointer (reverse lookups under `in-addr.arpa`).
     Ptr,
+    /// Service location (named ports).
+    Srv,
+    /// Canonical name.
+    Cname,
     /// Anything else.
     Other,
 }
@@ -45,12 +49,34 @@ pub enum Answer {
     Text(String),
     /// The name points to these names (fully qualified, without the trailing dot).
     Names(Vec<String>),
+    /// The name is an alias of this name (an `ExternalName` Service), whatever the type asked.
+    Alias(String),
+    /// Service locations of a named port.
+    Locations(Vec<Location>),
     /// The name exists but has no record of the asked type.
     NoData,
     /// The name is in the zone and does not exist.
     NxDomain,
     /// The name is not in the zone.
     NotInZone,
+}
+
+/// One SRV record's data: priority 0, `weight`, `port`, `target` (fully qualified, without
+/// the trailing dot).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Location {
+    pub weight: u16,
+    pub port: u16,
+    pub target: String,
+}
+
+/// The name of an endpoint within its Service: its hostname, or (without one) its address
+/// with dashes (`10-244-1-5`), the system-assigned identifier the specification allows.
+fn endpoint_label(hostname: Option<&str>, ip: &str) -> String {
+    match hostname {
+        Some(h) if !h.is_empty() => h.to_ascii_lowercase(),
+        _ => ip.replace(['.', ':'], "-"),
+    }
 }
 
 /// Lower-case labels of `qname` below `zone` (both without the trailing dot), or `None`
@@ -95,7 +121,7 @@ fn endpoint_ips(view: &dyn View, ns: &str, svc: &str, hostname: Option<&str>) ->
     let mut out = Vec::new();
     for subset in ep.subsets.iter().flatten() {
         for a in subset.addresses.iter().flatten() {
-            if hostname.is_some_and(|h| a.hostname.as_deref() != Some(h)) {
+            if hostname.is_some_and(|h| endpoint_label(a.hostname.as_deref(), &a.ip) != h) {
                 continue;
             }
             if let Ok(ip) = a.ip.parse::<IpAddr>()
@@ -185,8 +211,12 @@ pub fn lookup(view: &dyn View, zone: &str, qname: &str, kind: Kind) -> Answer {
             };
             let spec = s.spec.clone().unwrap_or_default();
             if spec.type_.as_deref() == Some("ExternalName") {
-                // CNAMEs come with the full server (issue: cluster DNS); no address here.
-                return Answer::NoData;
+                return match spec.external_name.as_deref() {
+                    Some(n) if !n.is_empty() => {
+                        Answer::Alias(n.trim_end_matches('.').to_ascii_lowercase())
+                    }
+                    _ => Answer::NoData,
+                };
             }
             let ips = match spec.cluster_ip.as_deref() {
                 Some(ip) if ip != "None" && !ip.is_empty() => {
@@ -207,6 +237,9 @@ pub fn lookup(view: &dyn View, zone: &str, qname: &str, kind: Kind) -> Answer {
                 addresses(kind, ips)
             }
         }
+        [port, proto, svc, ns, "svc"] if port.starts_with('_') && proto.starts_with('_') => {
+            locations(view, zone, &port[1..], &proto[1..], ns, svc, kind)
+        }
         [ip, _ns, "pod"] => {
             if let Ok(v4) = ip.replace('-', ".").parse::<Ipv4Addr>() {
                 addresses(kind, vec![IpAddr::V4(v4)])
@@ -217,6 +250,75 @@ pub fn lookup(view: &dyn View, zone: &str, qname: &str, kind: Kind) -> Answer {
             }
         }
         _ => Answer::NxDomain,
+    }
+}
+
+/// `_<port>._<proto>.<svc>.<ns>.svc.<zone>`: for a Service with a cluster IP, one location
+/// (the Service's name and port); for a headless Service, one per ready endpoint that has the
+/// port (the endpoint's name and its port).
+fn locations(
+    view: &dyn View,
+    zone: &str,
+    port: &str,
+    proto: &str,
+    ns: &str,
+    svc: &str,
+    kind: Kind,
+) -> Answer {
+    let zone = zone.trim_end_matches('.');
+    let Some(s) = view.service(ns, svc) else {
+        return Answer::NxDomain;
+    };
+    let spec = s.spec.clone().unwrap_or_default();
+    let matches = |name: Option<&str>, protocol: Option<&str>| {
+        name.is_some_and(|n| n.eq_ignore_ascii_case(port))
+            && protocol.unwrap_or("TCP").eq_ignore_ascii_case(proto)
+    };
+    let Some(service_port) = spec
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| matches(p.name.as_deref(), p.protocol.as_deref()))
+    else {
+        return Answer::NxDomain;
+    };
+    let headless = matches!(spec.cluster_ip.as_deref(), None | Some("None") | Some(""));
+    let mut found = Vec::new();
+    if !headless {
+        found.push(Location {
+            weight: 100,
+            port: u16::try_from(service_port.port).unwrap_or_default(),
+            target: format!("{svc}.{ns}.svc.{zone}"),
+        });
+    } else if let Some(ep) = view.endpoints(ns, svc) {
+        for subset in ep.subsets.iter().flatten() {
+            let Some(p) = subset
+                .ports
+                .iter()
+                .flatten()
+                .find(|p| matches(p.name.as_deref(), p.protocol.as_deref()))
+            else {
+                continue;
+            };
+            for a in subset.addresses.iter().flatten() {
+                found.push(Location {
+                    weight: 0,
+                    port: u16::try_from(p.port).unwrap_or_default(),
+                    target: format!(
+                        "{}.{svc}.{ns}.svc.{zone}",
+                        endpoint_label(a.hostname.as_deref(), &a.ip)
+                    ),
+                });
+            }
+        }
+        let n = found.len().max(1) as u16;
+        for l in &mut found {
+            l.weight = (100 / n).max(1);
+        }
+    }
+    match (kind, found.is_empty()) {
+        (Kind::Srv, false) => Answer::Locations(found),
+        _ => Answer::NoData,
     }
 }
 
@@ -278,6 +380,136 @@ mod tests {
             ),
         );
         v
+    }
+
+    fn with_ports_and_an_alias(mut v: Fake) -> Fake {
+        fn obj<T: k8s_openapi::serde::de::DeserializeOwned>(j: serde_json::Value) -> T {
+            serde_json::from_value(j).expect("object")
+        }
+        v.services.insert(
+            ("default".into(), "web".into()),
+            Arc::new(obj(serde_json::json!({
+            "metadata": {"name": "web", "namespace": "default"},
+            "spec": {"clusterIP": "10.96.0.20", "ports": [
+                {"name": "http", "port": 80, "protocol": "TCP"},
+                {"name": "dns", "port": 53, "protocol": "UDP"}
+            ]}}))),
+        );
+        v.services.insert(
+            ("default".into(), "db".into()),
+            Arc::new(obj(serde_json::json!({
+                "metadata": {"name": "db", "namespace": "default"},
+                "spec": {"clusterIP": "None", "ports": [{"name": "pg", "port": 5432}]}}))),
+        );
+        v.endpoints.insert(
+            ("default".into(), "db".into()),
+            Arc::new(obj(serde_json::json!({
+            "metadata": {"name": "db", "namespace": "default"},
+            "subsets": [{
+                "addresses": [{"ip": "10.244.2.7", "hostname": "db-0"}, {"ip": "10.244.2.8"}],
+                "notReadyAddresses": [{"ip": "10.244.2.9"}],
+                "ports": [{"name": "pg", "port": 15432, "protocol": "TCP"}]
+            }]}))),
+        );
+        v.services.insert(
+            ("default".into(), "search".into()),
+            Arc::new(obj(serde_json::json!({
+                "metadata": {"name": "search", "namespace": "default"},
+                "spec": {"type": "ExternalName", "externalName": "Search.Example.Test."}}))),
+        );
+        v
+    }
+
+    #[test]
+    fn named_ports_have_service_locations() {
+        let v = with_ports_and_an_alias(view());
+        let srv = |q: &str| lookup(&v, "cluster.local", q, Kind::Srv);
+        assert_eq!(
+            srv("_http._tcp.web.default.svc.cluster.local"),
+            Answer::Locations(vec![Location {
+                weight: 100,
+                port: 80,
+                target: "web.default.svc.cluster.local".into()
+            }])
+        );
+        assert_eq!(
+            srv("_dns._udp.web.default.svc.cluster.local"),
+            Answer::Locations(vec![Location {
+                weight: 100,
+                port: 53,
+                target: "web.default.svc.cluster.local".into()
+            }])
+        );
+        // Headless: one per ready endpoint, with the endpoint's port; an endpoint without a
+        // hostname is named by its address, and that name resolves.
+        assert_eq!(
+            srv("_pg._tcp.db.default.svc.cluster.local"),
+            Answer::Locations(vec![
+                Location {
+                    weight: 50,
+                    port: 15432,
+                    target: "db-0.db.default.svc.cluster.local".into()
+                },
+                Location {
+                    weight: 50,
+                    port: 15432,
+                    target: "10-244-2-8.db.default.svc.cluster.local".into()
+                },
+            ])
+        );
+        assert_eq!(
+            lookup(
+                &v,
+                "cluster.local",
+                "10-244-2-8.db.default.svc.cluster.local",
+                Kind::A
+            ),
+            a(&["10.244.2.8"])
+        );
+        assert_eq!(
+            lookup(
+                &v,
+                "cluster.local",
+                "10-244-2-9.db.default.svc.cluster.local",
+                Kind::A
+            ),
+            Answer::NxDomain,
+            "not ready"
+        );
+        // A port that is not there, the wrong protocol, or the wrong type.
+        assert_eq!(
+            srv("_https._tcp.web.default.svc.cluster.local"),
+            Answer::NxDomain
+        );
+        assert_eq!(
+            srv("_http._udp.web.default.svc.cluster.local"),
+            Answer::NxDomain
+        );
+        assert_eq!(
+            lookup(
+                &v,
+                "cluster.local",
+                "_http._tcp.web.default.svc.cluster.local",
+                Kind::A
+            ),
+            Answer::NoData
+        );
+    }
+
+    #[test]
+    fn external_names_are_aliases() {
+        let v = with_ports_and_an_alias(view());
+        for kind in [Kind::A, Kind::Aaaa, Kind::Cname, Kind::Srv] {
+            assert_eq!(
+                lookup(
+                    &v,
+                    "cluster.local",
+                    "search.default.svc.cluster.local",
+                    kind
+                ),
+                Answer::Alias("search.example.test".into())
+            );
+        }
     }
 
     fn a(ips: &[&str]) -> Answer {

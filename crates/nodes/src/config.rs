@@ -93,6 +93,10 @@ impl Layout {
     pub fn kube_proxy_config(&self) -> PathBuf {
         self.dir.join("kube-proxy-config.json")
     }
+    /// The name servers of pods with `dnsPolicy: Default` (the kubelet's `resolvConf`).
+    pub fn resolv_conf(&self) -> PathBuf {
+        self.dir.join("resolv.conf")
+    }
     /// Logs of the node's processes.
     pub fn logs(&self) -> PathBuf {
         self.dir.join("logs")
@@ -202,6 +206,21 @@ pub struct ClusterSettings {
     /// its own; `kubectl logs/exec` then reach a kubelet whose certificate the cluster's CA
     /// issued.
     pub serving_certificates_from_cluster: bool,
+    /// Pods with `dnsPolicy: Default` (cluster DNS itself, for names outside the cluster's
+    /// zone) resolve through the host's end of the node's link (`10.201.<slot>.1:53`), where
+    /// the machine's owner may run a resolver; without it they get no name servers. Nothing
+    /// is sent off the machine either way.
+    pub resolver_on_host: bool,
+}
+
+/// The `resolv.conf` pods with `dnsPolicy: Default` get: the host's end of the node's link
+/// when `cluster.resolver_on_host`, else none.
+pub fn resolv_conf(addrs: &Addresses, cluster: &ClusterSettings) -> String {
+    if cluster.resolver_on_host {
+        format!("nameserver {}\n", addrs.host_ip)
+    } else {
+        String::new()
+    }
 }
 
 /// The free disk space under which a node reports disk pressure.
@@ -236,7 +255,7 @@ pub fn kubelet_config(layout: &Layout, addrs: &Addresses, cluster: &ClusterSetti
         "failSwapOn": false,
         "rotateCertificates": true,
         "podCIDR": addrs.pod_cidr,
-        "resolvConf": "",
+        "resolvConf": if cluster.resolver_on_host { layout.resolv_conf().to_string_lossy().into_owned() } else { String::new() },
         "clusterDomain": if cluster.cluster_domain.is_empty() { "cluster.local" } else { cluster.cluster_domain.as_str() },
         "serializeImagePulls": false,
         "imageGCHighThresholdPercent": 100,
@@ -383,6 +402,27 @@ mod tests {
         .expect("json");
         assert_eq!(v["serverTLSBootstrap"], true);
         assert_eq!(v["rotateCertificates"], true);
+        assert_eq!(v["resolvConf"], "", "no name servers unless asked");
+    }
+
+    #[test]
+    fn pods_outside_cluster_dns_can_resolve_through_the_host_end_of_the_link() {
+        let cluster = ClusterSettings {
+            resolver_on_host: true,
+            ..Default::default()
+        };
+        let v: Value =
+            serde_json::from_str(&kubelet_config(&layout(), &Addresses::of(3), &cluster))
+                .expect("json");
+        assert_eq!(v["resolvConf"], "/n/worker-0/resolv.conf");
+        assert_eq!(
+            resolv_conf(&Addresses::of(3), &cluster),
+            "nameserver 10.201.3.1\n"
+        );
+        assert_eq!(
+            resolv_conf(&Addresses::of(3), &ClusterSettings::default()),
+            ""
+        );
     }
 
     #[test]

@@ -201,6 +201,10 @@ impl Node {
             &config::kubelet_config(layout, addrs, &cfg.cluster),
         )?;
         write(
+            &layout.resolv_conf(),
+            &config::resolv_conf(addrs, &cfg.cluster),
+        )?;
+        write(
             &layout.kube_proxy_config(),
             &config::kube_proxy_config(layout, &cfg.name),
         )?;

@@ -237,6 +237,8 @@ pub struct Context {
     pub node_settings: Option<crate::hosted::pool::NodeSettings>,
     /// The nodes NodePools made.
     pub nodes: crate::hosted::pool::Nodes,
+    /// How hosted clusters get cluster DNS.
+    pub dns: crate::hosted::dns::DnsSettings,
 }
 
 /// Which component controllers an operator runs (`--controllers`), in
@@ -342,6 +344,7 @@ impl Context {
             postcreate_retries: Default::default(),
             node_settings: None,
             nodes: Default::default(),
+            dns: Default::default(),
         }
     }
 

@@ -64,6 +64,8 @@ pub struct Config {
     pub controllers: Controllers,
     /// Where NodePools make nodes on this machine (`None`: no nodes are made).
     pub nodes: Option<hosted::pool::NodeSettings>,
+    /// How hosted clusters get cluster DNS.
+    pub dns: hosted::dns::DnsSettings,
 }
 
 fn api<K>(client: &kube::Client, ns: &Option<String>) -> Api<K>
@@ -130,6 +132,7 @@ pub async fn run_with(
     ctx.clock = config.clock.clone();
     ctx.controllers = config.controllers.clone();
     ctx.node_settings = config.nodes.clone();
+    ctx.dns = config.dns.clone();
     let ctx = Arc::new(ctx);
     if let Some(addr) = config.metrics_addr {
         let metrics = ctx.metrics.clone();

@@ -547,3 +547,41 @@ pub fn pod_calls_its_api(kubeconfig: &Path, name: &str, path: &str, expect: &str
         s.contains(expect).then_some(s)
     })
 }
+
+/// `kubectl get WHAT -o jsonpath=PATH` (empty when it fails).
+pub fn jsonpath(kc: &Path, what: &[&str], path: &str) -> String {
+    let mut args = vec!["get"];
+    args.extend_from_slice(what);
+    let p = format!("jsonpath={path}");
+    args.extend_from_slice(&["-o", &p]);
+    String::from_utf8_lossy(&kubectl(kc, &args).stdout).into_owned()
+}
+
+/// The status of condition `type_` of WHAT (empty when there is none).
+pub fn condition(kc: &Path, what: &[&str], type_: &str) -> String {
+    jsonpath(
+        kc,
+        what,
+        &format!("{{.status.conditions[?(@.type==\"{type_}\")].status}}"),
+    )
+}
+
+/// The admin kubeconfig of HostedCluster `default/name` (its `<name>-admin-kubeconfig`
+/// Secret), written under `dir`.
+pub fn hosted_kubeconfig(kc: &Path, name: &str, dir: &Path) -> PathBuf {
+    use base64::Engine as _;
+    let secret = jsonpath(
+        kc,
+        &["secret", &format!("{name}-admin-kubeconfig")],
+        "{.data.kubeconfig}",
+    );
+    let path = dir.join(format!("{name}.kubeconfig"));
+    std::fs::write(
+        &path,
+        base64::engine::general_purpose::STANDARD
+            .decode(secret.trim())
+            .expect("the admin kubeconfig"),
+    )
+    .expect("writing the kubeconfig");
+    path
+}

@@ -19,8 +19,8 @@ use kube::{Resource, ResourceExt};
 use nestplane_api::NestedControlPlane;
 use nestplane_api::conditions;
 use nestplane_api::hosted::{
-    ClusterVersionStatus, ExternalInfraCluster, HostedCluster, HostedClusterStatus, NodePool,
-    Release, SecretKeyRef, UpdateHistory, types,
+    ClusterVersionStatus, DnsProvider, DnsStatus, ExternalInfraCluster, HostedCluster,
+    HostedClusterStatus, NodePool, Release, SecretKeyRef, UpdateHistory, types,
 };
 use nestplane_api::names;
 
@@ -410,6 +410,23 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<Context>) -> Result<Acti
         });
     }
 
+    // Cluster DNS, kept in the cluster once its API serves.
+    let provider = plan::dns_provider(
+        &hc.spec,
+        ctx.dns.default_provider,
+        ctx.node_settings.is_some(),
+    );
+    let dns_available = keep_dns(
+        &ctx,
+        &hc,
+        &mut status,
+        ready,
+        provider,
+        &networking,
+        &version,
+    )
+    .await;
+
     // Status from the control plane.
     status.control_plane_endpoint = endpoint;
     let from = |t: &str| conditions::get(&ncp_status.conditions, t).cloned();
@@ -491,11 +508,113 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<Context>) -> Result<Acti
         .await;
     }
     write_status(&api, &hc, status).await?;
-    Ok(if reached {
+    Ok(if reached && dns_available {
         Action::requeue(Duration::from_secs(60))
+    } else if reached {
+        // Cluster DNS comes up with the nodes: look again soon.
+        Action::requeue(Duration::from_secs(10))
     } else {
         Action::requeue(PROGRESS_RECHECK)
     })
+}
+
+/// Keep `provider`'s cluster DNS in the hosted cluster (once its control plane is ready) and
+/// report it in `status.dns` and the `ClusterDNSAvailable` condition (an Event when it becomes
+/// available, a Warning when keeping it fails). Returns whether it is available.
+async fn keep_dns(
+    ctx: &Context,
+    hc: &HostedCluster,
+    status: &mut HostedClusterStatus,
+    ready: bool,
+    provider: DnsProvider,
+    networking: &nestplane_api::hosted::ClusterNetworking,
+    version: &str,
+) -> bool {
+    let generation = hc.metadata.generation;
+    let now = Timestamp::now();
+    let was = conditions::get(&status.conditions, types::CLUSTER_DNS_AVAILABLE).cloned();
+    let outcome: Result<Option<super::dns::Outcome>, String> = async {
+        if !ready {
+            return Ok(None);
+        }
+        let ip = plan::dns_service_ip(networking)?;
+        status.dns = Some(DnsStatus {
+            provider: provider.as_str().into(),
+            service_ip: ip.to_string(),
+        });
+        let minor = nestplane_render::KubeVersion::parse(version)
+            .map(|v| v.minor)
+            .map_err(|e| e.to_string())?;
+        let Some(t) = super::pool::target(ctx, hc)
+            .await
+            .map_err(|e| e.to_string())?
+        else {
+            return Ok(None);
+        };
+        super::dns::keep(&t.client, provider, ip, minor, &ctx.dns)
+            .await
+            .map(Some)
+    }
+    .await;
+    let (condition, available) = match &outcome {
+        Ok(None) => (
+            conditions::new(
+                types::CLUSTER_DNS_AVAILABLE,
+                false,
+                "WaitingForControlPlane",
+                "cluster DNS is installed once the control plane serves",
+            ),
+            false,
+        ),
+        Ok(Some(o)) if o.available => (
+            conditions::new(types::CLUSTER_DNS_AVAILABLE, true, "AsExpected", &o.message),
+            true,
+        ),
+        Ok(Some(o)) => (
+            conditions::new(
+                types::CLUSTER_DNS_AVAILABLE,
+                false,
+                "WaitingForReplicas",
+                &o.message,
+            ),
+            false,
+        ),
+        Err(e) => (
+            conditions::new(
+                types::CLUSTER_DNS_AVAILABLE,
+                false,
+                "ApplyFailed",
+                format!("keeping {} in the cluster: {e}", provider.as_str()),
+            ),
+            false,
+        ),
+    };
+    let changed = was.as_ref().map(|c| (&c.status, &c.reason))
+        != Some((&condition.status, &condition.reason));
+    if changed && (available || outcome.is_err()) {
+        ctx.event(
+            hc.object_ref(&()),
+            if available {
+                EventType::Normal
+            } else {
+                EventType::Warning
+            },
+            if available {
+                "ClusterDNSAvailable"
+            } else {
+                "ClusterDNSApplyFailed"
+            },
+            &condition.message,
+        )
+        .await;
+    }
+    if let Ok(Some(o)) = &outcome
+        && o.written > 0
+    {
+        tracing::info!(hostedcluster = %key(hc), provider = provider.as_str(), written = o.written, "cluster DNS objects applied");
+    }
+    conditions::set(&mut status.conditions, condition, generation, now);
+    available
 }
 
 /// The version status: a new desired version opens a `Partial` history entry (newest

@@ -1,3 +1,4 @@
 pub mod cluster;
+pub mod dns;
 pub mod plan;
 pub mod pool;

@@ -5,7 +5,7 @@ use std::net::Ipv4Addr;
 
 use k8s_openapi::jiff::Timestamp;
 use nestplane_api::hosted::{
-    ClusterNetworking, HostedClusterSpec, NetworkEntry, POD_NETWORK, SERVICE_NETWORK,
+    ClusterNetworking, DnsProvider, HostedClusterSpec, NetworkEntry, POD_NETWORK, SERVICE_NETWORK,
 };
 use nestplane_render::KubeVersion;
 
@@ -59,6 +59,16 @@ impl Cidr {
         }
     }
 
+    /// The `n`th address of the network (`None` past its end).
+    pub fn nth(&self, n: u32) -> Option<Ipv4Addr> {
+        let size = if self.prefix == 0 {
+            u64::from(u32::MAX) + 1
+        } else {
+            1u64 << (32 - self.prefix)
+        };
+        (u64::from(n) < size).then(|| Ipv4Addr::from(self.base.wrapping_add(n)))
+    }
+
     /// Whether two networks share an address.
     pub fn overlaps(&self, other: &Cidr) -> bool {
         let p = self.prefix.min(other.prefix);
@@ -81,6 +91,38 @@ pub fn networking(spec: &HostedClusterSpec) -> ClusterNetworking {
         }];
     }
     n
+}
+
+/// The cluster DNS Service's address: the tenth address of the service network (the
+/// convention kubeadm and every installer follow).
+pub fn dns_service_ip(networking: &ClusterNetworking) -> Result<Ipv4Addr, String> {
+    let cidr = networking
+        .service_network
+        .first()
+        .map(|e| e.cidr.as_str())
+        .unwrap_or(SERVICE_NETWORK);
+    Cidr::parse(cidr)?
+        .nth(10)
+        .ok_or_else(|| format!("the service network {cidr} has no tenth address"))
+}
+
+/// The cluster DNS of a HostedCluster: what its spec asks for, else the operator's default,
+/// else `Builtin` where nodes are made on this machine (they cannot pull images) and
+/// `CoreDNS` elsewhere.
+pub fn dns_provider(
+    spec: &HostedClusterSpec,
+    operator_default: Option<DnsProvider>,
+    nodes_made_here: bool,
+) -> DnsProvider {
+    spec.dns
+        .as_ref()
+        .and_then(|d| d.provider)
+        .or(operator_default)
+        .unwrap_or(if nodes_made_here {
+            DnsProvider::Builtin
+        } else {
+            DnsProvider::CoreDns
+        })
 }
 
 /// The publishing types nestplane knows for the API server.

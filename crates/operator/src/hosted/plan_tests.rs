@@ -200,3 +200,35 @@ fn a_serving_request_is_approved_only_for_the_node_itself_and_its_own_address() 
     client.push("client auth".into());
     assert!(judge("system:node:p-abcde", &client, &good).is_err());
 }
+
+#[test]
+fn cluster_dns_is_the_tenth_address_of_the_service_network() {
+    assert_eq!(
+        dns_service_ip(&networking(&spec("10.244.0.0/16", "10.96.0.0/12"))),
+        Ok("10.96.0.10".parse().unwrap())
+    );
+    assert_eq!(
+        dns_service_ip(&networking(&spec("10.244.0.0/16", "172.30.4.0/24"))),
+        Ok("172.30.4.10".parse().unwrap())
+    );
+    assert!(dns_service_ip(&networking(&spec("10.244.0.0/16", "172.30.4.0/29"))).is_err());
+}
+
+#[test]
+fn the_dns_provider_is_the_specs_then_the_operators_then_where_nodes_are_made() {
+    use nestplane_api::hosted::{DnsProvider, DnsSpec};
+    let mut s = spec("10.244.0.0/16", "10.96.0.0/12");
+    assert_eq!(dns_provider(&s, None, true), DnsProvider::Builtin);
+    assert_eq!(dns_provider(&s, None, false), DnsProvider::CoreDns);
+    assert_eq!(
+        dns_provider(&s, Some(DnsProvider::CoreDns), true),
+        DnsProvider::CoreDns
+    );
+    s.dns = Some(DnsSpec {
+        provider: Some(DnsProvider::Builtin),
+    });
+    assert_eq!(
+        dns_provider(&s, Some(DnsProvider::CoreDns), false),
+        DnsProvider::Builtin
+    );
+}

@@ -21,7 +21,9 @@ use kube::runtime::events::EventType;
 use kube::{Resource, ResourceExt};
 use nestplane_api::NestedControlPlane;
 use nestplane_api::conditions;
-use nestplane_api::hosted::{HostedCluster, NodeInfo, NodePool, NodePoolStatus, types};
+use nestplane_api::hosted::{
+    DnsProvider, HostedCluster, NodeInfo, NodePool, NodePoolStatus, types,
+};
 use nestplane_api::names;
 use nestplane_nodes::join::{self, BootstrapToken};
 use nestplane_nodes::node::{Node, NodeConfig};
@@ -301,13 +303,13 @@ async fn stop(
 
 /// The hosted cluster's admin client, CA and API server address, once its control plane
 /// serves.
-struct Target {
-    client: kube::Client,
+pub(super) struct Target {
+    pub(super) client: kube::Client,
     ca_pem: String,
     apiserver: std::net::SocketAddr,
 }
 
-async fn target(ctx: &Context, hc: &HostedCluster) -> Result<Option<Target>, Error> {
+pub(super) async fn target(ctx: &Context, hc: &HostedCluster) -> Result<Option<Target>, Error> {
     let cp_ns = cluster::control_plane_namespace(hc);
     let name = hc.name_any();
     let Some(ncp) = Api::<NestedControlPlane>::namespaced(ctx.client.clone(), &cp_ns)
@@ -478,7 +480,19 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<Context>) -> Result<Action,
         )
         .await;
     }
-    let images = node_images(&settings);
+    // What nodes of this cluster are built with: its cluster DNS (the address pods get, the
+    // host's end of the link for names outside), serving certificates from its CA, and the
+    // image of the built-in DNS server where that is the provider.
+    let provider = plan::dns_provider(&hc.spec, ctx.dns.default_provider, true);
+    let images = node_images(&settings, provider == DnsProvider::Builtin);
+    let node_cluster = nestplane_nodes::config::ClusterSettings {
+        cluster_dns: plan::dns_service_ip(&plan::networking(&hc.spec))
+            .map(|ip| vec![ip.to_string()])
+            .unwrap_or_default(),
+        cluster_domain: super::dns::ZONE.into(),
+        serving_certificates_from_cluster: true,
+        resolver_on_host: true,
+    };
     if images.is_empty() {
         return stop(
             &ctx,
@@ -594,8 +608,17 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<Context>) -> Result<Action,
         tracing::warn!(nodepool = %key, error = %e, "keeping the join bindings failed");
     }
     if actions.create > 0 {
-        let starts =
-            (0..actions.create).map(|_| start_node(&settings, &t, &pool, &version, &hash, &images));
+        let starts = (0..actions.create).map(|_| {
+            start_node(
+                &settings,
+                &t,
+                &pool,
+                &version,
+                &hash,
+                &images,
+                &node_cluster,
+            )
+        });
         for r in futures::future::join_all(starts).await {
             match r {
                 Ok(m) => {
@@ -753,15 +776,19 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<Context>) -> Result<Action,
 }
 
 /// The archives every node gets: the pause image and the small shell image.
-fn node_images(settings: &NodeSettings) -> Vec<PathBuf> {
-    [
+fn node_images(settings: &NodeSettings, builtin_dns: bool) -> Vec<PathBuf> {
+    let mut names = vec![
         "registry.k8s.io/pause:3.2",
         nestplane_nodes::images::SHELL_IMAGE,
-    ]
-    .iter()
-    .map(|n| nestplane_nodes::images::archive_path(&settings.images, n))
-    .filter(|p| p.exists())
-    .collect()
+    ];
+    if builtin_dns {
+        names.push(nestplane_nodes::images::OPERATOR_IMAGE);
+    }
+    names
+        .iter()
+        .map(|n| nestplane_nodes::images::archive_path(&settings.images, n))
+        .filter(|p| p.exists())
+        .collect()
 }
 
 async fn start_node(
@@ -771,6 +798,7 @@ async fn start_node(
     version: &str,
     hash: &str,
     images: &[PathBuf],
+    cluster: &nestplane_nodes::config::ClusterSettings,
 ) -> Result<Managed, String> {
     const CHARS: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
     let suffix: String = {
@@ -811,11 +839,8 @@ async fn start_node(
         pause_image: "registry.k8s.io/pause:3.2".into(),
         labels,
         taints,
-        // Serving certificates from the cluster's CA, approved by [`approve`].
-        cluster: nestplane_nodes::config::ClusterSettings {
-            serving_certificates_from_cluster: true,
-            ..Default::default()
-        },
+        // Serving certificates from the cluster's CA are approved by [`approve`].
+        cluster: cluster.clone(),
         version: version.into(),
         group: Some(isolation_group(
             &pool.namespace().unwrap_or_default(),
