@@ -12,7 +12,7 @@ echo "test: Kubernetes binaries from $NESTPLANE_BIN_DIR"
 echo "test: cargo fmt --check"
 cargo fmt --all -- --check
 echo "test: cargo clippy"
-cargo clippy --workspace --all-targets --quiet -- -D warnings
+cargo clippy --workspace --all-targets -- -D warnings
 
 if cargo nextest --version >/dev/null 2>&1; then
   # Doc tests first (nextest does not run them), so the last summary line is the real count.

@@ -382,13 +382,19 @@ async fn up_hosted(
         let hc = hcs.get(&args.name).await?;
         let pool = pools.get_opt(&args.name).await?;
         let st = hc.status.unwrap_or_default();
-        let available = conditions::is_true(&st.conditions, "Available");
-        let pool_ready = pool
-            .as_ref()
-            .and_then(|p| p.status.as_ref())
-            .is_some_and(|s| {
-                conditions::is_true(&s.conditions, "Ready") && s.replicas == args.nodes as i32
-            });
+        // Status written for what is asked now (a status from before a restart or a
+        // change of replicas does not count).
+        let available = conditions::is_true(&st.conditions, "Available")
+            && st.observed_generation == hc.metadata.generation;
+        let pool_ready = pool.as_ref().is_some_and(|p| {
+            p.status.as_ref().is_some_and(|s| {
+                conditions::is_true(&s.conditions, "Ready")
+                    && s.replicas == args.nodes as i32
+                    && s.observed_generation == p.metadata.generation
+                    && s.nodes.len() == args.nodes as usize
+                    && s.nodes.iter().all(|n| n.ready)
+            })
+        });
         if available && pool_ready && st.kubeconfig.is_some() {
             break;
         }

@@ -360,7 +360,27 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
     );
     assert_eq!(verdict.trim(), "", "the stranger's request stays pending");
 
-    // Scale down: one node is drained (its pod moves to the other), its Node goes.
+    // Scale down: one node is drained (its pod moves to the other), its Node goes. A
+    // PodDisruptionBudget that needs both web pods holds the eviction until the pool's
+    // drain timeout; then the pod is deleted.
+    kubectl_apply(
+        &hosted,
+        "apiVersion: policy/v1beta1\nkind: PodDisruptionBudget\nmetadata: {name: web, namespace: default}\nspec:\n  minAvailable: 2\n  selector: {matchLabels: {app: web}}\n",
+    );
+    eventually("the budget sees both pods", Duration::from_secs(30), || {
+        (jsonpath(&hosted, &["pdb", "web"], "{.status.currentHealthy}") == "2").then_some(())
+    });
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "nodepool",
+            "demo",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"nodeDrainTimeout":"15s"}}"#,
+        ],
+    );
     kubectl_ok(&kc, &["scale", "nodepool", "demo", "--replicas", "1"]);
     eventually("one Node left", Duration::from_secs(180), || {
         let left = kubectl_ok(
@@ -398,7 +418,14 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
         Duration::from_secs(60),
         || (jsonpath(&kc, &["nodepool", "demo"], "{.status.replicas}") == "1").then_some(()),
     );
-    assert!(events_for(&kc, "default", "demo").contains("DrainingNode"));
+    let events = events_for(&kc, "default", "demo");
+    assert!(events.contains("DrainingNode"), "{events}");
+    assert!(
+        events.contains("DrainBlocked") && events.contains("PodDisruptionBudget"),
+        "{events}"
+    );
+    assert!(events.contains("Warning DrainTimedOut"), "{events}");
+    kubectl_ok(&hosted, &["delete", "pdb", "web"]);
 
     // The hosted cluster's join configuration is kept: a deleted binding comes back.
     kubectl_ok(

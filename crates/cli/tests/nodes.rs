@@ -220,6 +220,29 @@ async fn nodes_started_and_removed_100_times_leave_nothing_behind() {
         }
         // Nodes of a group reach each other and no other node (checked once).
         if cycle == 4 {
+            // Nothing leaves the machine from a node: through its link only the nodes' links
+            // and pod ranges are let out, the rest is dropped in the node's own namespace.
+            for chain in ["OUTPUT", "FORWARD"] {
+                let out = std::process::Command::new("ip")
+                    .args(["netns", "exec", &nodes[0].addresses().netns])
+                    .args(["iptables", "-w", "-S", chain])
+                    .output()
+                    .unwrap();
+                let rules: Vec<String> = String::from_utf8_lossy(&out.stdout)
+                    .lines()
+                    .filter(|l| l.contains("-o eth0"))
+                    .map(str::to_string)
+                    .collect();
+                assert_eq!(
+                    rules,
+                    [
+                        format!("-A {chain} -d 10.201.0.0/16 -o eth0 -j ACCEPT"),
+                        format!("-A {chain} -d 10.244.0.0/16 -o eth0 -j ACCEPT"),
+                        format!("-A {chain} -o eth0 -j DROP"),
+                    ],
+                    "{chain}"
+                );
+            }
             let reaches = |from: usize, to: usize| {
                 std::process::Command::new("ip")
                     .args(["netns", "exec", &nodes[from].addresses().netns])

@@ -357,6 +357,10 @@ pub(super) async fn target(ctx: &Context, hc: &HostedCluster) -> Result<Option<T
         .map_err(|e| Error::Internal(e.to_string()))?;
     cfg.connect_timeout = Some(Duration::from_secs(5));
     cfg.read_timeout = Some(Duration::from_secs(30));
+    // A 429 from an eviction is a PodDisruptionBudget's answer, not a transient failure: the
+    // drain wants it at once (it retries every second until its timeout), not after the
+    // client's own backoff has retried it for a minute. Every pass here is retried anyway.
+    cfg.default_retry = false;
     let client = kube::Client::try_from(cfg).map_err(|e| Error::Internal(e.to_string()))?;
     Ok(Some(Target {
         client,
@@ -653,7 +657,7 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<Context>) -> Result<Action,
             &format!("node {n}"),
         )
         .await;
-        remove_node(&ctx, &key, Some(&t.client), n, drain_timeout).await;
+        remove_node(&ctx, &pool, Some(&t.client), n, drain_timeout).await;
     }
 
     // Status.
@@ -951,16 +955,47 @@ async fn approve(ctx: &Context, client: &kube::Client, key: &str) {
 
 /// Cordon and drain `node` (evictions, which PodDisruptionBudgets may refuse, until
 /// `timeout`; then its pods are deleted), delete its Node and remove it from this machine.
+/// Events on the pool say when a budget held the drain and which pods the timeout deleted.
 async fn remove_node(
     ctx: &Context,
-    key: &str,
+    pool: &NodePool,
     client: Option<&kube::Client>,
     node: &str,
     timeout: Duration,
 ) {
+    let key = &pool_key(pool);
     if let Some(client) = client {
-        if let Err(e) = drain(client, node, timeout).await {
-            tracing::warn!(nodepool = %key, %node, error = %e, "draining failed; removing the node anyway");
+        let on_block = |pods: Vec<String>| async move {
+            ctx.event(
+                pool.object_ref(&()),
+                EventType::Normal,
+                "DrainBlocked",
+                &format!(
+                    "node {node}: a PodDisruptionBudget refuses evicting {} for now; retrying until the drain timeout ({}s)",
+                    pods.join(", "),
+                    timeout.as_secs()
+                ),
+            )
+            .await;
+        };
+        match drain(client, node, timeout, on_block).await {
+            Ok(forced) if !forced.is_empty() => {
+                ctx.event(
+                    pool.object_ref(&()),
+                    EventType::Warning,
+                    "DrainTimedOut",
+                    &format!(
+                        "node {node}: not drained within {}s; deleted {}",
+                        timeout.as_secs(),
+                        forced.join(", ")
+                    ),
+                )
+                .await;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(nodepool = %key, %node, error = %e, "draining failed; removing the node anyway");
+            }
         }
         let _ = Api::<KubeNode>::all(client.clone())
             .delete(node, &DeleteParams::default())
@@ -995,7 +1030,19 @@ pub fn drain_skips(p: &Pod) -> bool {
     daemon || mirror || finished
 }
 
-async fn drain(client: &kube::Client, node: &str, timeout: Duration) -> Result<(), String> {
+/// Returns the pods the timeout deleted (`ns/name`); `on_block` is told once which pods a
+/// PodDisruptionBudget kept.
+async fn drain<F, Fut>(
+    client: &kube::Client,
+    node: &str,
+    timeout: Duration,
+    on_block: F,
+) -> Result<Vec<String>, String>
+where
+    F: FnOnce(Vec<String>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut on_block = Some(on_block);
     let nodes: Api<KubeNode> = Api::all(client.clone());
     match nodes
         .patch(
@@ -1006,10 +1053,11 @@ async fn drain(client: &kube::Client, node: &str, timeout: Duration) -> Result<(
         .await
     {
         Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 404 => return Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 => return Ok(vec![]),
         Err(e) => return Err(format!("cordoning: {e}")),
     }
     let deadline = Instant::now() + timeout;
+    let mut forced = Vec::new();
     let pods: Api<Pod> = Api::all(client.clone());
     loop {
         let list = pods
@@ -1018,19 +1066,35 @@ async fn drain(client: &kube::Client, node: &str, timeout: Duration) -> Result<(
             .map_err(|e| format!("listing pods: {e}"))?;
         let left: Vec<Pod> = list.items.into_iter().filter(|p| !drain_skips(p)).collect();
         if left.is_empty() {
-            return Ok(());
+            return Ok(forced);
         }
         let force = Instant::now() > deadline;
+        let mut blocked = Vec::new();
         for p in &left {
-            let api: Api<Pod> = Api::namespaced(client.clone(), &p.namespace().unwrap_or_default());
+            let ns = p.namespace().unwrap_or_default();
+            let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
             if force {
-                let _ = api
+                if api
                     .delete(&p.name_any(), &DeleteParams::default().grace_period(0))
-                    .await;
+                    .await
+                    .is_ok()
+                {
+                    forced.push(format!("{ns}/{}", p.name_any()));
+                }
             } else if p.metadata.deletion_timestamp.is_none() {
                 // 429: a PodDisruptionBudget says not now; tried again below.
-                let _ = api.evict(&p.name_any(), &EvictParams::default()).await;
+                if let Err(kube::Error::Api(e)) =
+                    api.evict(&p.name_any(), &EvictParams::default()).await
+                    && e.code == 429
+                {
+                    blocked.push(format!("{ns}/{}", p.name_any()));
+                }
             }
+        }
+        if !blocked.is_empty()
+            && let Some(f) = on_block.take()
+        {
+            f(blocked).await;
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
@@ -1059,7 +1123,7 @@ async fn teardown(
         .and_then(|d| parse_duration(d).ok())
         .unwrap_or(DEFAULT_DRAIN_TIMEOUT);
     for n in ctx.nodes.names(&key) {
-        remove_node(ctx, &key, t.as_ref().map(|t| &t.client), &n, timeout).await;
+        remove_node(ctx, pool, t.as_ref().map(|t| &t.client), &n, timeout).await;
     }
     let list: Vec<String> = pool
         .finalizers()
