@@ -32,6 +32,22 @@ fn slots_under(dir: &Path) -> Vec<(u8, PathBuf)> {
     out
 }
 
+/// The nodes of the Running `app=web` pods, one entry per pod.
+fn running_web_pods_nodes(kc: &Path) -> String {
+    kubectl_ok(
+        kc,
+        &[
+            "get",
+            "pods",
+            "-l",
+            "app=web",
+            "--field-selector=status.phase=Running",
+            "-o",
+            "jsonpath={.items[*].spec.nodeName}",
+        ],
+    )
+}
+
 /// The certificate a TLS server at `addr` presents (PEM), read with `openssl s_client`.
 fn served_certificate(addr: &str) -> Option<String> {
     let out = std::process::Command::new("openssl")
@@ -175,18 +191,7 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
         ],
     );
     eventually("web pods on both nodes", Duration::from_secs(120), || {
-        let placed = kubectl_ok(
-            &hosted,
-            &[
-                "get",
-                "pods",
-                "-l",
-                "app=web",
-                "--field-selector=status.phase=Running",
-                "-o",
-                "jsonpath={.items[*].spec.nodeName}",
-            ],
-        );
+        let placed = running_web_pods_nodes(&hosted);
         let mut on: Vec<&str> = placed.split_whitespace().collect();
         on.sort();
         on.dedup();
@@ -397,18 +402,7 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
         "both web pods on the remaining node",
         Duration::from_secs(120),
         || {
-            let placed = kubectl_ok(
-                &hosted,
-                &[
-                    "get",
-                    "pods",
-                    "-l",
-                    "app=web",
-                    "--field-selector=status.phase=Running",
-                    "-o",
-                    "jsonpath={.items[*].spec.nodeName}",
-                ],
-            );
+            let placed = running_web_pods_nodes(&hosted);
             let on: Vec<&str> = placed.split_whitespace().collect();
             (on.len() == 2 && on.iter().all(|n| *n == left.trim())).then_some(())
         },
@@ -488,18 +482,7 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
     assert!(updating, "UpdatingConfig was reported during the rollout");
     assert_ne!(rolled.trim(), left.trim(), "the node was replaced");
     eventually("web pods on the new node", Duration::from_secs(120), || {
-        let placed = kubectl_ok(
-            &hosted,
-            &[
-                "get",
-                "pods",
-                "-l",
-                "app=web",
-                "--field-selector=status.phase=Running",
-                "-o",
-                "jsonpath={.items[*].spec.nodeName}",
-            ],
-        );
+        let placed = running_web_pods_nodes(&hosted);
         let on: Vec<&str> = placed.split_whitespace().collect();
         (on.len() == 2 && on.iter().all(|n| *n == rolled.trim())).then_some(())
     });

@@ -203,13 +203,7 @@ impl<V: View + Send + Sync + Unpin + 'static> Handler<V> {
         let mut records = Vec::new();
         match answer {
             Answer::Addresses(ips) => {
-                for ip in ips {
-                    let rdata = match ip {
-                        IpAddr::V4(v4) => RData::A(A(v4)),
-                        IpAddr::V6(v6) => RData::AAAA(AAAA(v6)),
-                    };
-                    records.push(Record::from_rdata(name.clone(), TTL, rdata));
-                }
+                records.extend(ips.into_iter().map(|ip| address(name, ip)));
             }
             Answer::Text(t) => {
                 records.push(Record::from_rdata(
@@ -259,13 +253,7 @@ impl<V: View + Send + Sync + Unpin + 'static> Handler<V> {
                             }
                         }
                         Answer::Addresses(ips) => {
-                            for ip in ips {
-                                let rdata = match ip {
-                                    IpAddr::V4(v4) => RData::A(A(v4)),
-                                    IpAddr::V6(v6) => RData::AAAA(AAAA(v6)),
-                                };
-                                records.push(Record::from_rdata(target.clone(), TTL, rdata));
-                            }
+                            records.extend(ips.into_iter().map(|ip| address(&target, ip)));
                         }
                         _ => {}
                     }
@@ -299,6 +287,15 @@ impl<V: View + Send + Sync + Unpin + 'static> Handler<V> {
         }
         (ResponseCode::NoError, true, records, vec![])
     }
+}
+
+/// An `A` or `AAAA` record of `name`.
+fn address(name: &Name, ip: IpAddr) -> Record {
+    let rdata = match ip {
+        IpAddr::V4(v4) => RData::A(A(v4)),
+        IpAddr::V6(v6) => RData::AAAA(AAAA(v6)),
+    };
+    Record::from_rdata(name.clone(), TTL, rdata)
 }
 
 fn kind_of(rtype: RecordType) -> Kind {
