@@ -690,10 +690,16 @@ async fn a_refused_watch_fails_readyz_and_is_counted() {
         body.contains("nestedschedulers") && body.contains("forbidden"),
         "{body}"
     );
-    let metrics = http_get(addr, "/metrics");
-    assert!(
-        metrics.contains("nestplane_watch_failures_total{kind=\"NestedScheduler\"}"),
-        "{metrics}"
+    // Each controller's watch fails on its own schedule (the control plane's watch of its
+    // schedulers may be first), so the scheduler controller's count may come a moment later.
+    eventually(
+        "the scheduler controller's failed watch counted",
+        Duration::from_secs(60),
+        || {
+            http_get(addr, "/metrics")
+                .contains("nestplane_watch_failures_total{kind=\"NestedScheduler\"}")
+                .then_some(())
+        },
     );
     assert!(http_get(addr, "/healthz").starts_with("HTTP/1.1 200"));
     op.stop().await.unwrap();
