@@ -32,6 +32,14 @@ fn slots_under(dir: &Path) -> Vec<(u8, PathBuf)> {
     out
 }
 
+/// A merge patch of NodePool `default/demo`.
+fn patch_pool(kc: &Path, patch: &str) {
+    kubectl_ok(
+        kc,
+        &["patch", "nodepool", "demo", "--type=merge", "-p", patch],
+    );
+}
+
 /// The nodes of the Running `app=web` pods, one entry per pod.
 fn running_web_pods_nodes(kc: &Path) -> String {
     kubectl_ok(
@@ -375,17 +383,7 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
     eventually("the budget sees both pods", Duration::from_secs(30), || {
         (jsonpath(&hosted, &["pdb", "web"], "{.status.currentHealthy}") == "2").then_some(())
     });
-    kubectl_ok(
-        &kc,
-        &[
-            "patch",
-            "nodepool",
-            "demo",
-            "--type=merge",
-            "-p",
-            r#"{"spec":{"nodeDrainTimeout":"15s"}}"#,
-        ],
-    );
+    patch_pool(&kc, r#"{"spec":{"nodeDrainTimeout":"15s"}}"#);
     kubectl_ok(&kc, &["scale", "nodepool", "demo", "--replicas", "1"]);
     eventually("one Node left", Duration::from_secs(180), || {
         let left = kubectl_ok(
@@ -442,17 +440,7 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
 
     // A new label is a new node: the pool rolls (a new node first, then the old one drained),
     // and the label reaches the Node.
-    kubectl_ok(
-        &kc,
-        &[
-            "patch",
-            "nodepool",
-            "demo",
-            "--type=merge",
-            "-p",
-            r#"{"spec":{"nodeLabels":{"tier":"web"}}}"#,
-        ],
-    );
+    patch_pool(&kc, r#"{"spec":{"nodeLabels":{"tier":"web"}}}"#);
     let mut updating = false;
     let rolled = eventually(
         "the pool rolled to a labelled node",

@@ -127,16 +127,7 @@ fn up_gives_a_working_tenant_and_comes_back_with_its_data() {
     sigterm(child);
 
     // down removes the tenant.
-    let out = nestplane()
-        .args(["down", "--name", "demo", "--state-dir"])
-        .arg(state.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    down(state.path(), "demo");
     assert!(!state.path().join("demo.kubeconfig").exists());
     assert!(!state.path().join("operator/tenants/default/demo").exists());
     assert!(running_under(state.path()).is_empty());
@@ -228,18 +219,23 @@ fn up_with_nodes_gives_a_cluster_where_kubectl_run_and_logs_work() {
     wait_pod_running_and_logging(&kubeconfig, "hello", "hello from a real node");
     sigterm(child);
     // `down` tears the hosted cluster down (its nodes went with `up`).
+    down(state.path(), "work");
+    assert!(
+        running_under(state.path()).is_empty(),
+        "nothing runs from the state directory"
+    );
+}
+
+/// `nestplane down --name NAME --state-dir STATE`, which must succeed.
+fn down(state: &std::path::Path, name: &str) {
     let out = nestplane()
-        .args(["down", "--name", "work", "--state-dir"])
-        .arg(state.path())
+        .args(["down", "--name", name, "--state-dir"])
+        .arg(state)
         .output()
         .unwrap();
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        running_under(state.path()).is_empty(),
-        "nothing runs from the state directory"
     );
 }
