@@ -65,6 +65,8 @@ apt_install() {
 
 # 1. Runtime packages: etcd for the management plane and the tenants, etcdctl for checks.
 apt_install etcd-server etcd-client ca-certificates openssl
+# 1a. Building: protoc, for the etcd client's gRPC definitions (shared datastores).
+apt_install protobuf-compiler
 # 1b. Real nodes: a container runtime, pod networking, image building, a shell image.
 apt_install containerd runc containernetworking-plugins buildah busybox-static iptables conntrack \
   gcc libc6-dev

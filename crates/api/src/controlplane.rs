@@ -107,6 +107,17 @@ pub struct NestedEtcdSpec {
     pub component: NestedComponentSpec,
 }
 
+/// Which `NestedDatastore` a control plane uses.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DatastoreRef {
+    /// The datastore's name.
+    pub name: String,
+    /// Its namespace (the control plane's when unset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+}
+
 /// Observed state of a `NestedEtcd`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -314,6 +325,12 @@ pub struct ApiEndpoint {
         priority = 1
     ),
     printcolumn(
+        name = "Datastore",
+        type_ = "string",
+        json_path = ".status.datastore.name",
+        priority = 1
+    ),
+    printcolumn(
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
@@ -348,6 +365,11 @@ pub struct NestedControlPlaneSpec {
     /// endpoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub control_plane_endpoint: Option<ApiEndpoint>,
+    /// A shared `NestedDatastore` that stores the tenant's data instead of an etcd of its own
+    /// (the default): the tenant gets an etcd user and role confined to its own key prefix.
+    /// Chosen at creation; it cannot be changed later (the data would stay behind).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub datastore_ref: Option<DatastoreRef>,
 }
 
 /// A tenant's networks (Cluster API's `Cluster.spec.clusterNetwork`).
@@ -439,4 +461,7 @@ pub struct NestedControlPlaneStatus {
     /// `ControllerManagerReady`, `SchedulerReady`, `CertificatesReady`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+    /// The shared datastore the tenant's data is in, once its user and role exist there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub datastore: Option<crate::datastore::TenantDatastoreStatus>,
 }

@@ -15,6 +15,7 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         NestedAPIServer::crd(),
         NestedControllerManager::crd(),
         NestedScheduler::crd(),
+        crate::datastore::NestedDatastore::crd(),
         crate::endpoint::ClusterEndpoint::crd(),
         crate::postcreate::PostCreateConfig::crd(),
         crate::hosted::HostedCluster::crd(),
@@ -39,6 +40,8 @@ mod tests {
         let control_plane: Vec<_> = crds
             .iter()
             .filter(|c| c.spec.group == crate::controlplane::GROUP)
+            // Cluster API references the control plane and its components, not datastores.
+            .filter(|c| c.spec.names.kind != "NestedDatastore")
             .collect();
         assert_eq!(control_plane.len(), 5);
         for crd in control_plane {

@@ -7,6 +7,7 @@
 pub mod conditions;
 pub mod controlplane;
 pub mod crds;
+pub mod datastore;
 pub mod endpoint;
 pub mod hosted;
 pub mod names;
@@ -14,6 +15,7 @@ pub mod postcreate;
 mod schema;
 
 pub use controlplane::*;
+pub use datastore::{NestedDatastore, NestedDatastoreSpec, NestedDatastoreStatus};
 pub use endpoint::{ClusterEndpoint, ClusterEndpointSpec, ClusterEndpointType};
 pub use hosted::{ExternalInfraCluster, HostedCluster, NodePool};
 pub use postcreate::{PostCreateConfig, PostCreateConfigSpec, PostCreateConfigStatus};

@@ -80,11 +80,14 @@ pub enum SecretPurpose {
     ControllerManagerServing,
     /// `<cluster>-scheduler-serving`: kube-scheduler serving certificate.
     SchedulerServing,
+    /// `<datastore>-datastore-root`: the client certificate of etcd's `root` user of a
+    /// `NestedDatastore` nestplane runs (it manages the tenants' users and roles).
+    DatastoreRoot,
 }
 
 impl SecretPurpose {
     /// All purposes, in creation order.
-    pub const ALL: [SecretPurpose; 15] = [
+    pub const ALL: [SecretPurpose; 16] = [
         SecretPurpose::ClusterCa,
         SecretPurpose::EtcdCa,
         SecretPurpose::FrontProxyCa,
@@ -100,6 +103,7 @@ impl SecretPurpose {
         SecretPurpose::SchedulerKubeconfig,
         SecretPurpose::ControllerManagerServing,
         SecretPurpose::SchedulerServing,
+        SecretPurpose::DatastoreRoot,
     ];
 
     /// The suffix appended to the cluster name.
@@ -120,6 +124,7 @@ impl SecretPurpose {
             SecretPurpose::SchedulerKubeconfig => "scheduler-kubeconfig",
             SecretPurpose::ControllerManagerServing => "controller-manager-serving",
             SecretPurpose::SchedulerServing => "scheduler-serving",
+            SecretPurpose::DatastoreRoot => "root",
         }
     }
 

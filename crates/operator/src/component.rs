@@ -73,7 +73,25 @@ pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Resu
         tracing::debug!(object = %obj.name_any(), %manager, "managed elsewhere; not reconciled");
         return Ok(Action::await_change());
     }
-    let Some(owner) = tenant::controller_of(obj.as_ref()) else {
+    let tenant = match tenant::controller_of(obj.as_ref()) {
+        Some(owner) => {
+            let Some(ncp) = ctx.caches.ncp(&ctx.client, &ns, &owner.name).await? else {
+                return Ok(Action::await_change());
+            };
+            // Another operator's control plane (its watch filter): not a single write from
+            // here.
+            if ncp.metadata.deletion_timestamp.is_some() || !ctx.selects(&ncp) {
+                return Ok(Action::await_change());
+            }
+            let mut tenant = Tenant::load(&ctx.client, &ctx.caches, ncp).await?;
+            if !ctx.runs_here(&tenant, Component::Etcd) {
+                tenant.external_etcd = Some(tenant.etcd_status_urls());
+            }
+            Some(tenant)
+        }
+        None => datastore_tenant(&ctx, obj.as_ref(), &ns).await?,
+    };
+    let Some(tenant) = tenant else {
         // With a watch filter, an unowned component is nobody's business of this operator's.
         if ctx.watch_filter.is_some() {
             return Ok(Action::await_change());
@@ -87,17 +105,6 @@ pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Resu
         write_status::<K>(&ctx, &obj, out.to_status(obj.as_ref()), &out).await?;
         return Ok(Action::await_change());
     };
-    let Some(ncp) = ctx.caches.ncp(&ctx.client, &ns, &owner.name).await? else {
-        return Ok(Action::await_change());
-    };
-    // Another operator's control plane (its watch filter): not a single write from here.
-    if ncp.metadata.deletion_timestamp.is_some() || !ctx.selects(&ncp) {
-        return Ok(Action::await_change());
-    }
-    let mut tenant = Tenant::load(&ctx.client, &ctx.caches, ncp).await?;
-    if !ctx.runs_here(&tenant, Component::Etcd) {
-        tenant.external_etcd = Some(tenant.etcd_status_urls());
-    }
     let key = crate::context::object_key(obj.as_ref());
     let was_ready = obj.common_status().is_some_and(|s| s.ready);
     let out = match run::<K>(&ctx, &tenant, &key).await {
@@ -148,6 +155,29 @@ pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Resu
         Some(d) => Action::requeue(d),
         None => Action::await_change(),
     })
+}
+
+/// A `NestedEtcd` a shared datastore controls runs as the datastore's own tenant
+/// ([`crate::datastore::etcd_tenant`]); `None` when no datastore controls it.
+async fn datastore_tenant<K: ComponentKind>(
+    ctx: &Context,
+    obj: &K,
+    ns: &str,
+) -> Result<Option<Tenant>, Error> {
+    if K::COMPONENT != Component::Etcd {
+        return Ok(None);
+    }
+    let Some(name) = crate::datastore::controller_of(obj) else {
+        return Ok(None);
+    };
+    let Some(ds) = crate::datastore::get(ctx, ns, &name).await? else {
+        return Ok(None);
+    };
+    // A datastore being deleted keeps its etcd running until its last tenant has left.
+    let etcd: nestplane_api::NestedEtcd = serde_json::to_value(obj)
+        .and_then(serde_json::from_value)
+        .map_err(|e| Error::Internal(e.to_string()))?;
+    Ok(Some(crate::datastore::etcd_tenant(&ds, etcd)))
 }
 
 impl Outcome {

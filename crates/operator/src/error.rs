@@ -18,6 +18,9 @@ pub enum Error {
     /// A user patch cannot be applied.
     #[error(transparent)]
     Patch(#[from] nestplane_render::PatchError),
+    /// A shared datastore's etcd failed.
+    #[error(transparent)]
+    Datastore(#[from] crate::datastore::etcd::EtcdError),
     /// A bug.
     #[error("internal: {0}")]
     Internal(String),
@@ -32,6 +35,7 @@ impl Error {
             Error::Render(_) => "render",
             Error::Runtime(e) => e.label(),
             Error::Patch(_) => "patch",
+            Error::Datastore(_) => "datastore",
             Error::Internal(_) => "internal",
         }
     }

@@ -8,6 +8,7 @@ pub mod clock;
 pub mod component;
 pub mod context;
 pub mod crds;
+pub mod datastore;
 pub mod endpoint;
 pub mod error;
 pub mod hosted;
@@ -205,8 +206,37 @@ pub async fn run_with(
                 .collect()
         }
     }
+    // Shared datastores: their etcd's status and their tenants bring them back; a datastore's
+    // change brings back the control planes that use it.
+    let ds_ctl = Controller::new(api::<nestplane_api::NestedDatastore>(&client, ns), wc());
+    let _ = ctx.caches.datastores.set(ds_ctl.store());
+    let ds_ctl = ds_ctl
+        .owns(api::<NestedEtcd>(&client, ns), wc())
+        .watches(api::<NestedControlPlane>(&client, ns), wc(), |ncp| {
+            let (ns, name) = datastore::referenced(&ncp)?;
+            Some(ObjectRef::new(&name).within(&ns))
+        })
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        .run(datastore::reconcile, error_policy, ctx.clone())
+        .for_each(report("NestedDatastore", &ctx));
+    let users_of = {
+        let ncps = ncps.clone();
+        move |ds: nestplane_api::NestedDatastore| {
+            let key = (ds.namespace().unwrap_or_default(), ds.name_any());
+            ncps.state()
+                .iter()
+                .filter(|ncp| datastore::referenced(ncp).as_ref() == Some(&key))
+                .map(|ncp| ObjectRef::from_obj(ncp.as_ref()))
+                .collect::<Vec<_>>()
+        }
+    };
     let ncp_ctl = ncp_ctl
         .watches(api::<NestedEtcd>(&client, ns), wc(), referencing(&ncps))
+        .watches(
+            api::<nestplane_api::NestedDatastore>(&client, ns),
+            wc(),
+            users_of,
+        )
         .watches(
             api::<NestedAPIServer>(&client, ns),
             wc(),
@@ -387,6 +417,7 @@ pub async fn run_with(
         tokio::join!(
             secret_watch,
             ncp_ctl,
+            ds_ctl,
             pcc_ctl,
             hc_ctl,
             pool_ctl,

@@ -32,6 +32,8 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         .name_problem()
         .map(|m| (reasons::INVALID_SPEC.to_string(), m));
     let paused = tenant.paused(None);
+    let on_datastore = ncp.spec.datastore_ref.is_some();
+    let mut binding = None;
     if problem.is_none() && !paused {
         if !ncp.finalizers().iter().any(|f| f == names::FINALIZER) {
             api.patch(
@@ -42,7 +44,11 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             .await?;
         }
         let mut changed = false;
-        changed |= adopt::<nestplane_api::NestedEtcd>(&ctx, &tenant, &tenant.etcd).await?;
+        if on_datastore {
+            binding = Some(crate::datastore::bind(&ctx, &tenant).await?);
+        } else {
+            changed |= adopt::<nestplane_api::NestedEtcd>(&ctx, &tenant, &tenant.etcd).await?;
+        }
         changed |=
             adopt::<nestplane_api::NestedAPIServer>(&ctx, &tenant, &tenant.apiserver).await?;
         changed |= adopt::<nestplane_api::NestedControllerManager>(
@@ -57,7 +63,7 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         // An etcd run by someone else serves with a certificate from the tenant's etcd CA,
         // which must therefore exist before the API server does (a provisioner may also
         // bring its own by creating `<cluster>-etcd` first: it is then used as it is).
-        if !ctx.runs_here(&tenant, Component::Etcd) {
+        if !on_datastore && !ctx.runs_here(&tenant, Component::Etcd) {
             crate::secrets::ClusterSecrets::new(
                 ctx.client.clone(),
                 &ns,
@@ -95,6 +101,11 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             // Just written: read past the caches.
             tenant = Tenant::load(&ctx.client, &Default::default(), fresh).await?;
         }
+        if let Some(crate::datastore::Binding::Problem(reason, msg)) = &binding {
+            ctx.event(ncp.object_ref(&()), EventType::Warning, reason, msg)
+                .await;
+            problem.get_or_insert((reason.to_string(), msg.clone()));
+        }
         for (c, msg) in lookup_problems(&tenant) {
             ctx.event(
                 ncp.object_ref(&()),
@@ -123,6 +134,7 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         }
         let d = tenant.replicas(c);
         match c {
+            Component::Etcd if on_datastore => datastore_observed(&ncp, binding.as_ref()),
             Component::Etcd => obs(&tenant.etcd, d, c),
             Component::ApiServer => obs(&tenant.apiserver, d, c),
             Component::ControllerManager => obs(&tenant.controller_manager, d, c),
@@ -138,6 +150,12 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         paused,
         now: k8s_openapi::jiff::Timestamp::now(),
     });
+    let mut new_status = new_status;
+    // Once bound, a tenant stays bound to its datastore (its data is there) until deleted.
+    new_status.datastore = match &binding {
+        Some(crate::datastore::Binding::Bound(b)) => Some(b.clone()),
+        _ => ncp.status.as_ref().and_then(|s| s.datastore.clone()),
+    };
     ctx.metrics.set_tenant_ready(&ns, &name, new_status.ready);
     if ncp.status.as_ref() != Some(&new_status) {
         let before = ncp
@@ -208,6 +226,49 @@ pub fn finalizer_patch(ncp: &NestedControlPlane, add: bool) -> serde_json::Value
         "finalizers": list,
         "resourceVersion": ncp.resource_version(),
     }})
+}
+
+/// etcd as a tenant on a shared datastore sees it: Ready once bound there.
+fn datastore_observed(
+    ncp: &NestedControlPlane,
+    binding: Option<&crate::datastore::Binding>,
+) -> Observed {
+    use crate::datastore::Binding;
+    let bound = ncp.status.as_ref().and_then(|s| s.datastore.as_ref());
+    let (ready, reason, message) = match (binding, bound) {
+        (Some(Binding::Bound(b)), _) | (None, Some(b)) => (
+            true,
+            reasons::AS_EXPECTED,
+            format!(
+                "on NestedDatastore {}/{} as etcd user {} under {}",
+                b.namespace, b.name, b.user, b.prefix
+            ),
+        ),
+        (Some(Binding::Waiting(m)), _) => {
+            (false, crate::datastore::WAITING_FOR_DATASTORE, m.clone())
+        }
+        (Some(Binding::Problem(r, m)), _) => (false, *r, m.clone()),
+        (None, None) => (
+            false,
+            crate::datastore::WAITING_FOR_DATASTORE,
+            "not bound to its datastore yet".to_string(),
+        ),
+    };
+    let mut status = nestplane_api::ComponentStatus {
+        ready,
+        ready_replicas: Some(i32::from(ready)),
+        ..Default::default()
+    };
+    conditions::set(
+        &mut status.conditions,
+        conditions::new(types::READY, ready, reason, message),
+        ncp.metadata.generation,
+        k8s_openapi::jiff::Timestamp::now(),
+    );
+    Observed::Present {
+        status: Some(status),
+        desired: 1,
+    }
 }
 
 fn lookup_problems(t: &Tenant) -> Vec<(Component, String)> {
@@ -317,6 +378,7 @@ async fn cleanup(
         return Ok(Action::await_change());
     }
     ctx.runtime.remove(&ctx.client, ncp).await?;
+    crate::datastore::unbind(ctx, ncp).await?;
     let uid = ncp.uid().unwrap_or_default();
     let selector = format!(
         "{}={name},{}={}",

@@ -19,7 +19,7 @@ use nestplane_runtime::process::{self, ProcessRuntime, RuntimeError, TenantKey};
 use crate::crds::FIELD_MANAGER;
 use crate::error::Error;
 use crate::runtime::{Observation, Pass, Runtime};
-use crate::tenant::{self, Tenant};
+use crate::tenant::Tenant;
 
 /// Components as local processes.
 pub struct Processes {
@@ -77,6 +77,10 @@ impl Runtime for Processes {
             }))
         }
         .boxed()
+    }
+
+    fn revive(&self, ncp: &NestedControlPlane) {
+        self.processes.revive(&tenant_key(ncp));
     }
 
     fn remove<'a>(
@@ -192,7 +196,7 @@ async fn ensure_apiserver_service(
                 (names::MANAGED_BY_LABEL, names::MANAGED_BY.to_string()),
             ]),
             "annotations": {"nestplane.io/endpoint": url},
-            "ownerReferences": [tenant::owner_ref(&t.ncp)],
+            "ownerReferences": [t.owner()],
         },
         "spec": {"ports": [{"name": "https", "port": ports::APISERVER, "targetPort": ports::APISERVER, "protocol": "TCP"}]}
     }))

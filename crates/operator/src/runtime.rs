@@ -57,7 +57,7 @@ impl Pass<'_> {
             self.client.clone(),
             &t.namespace(),
             &t.cluster(),
-            crate::tenant::owner_ref(&t.ncp),
+            t.owner(),
             self.clock.clone(),
         )
         .with_cache(self.secrets.cloned());
@@ -112,6 +112,9 @@ pub trait Runtime: Send + Sync {
         client: &'a kube::Client,
         ncp: &'a NestedControlPlane,
     ) -> BoxFuture<'a, Result<Option<ApiEndpoint>, Error>>;
+
+    /// Let a control plane of a name removed before run again (a new object of that name).
+    fn revive(&self, _ncp: &NestedControlPlane) {}
 
     /// Remove what this runtime made for a deleted control plane and that owner references
     /// do not remove (processes and data; etcd's volume claims).

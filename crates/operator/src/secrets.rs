@@ -284,6 +284,34 @@ impl ClusterSecrets {
         Ok(CertKey { cert_pem, key_pem })
     }
 
+    /// Keep secret `purpose` holding only `cert_pem` as `tls.crt`: a CA this cluster trusts
+    /// but whose key lives elsewhere (a shared datastore's). Written only when it differs.
+    pub async fn trust(&self, purpose: SecretPurpose, cert_pem: &str) -> Result<(), SecretError> {
+        if let Some(existing) = self.get(purpose).await?
+            && text(&existing, names::TLS_CRT).as_deref() == Some(cert_pem)
+            && text(&existing, names::TLS_KEY).is_none()
+        {
+            return Ok(());
+        }
+        let secret = self.secret(
+            purpose,
+            BTreeMap::from([(names::TLS_CRT.to_string(), cert_pem.as_bytes().to_vec())]),
+            BTreeMap::new(),
+        );
+        // A secret with a key in it (this tenant's own CA) is not overwritten silently.
+        if let Some(existing) = self.get(purpose).await?
+            && text(&existing, names::TLS_KEY).is_some()
+        {
+            return Err(SecretError::Invalid {
+                name: purpose.secret_name(&self.cluster),
+                reason:
+                    "it holds a CA of this cluster's own; a shared datastore's CA would replace it"
+                        .into(),
+            });
+        }
+        self.apply(&secret).await
+    }
+
     /// Keep a leaf certificate current; returns it.
     pub async fn leaf(&self, leaf: &Leaf, ca: &CertKey) -> Result<CertKey, SecretError> {
         let now = time::OffsetDateTime::now_utc();

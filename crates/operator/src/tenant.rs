@@ -60,6 +60,8 @@ pub struct Caches {
     pub controller_managers: OnceLock<Store<NestedControllerManager>>,
     /// Scheduler components.
     pub schedulers: OnceLock<Store<NestedScheduler>>,
+    /// Shared datastores.
+    pub datastores: OnceLock<Store<nestplane_api::NestedDatastore>>,
     /// Secrets nestplane manages (label `app.kubernetes.io/managed-by=nestplane`).
     pub secrets: OnceLock<Store<k8s_openapi::api::core::v1::Secret>>,
 }
@@ -313,6 +315,9 @@ pub struct Tenant {
     /// Client URLs of an etcd run by someone else (see [`Tenant::etcd_status_urls`]);
     /// `None` when nestplane runs it.
     pub external_etcd: Option<Vec<String>>,
+    /// Who owns what is made for this tenant when it is not the control plane itself (a
+    /// `NestedDatastore`'s own etcd runs as a tenant of its own).
+    pub owner: Option<OwnerReference>,
 }
 
 /// Who manages a component object instead of nestplane: the value of its
@@ -348,8 +353,21 @@ impl Tenant {
             scheduler: lookup(client, caches, &ncp).await?,
             cluster_paused: cluster_paused(client, &ncp).await,
             external_etcd: None,
+            owner: None,
             ncp,
         })
+    }
+
+    /// The controller owner reference of everything made for this tenant.
+    pub fn owner(&self) -> OwnerReference {
+        self.owner.clone().unwrap_or_else(|| owner_ref(&self.ncp))
+    }
+
+    /// The shared datastore this tenant is bound to (its user, role and prefix exist there
+    /// and its etcd credentials are issued), as its status says.
+    pub fn datastore(&self) -> Option<&nestplane_api::datastore::TenantDatastoreStatus> {
+        self.ncp.spec.datastore_ref.as_ref()?;
+        self.ncp.status.as_ref()?.datastore.as_ref()
     }
 
     /// Who manages component `c` instead of nestplane, per its annotation.
@@ -425,6 +443,8 @@ impl Tenant {
     /// Whether `c` reports Ready.
     pub fn ready(&self, c: Component) -> bool {
         match c {
+            // On a shared datastore, etcd is ready for the tenant once it is bound there.
+            Component::Etcd if self.ncp.spec.datastore_ref.is_some() => self.datastore().is_some(),
             Component::Etcd => self.etcd.ready(),
             Component::ApiServer => self.apiserver.ready(),
             Component::ControllerManager => self.controller_manager.ready(),
@@ -595,6 +615,10 @@ impl Tenant {
         input.replicas = replicas;
         input.resources = resources;
         input.external_etcd = self.external_etcd.clone();
+        if let Some(d) = self.datastore() {
+            input.external_etcd = Some(d.endpoints.clone());
+            input.datastore_prefix = Some(d.prefix.clone());
+        }
         if let Some(net) = &self.ncp.spec.cluster_network {
             if let Some(cidr) = net.services.as_ref().and_then(|s| s.cidr_blocks.first()) {
                 input.service_cidr = cidr.clone();

@@ -123,7 +123,7 @@ pub fn plan(
                 (Some(h), _) => format!("https://{h}:{}", ports::APISERVER),
                 _ => crate::apiserver_internal_url(input),
             };
-            Plan {
+            let mut plan = Plan {
                 items: vec![
                     Issue::Ca(SecretPurpose::ClusterCa),
                     Issue::Ca(SecretPurpose::EtcdCa),
@@ -167,7 +167,23 @@ pub fn plan(
                     },
                 ],
                 health_ca: Some(SecretPurpose::ClusterCa),
+            };
+            if input.datastore_prefix.is_some() {
+                // On a shared datastore the etcd CA (its certificate only) and the client
+                // certificate of the tenant's etcd user are issued from the datastore's CA,
+                // whose key stays in the datastore's namespace.
+                plan.items.retain(|i| {
+                    !matches!(
+                        i,
+                        Issue::Ca(SecretPurpose::EtcdCa)
+                            | Issue::Leaf {
+                                purpose: SecretPurpose::ApiServerEtcdClient,
+                                ..
+                            }
+                    )
+                });
             }
+            plan
         }
         Component::ControllerManager | Component::Scheduler => {
             let (kubeconfig, serving, user, sans) = if c == Component::ControllerManager {
@@ -222,6 +238,38 @@ mod tests {
                 hosts: vec![Ipv4Addr::new(127, 9, 9, 1), Ipv4Addr::new(127, 9, 9, 2)],
             },
         )
+    }
+
+    #[test]
+    fn a_tenant_on_a_shared_datastore_issues_no_etcd_credentials_of_its_own() {
+        let mut on_datastore = input();
+        on_datastore.external_etcd = Some(vec!["https://127.9.8.1:2379".into()]);
+        on_datastore.datastore_prefix = Some("/nestplane/default/demo/".into());
+        let own = plan(Component::ApiServer, &input(), &["127.9.9.1".into()], None);
+        let shared = plan(
+            Component::ApiServer,
+            &on_datastore,
+            &["127.9.9.1".into()],
+            None,
+        );
+        let etcd_items = |p: &Plan| {
+            p.items
+                .iter()
+                .filter(|i| {
+                    matches!(
+                        i,
+                        Issue::Ca(SecretPurpose::EtcdCa)
+                            | Issue::Leaf {
+                                ca: SecretPurpose::EtcdCa,
+                                ..
+                            }
+                    )
+                })
+                .count()
+        };
+        assert_eq!(etcd_items(&own), 2);
+        assert_eq!(etcd_items(&shared), 0);
+        assert_eq!(shared.items.len(), own.items.len() - 2);
     }
 
     #[test]

@@ -201,6 +201,14 @@ fn apiserver(input: &RenderInput) -> Part {
         m.file(SecretPurpose::ApiServerEtcdClient, TLS_KEY),
     );
 
+    if let Some(prefix) = &input.datastore_prefix {
+        // A shared datastore: every key under the tenant's own prefix (its etcd user may
+        // touch nothing else), and no compaction from here: the API server's compactor
+        // writes a key outside any prefix, and the datastore compacts itself.
+        f.set("etcd-prefix", format!("{prefix}registry"));
+        f.set("etcd-compaction-interval", "0");
+    }
+
     f.set(
         "kubelet-client-certificate",
         m.file(SecretPurpose::ApiServerKubeletClient, TLS_CRT),

@@ -59,6 +59,10 @@ pub struct RenderInput {
     /// Client URLs of an etcd that nestplane does not run (an out-of-tree provisioner's,
     /// read from the `NestedEtcd` status); `None` for the etcd nestplane renders.
     pub external_etcd: Option<Vec<String>>,
+    /// The key prefix of a tenant on a shared datastore (`/nestplane/<ns>/<cluster>/`); its
+    /// etcd CA and client certificate come from the datastore, not from the tenant's plan.
+    /// `None` for an etcd of the tenant's own.
+    pub datastore_prefix: Option<String>,
 }
 
 impl RenderInput {
@@ -82,6 +86,7 @@ impl RenderInput {
             cluster_domain: DEFAULT_CLUSTER_DOMAIN.into(),
             apiserver_service_type: "ClusterIP".into(),
             external_etcd: None,
+            datastore_prefix: None,
         }
     }
 
@@ -121,6 +126,20 @@ impl RenderInput {
         }
         if let Some(urls) = &self.external_etcd {
             check_etcd_urls(urls)?;
+        }
+        if let Some(p) = &self.datastore_prefix
+            && (!p.starts_with('/') || !p.ends_with('/') || p.len() < 3)
+        {
+            return Err(RenderError::invalid(
+                "datastore prefix",
+                format!("{p:?} must start and end with '/' and name something in between"),
+            ));
+        }
+        if self.datastore_prefix.is_some() && self.external_etcd.is_none() {
+            return Err(RenderError::invalid(
+                "datastore prefix",
+                "a tenant on a shared datastore needs the datastore's client URLs",
+            ));
         }
         if let Network::Loopback { hosts } = &self.network {
             if hosts.is_empty() {

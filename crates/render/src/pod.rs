@@ -51,6 +51,7 @@ pub fn secret_volume_name(p: SecretPurpose) -> &'static str {
         SecretPurpose::SchedulerKubeconfig => "scheduler-kubeconfig",
         SecretPurpose::ControllerManagerServing => "controller-manager-serving",
         SecretPurpose::SchedulerServing => "scheduler-serving",
+        SecretPurpose::DatastoreRoot => "datastore-root",
     }
 }
 

@@ -1400,3 +1400,28 @@ fn the_same_template_runs_as_processes() {
         }
     }
 }
+
+#[test]
+fn a_tenant_on_a_shared_datastore_keeps_to_its_prefix() {
+    let mut input = loopback(20, 1);
+    let own = render(Component::ApiServer, &input).unwrap();
+    assert_eq!(flag(&own, "etcd-prefix"), None);
+    input.external_etcd = Some(vec!["https://127.9.8.1:2379".into()]);
+    input.datastore_prefix = Some("/nestplane/ns/demo/".into());
+    let shared = render(Component::ApiServer, &input).unwrap();
+    assert_eq!(
+        flag(&shared, "etcd-prefix").as_deref(),
+        Some("/nestplane/ns/demo/registry")
+    );
+    assert_eq!(
+        flag(&shared, "etcd-compaction-interval").as_deref(),
+        Some("0")
+    );
+    assert_eq!(
+        flag(&shared, "etcd-servers").as_deref(),
+        Some("https://127.9.8.1:2379")
+    );
+    // A prefix that could cover another tenant's is refused.
+    input.datastore_prefix = Some("/nestplane/ns/demo".into());
+    assert!(render(Component::ApiServer, &input).is_err());
+}

@@ -315,8 +315,15 @@ impl Etcdctl {
 impl Env {
     /// [`Etcdctl`] for the etcd of `ns/cluster` at `endpoints` (`https://host:port`).
     pub async fn etcdctl(&self, ns: &str, cluster: &str, endpoints: Vec<String>) -> Etcdctl {
+        self.etcdctl_as(ns, &format!("{cluster}-apiserver-etcd-client"), endpoints)
+            .await
+    }
+
+    /// [`Etcdctl`] with the client certificate in secret `ns/secret` (`tls.crt`, `tls.key`,
+    /// `ca.crt`).
+    pub async fn etcdctl_as(&self, ns: &str, secret: &str, endpoints: Vec<String>) -> Etcdctl {
         let client = self
-            .secret(ns, &format!("{cluster}-apiserver-etcd-client"))
+            .secret(ns, secret)
             .await
             .expect("etcd client certificate");
         let data = client.data.unwrap();

@@ -1,0 +1,418 @@
+//! Shared datastores: many tenants in one etcd, each confined to its own key prefix by an
+//! etcd user and role of its own. Proved with `etcdctl` and the tenant's own certificate (it
+//! reads and writes its prefix and nothing else), with two tenants' namespaces of the same
+//! name, and by deleting a tenant (its keys, user and role go; nothing else does). Real
+//! tenants in the process runtime, on a datastore nestplane runs and on one run by hand.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use kube::api::{Api, DeleteParams};
+use nestplane_api::{NestedDatastore, NestedEtcd};
+
+fn datastore_ready(kc: &Path, name: &str) -> bool {
+    jsonpath(kc, &["nesteddatastore", name], "{.status.ready}") == "true"
+}
+
+fn ncp_on(name: &str, datastore: &str) -> String {
+    format!(
+        "apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  version: v1.20.2\n  datastoreRef: {{name: {datastore}}}\n"
+    )
+}
+
+/// The message of condition `type_` of WHAT.
+fn message(kc: &Path, what: &[&str], type_: &str) -> String {
+    jsonpath(
+        kc,
+        what,
+        &format!("{{.status.conditions[?(@.type==\"{type_}\")].message}}"),
+    )
+}
+
+fn gone(kc: &Path, what: &[&str]) -> bool {
+    let mut args = vec!["get"];
+    args.extend_from_slice(what);
+    let out = kubectl(kc, &args);
+    !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("NotFound")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_on_a_managed_datastore_see_only_their_own_keys() {
+    let env = Env::start(true).await;
+    let kc = env.kubeconfig().to_path_buf();
+    env.apply(
+        "apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedDatastore\nmetadata: {name: shared, namespace: default}\nspec: {managed: {replicas: 1}}\n",
+    );
+    eventually("the datastore Ready", Duration::from_secs(90), || {
+        datastore_ready(&kc, "shared").then_some(())
+    });
+    assert_eq!(
+        jsonpath(&kc, &["nesteddatastore", "shared"], "{.status.type}"),
+        "Managed"
+    );
+    assert_eq!(
+        jsonpath(
+            &kc,
+            &["nesteddatastore", "shared"],
+            "{.status.healthyMembers}"
+        ),
+        "1/1"
+    );
+    // Its etcd is a NestedEtcd the datastore controls, Ready like any other.
+    let etcd = Api::<NestedEtcd>::namespaced(env.client(), "default")
+        .get("shared-datastore-etcd")
+        .await
+        .unwrap();
+    assert!(etcd.status.as_ref().unwrap().common.ready);
+    assert!(
+        etcd.metadata
+            .owner_references
+            .unwrap()
+            .iter()
+            .any(|r| r.kind == "NestedDatastore" && r.name == "shared")
+    );
+
+    env.apply(&(ncp_on("alpha", "shared") + "---\n" + &ncp_on("beta", "shared")));
+    let alpha = env
+        .wait_ready("default", "alpha", Duration::from_secs(120))
+        .await;
+    env.wait_ready("default", "beta", Duration::from_secs(120))
+        .await;
+    // No etcd of their own; status says where their data is.
+    for t in ["alpha", "beta"] {
+        assert!(gone(&kc, &["nestedetcd", &format!("{t}-etcd")]), "{t}-etcd");
+        assert_eq!(env.pid("default", t, "etcd", 0), None);
+    }
+    let bound = alpha.status.unwrap().datastore.unwrap();
+    assert_eq!(bound.name, "shared");
+    assert_eq!(bound.user, "nestplane:default:alpha");
+    assert_eq!(bound.prefix, "/nestplane/default/alpha/");
+    eventually(
+        "the datastore lists both tenants",
+        Duration::from_secs(60),
+        || {
+            (jsonpath(&kc, &["nesteddatastore", "shared"], "{.status.tenantCount}") == "2"
+                && jsonpath(
+                    &kc,
+                    &["nesteddatastore", "shared"],
+                    "{.status.tenants[*].name}",
+                ) == "alpha beta")
+                .then_some(())
+        },
+    );
+
+    // Two tenants' namespaces of the same name do not see each other.
+    let a = env.tenant_kubeconfig("default", "alpha").await;
+    let b = env.tenant_kubeconfig("default", "beta").await;
+    for k in [&a, &b] {
+        kubectl_ok(k, &["create", "namespace", "same"]);
+    }
+    kubectl_ok(
+        &a,
+        &[
+            "-n",
+            "same",
+            "create",
+            "configmap",
+            "only-in-alpha",
+            "--from-literal=k=a",
+        ],
+    );
+    kubectl_ok(
+        &b,
+        &[
+            "-n",
+            "same",
+            "create",
+            "configmap",
+            "only-in-beta",
+            "--from-literal=k=b",
+        ],
+    );
+    let in_b = kubectl_ok(&b, &["-n", "same", "get", "configmaps", "-o", "name"]);
+    assert!(!in_b.contains("only-in-alpha"), "{in_b}");
+    assert!(in_b.contains("only-in-beta"), "{in_b}");
+    let in_a = kubectl_ok(&a, &["-n", "same", "get", "configmaps", "-o", "name"]);
+    assert!(in_a.contains("only-in-alpha") && !in_a.contains("only-in-beta"));
+
+    // etcdctl with alpha's own certificate: its prefix, and nothing else.
+    let endpoints: Vec<String> = jsonpath(
+        &kc,
+        &["nesteddatastore", "shared"],
+        "{.status.endpoints[*]}",
+    )
+    .split_whitespace()
+    .map(String::from)
+    .collect();
+    let as_alpha = env.etcdctl("default", "alpha", endpoints.clone()).await;
+    let (ok, keys, err) = as_alpha.run(&[
+        "get",
+        "/nestplane/default/alpha/",
+        "--prefix",
+        "--keys-only",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        keys.contains("/nestplane/default/alpha/registry/configmaps/same/only-in-alpha"),
+        "{keys}"
+    );
+    assert!(!keys.contains("only-in-beta"));
+    let denied = |(ok, out, err): (bool, String, String)| {
+        assert!(!ok, "allowed: {out}");
+        assert!(err.contains("permission denied"), "{err}");
+    };
+    denied(as_alpha.run(&["get", "/nestplane/default/beta/", "--prefix", "--keys-only"]));
+    denied(as_alpha.run(&[
+        "get",
+        "/nestplane/default/beta/registry/configmaps/same/only-in-beta",
+    ]));
+    denied(as_alpha.run(&["put", "/nestplane/default/beta/registry/planted", "x"]));
+    denied(as_alpha.run(&["del", "/nestplane/default/beta/", "--prefix"]));
+    denied(as_alpha.run(&["get", "/", "--prefix", "--keys-only"]));
+    // A prefix that merely starts like alpha's is not alpha's.
+    denied(as_alpha.run(&["put", "/nestplane/default/alphabet", "x"]));
+    denied(as_alpha.run(&["user", "list"]));
+    let (ok, _, err) = as_alpha.run(&["put", "/nestplane/default/alpha/written-by-hand", "x"]);
+    assert!(ok, "{err}");
+
+    // Deleting beta deletes its keys, user and role, and nothing else.
+    env.ncps("default")
+        .delete("beta", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("beta gone", Duration::from_secs(60), || {
+        gone(&kc, &["nestedcontrolplane", "beta"]).then_some(())
+    });
+    let as_root = env
+        .etcdctl_as("default", "shared-datastore-root", endpoints.clone())
+        .await;
+    let (ok, keys, err) =
+        as_root.run(&["get", "/nestplane/default/beta/", "--prefix", "--keys-only"]);
+    assert!(ok, "{err}");
+    assert!(keys.trim().is_empty(), "beta's keys are left: {keys}");
+    let (ok, users, err) = as_root.run(&["user", "list"]);
+    assert!(ok, "{err}");
+    assert!(!users.contains("nestplane:default:beta"), "{users}");
+    assert!(users.contains("nestplane:default:alpha"), "{users}");
+    let (_, roles, _) = as_root.run(&["role", "list"]);
+    assert!(!roles.contains("nestplane:default:beta"), "{roles}");
+    let (ok, keys, _) = as_root.run(&[
+        "get",
+        "/nestplane/default/alpha/",
+        "--prefix",
+        "--keys-only",
+    ]);
+    assert!(ok && keys.contains("only-in-alpha") && keys.contains("written-by-hand"));
+    let cm = kubectl_ok(
+        &a,
+        &[
+            "-n",
+            "same",
+            "get",
+            "configmap",
+            "only-in-alpha",
+            "-o",
+            "name",
+        ],
+    );
+    assert_eq!(cm.trim(), "configmap/only-in-alpha");
+
+    // A datastore in use is not deleted: it says why, and keeps serving alpha.
+    Api::<NestedDatastore>::namespaced(env.client(), "default")
+        .delete("shared", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(
+        "the datastore says it is in use",
+        Duration::from_secs(60),
+        || {
+            message(&kc, &["nesteddatastore", "shared"], "Deleting")
+                .contains("default/alpha")
+                .then_some(())
+        },
+    );
+    assert!(events_for(&kc, "default", "shared").contains("InUse"));
+    kubectl_ok(&a, &["-n", "same", "create", "configmap", "after-delete"]);
+    // … and goes once alpha is gone, with its etcd.
+    env.ncps("default")
+        .delete("alpha", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("the datastore gone", Duration::from_secs(90), || {
+        (gone(&kc, &["nesteddatastore", "shared"])
+            && gone(&kc, &["nestedetcd", "shared-datastore-etcd"]))
+        .then_some(())
+    });
+    assert_eq!(env.pid("default", "shared-datastore", "etcd", 0), None);
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// An etcd someone else runs: TLS from `ca`, client certificates required.
+fn run_etcd(dir: &Path, ca: &nestplane_pki::CertKey, port: u16) -> KillOnDrop {
+    let now = time::OffsetDateTime::now_utc();
+    let serving = nestplane_pki::issue(
+        ca,
+        &nestplane_pki::LeafSpec {
+            common_name: "their-etcd".into(),
+            organizations: vec![],
+            dns_names: vec![],
+            ips: vec!["127.0.0.1".parse().unwrap()],
+            usage: nestplane_pki::Usage::ServerAndClient,
+        },
+        now,
+    )
+    .unwrap();
+    std::fs::write(dir.join("ca.crt"), &ca.cert_pem).unwrap();
+    std::fs::write(dir.join("server.crt"), &serving.cert_pem).unwrap();
+    std::fs::write(dir.join("server.key"), &serving.key_pem).unwrap();
+    let peer = free_port();
+    let f = |n: &str| dir.join(n).display().to_string();
+    let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
+    KillOnDrop(
+        Command::new("etcd")
+            .arg("--name=theirs")
+            .arg(format!("--data-dir={}", f("data")))
+            .arg(format!("--listen-client-urls=https://127.0.0.1:{port}"))
+            .arg(format!("--advertise-client-urls=https://127.0.0.1:{port}"))
+            .arg(format!("--listen-peer-urls=http://127.0.0.1:{peer}"))
+            .arg(format!(
+                "--initial-advertise-peer-urls=http://127.0.0.1:{peer}"
+            ))
+            .arg(format!("--initial-cluster=theirs=http://127.0.0.1:{peer}"))
+            .arg(format!("--cert-file={}", f("server.crt")))
+            .arg(format!("--key-file={}", f("server.key")))
+            .arg(format!("--trusted-ca-file={}", f("ca.crt")))
+            .arg("--client-cert-auth")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("etcd not found: run scripts/install-deps.sh (installs etcd-server)"),
+    )
+}
+
+fn tls_secret(name: &str, crt: &str, key: &str) -> String {
+    let indent = |s: &str| s.lines().map(|l| format!("    {l}\n")).collect::<String>();
+    format!(
+        "apiVersion: v1\nkind: Secret\nmetadata: {{name: {name}, namespace: default}}\nstringData:\n  tls.crt: |\n{}  tls.key: |\n{}",
+        indent(crt),
+        indent(key)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_on_an_external_datastore_and_bad_input() {
+    let env = Env::start(true).await;
+    let kc = env.kubeconfig().to_path_buf();
+    // Bad input first: a datastore whose secrets do not exist says so, and a control plane
+    // on a datastore that does not exist says so; nothing runs for either.
+    env.apply(
+        "apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedDatastore\nmetadata: {name: theirs, namespace: default}\nspec:\n  external: {endpoints: [\"https://127.0.0.1:1\"], caSecretName: their-ca, rootSecretName: their-root}\n",
+    );
+    eventually("a missing secret said", Duration::from_secs(60), || {
+        let c = message(&kc, &["nesteddatastore", "theirs"], "Ready");
+        c.contains("Secret default/their-ca not found")
+            .then_some(())
+    });
+    assert!(events_for(&kc, "default", "theirs").contains("ReferenceNotFound"));
+    env.apply(&ncp_on("lost", "nowhere"));
+    eventually("a missing datastore said", Duration::from_secs(60), || {
+        let c = message(&kc, &["nestedcontrolplane", "lost"], "Available");
+        c.contains("NestedDatastore default/nowhere not found")
+            .then_some(())
+    });
+    assert_eq!(env.pid("default", "lost", "apiserver", 0), None);
+
+    // The etcd, run by hand with authentication off; nestplane turns it on.
+    let now = time::OffsetDateTime::now_utc();
+    let ca = nestplane_pki::generate_ca("their-etcd-ca", now).unwrap();
+    let root = nestplane_pki::issue(
+        &ca,
+        &nestplane_pki::LeafSpec {
+            common_name: "root".into(),
+            usage: nestplane_pki::Usage::Client,
+            ..Default::default()
+        },
+        now,
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let _etcd = run_etcd(dir.path(), &ca, port);
+    let endpoint = format!("https://127.0.0.1:{port}");
+    env.apply(&tls_secret("their-ca", &ca.cert_pem, &ca.key_pem));
+    env.apply(&tls_secret("their-root", &root.cert_pem, &root.key_pem));
+    env.apply(&format!(
+        "apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedDatastore\nmetadata: {{name: theirs, namespace: default}}\nspec:\n  external: {{endpoints: [\"{endpoint}\"], caSecretName: their-ca, rootSecretName: their-root}}\n"
+    ));
+    eventually(
+        "the external datastore Ready",
+        Duration::from_secs(60),
+        || datastore_ready(&kc, "theirs").then_some(()),
+    );
+    assert_eq!(
+        jsonpath(&kc, &["nesteddatastore", "theirs"], "{.status.type}"),
+        "External"
+    );
+    env.apply(&ncp_on("gamma", "theirs"));
+    env.wait_ready("default", "gamma", Duration::from_secs(120))
+        .await;
+    let g = env.tenant_kubeconfig("default", "gamma").await;
+    kubectl_ok(&g, &["create", "namespace", "kept-in-theirs"]);
+
+    // Authentication is on: a certificate of the same CA for a user etcd does not know gets
+    // nothing; gamma's own reads its prefix only. The CA's key is not in gamma's secrets.
+    let as_gamma = env
+        .etcdctl("default", "gamma", vec![endpoint.clone()])
+        .await;
+    let (ok, keys, err) = as_gamma.run(&[
+        "get",
+        "/nestplane/default/gamma/",
+        "--prefix",
+        "--keys-only",
+    ]);
+    assert!(ok, "{err}");
+    assert!(keys.contains("namespaces/kept-in-theirs"), "{keys}");
+    let (ok, _, _) = as_gamma.run(&["get", "/", "--prefix", "--keys-only"]);
+    assert!(!ok);
+    let etcd_ca = env.secret("default", "gamma-etcd").await.unwrap();
+    assert!(!etcd_ca.data.unwrap().contains_key("tls.key"));
+    let stranger = nestplane_pki::issue(
+        &ca,
+        &nestplane_pki::LeafSpec {
+            common_name: "stranger".into(),
+            usage: nestplane_pki::Usage::Client,
+            ..Default::default()
+        },
+        now,
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("s.crt"), &stranger.cert_pem).unwrap();
+    std::fs::write(dir.path().join("s.key"), &stranger.key_pem).unwrap();
+    let out = Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .arg(format!("--endpoints={endpoint}"))
+        .arg(format!("--cacert={}", dir.path().join("ca.crt").display()))
+        .arg(format!("--cert={}", dir.path().join("s.crt").display()))
+        .arg(format!("--key={}", dir.path().join("s.key").display()))
+        .args([
+            "get",
+            "/nestplane/default/gamma/",
+            "--prefix",
+            "--keys-only",
+        ])
+        .output()
+        .expect("etcdctl not found: run scripts/install-deps.sh (installs etcd-client)");
+    assert!(!out.status.success(), "a stranger read gamma's keys");
+}

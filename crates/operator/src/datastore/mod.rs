@@ -1,0 +1,739 @@
+//! Shared datastores: the `NestedDatastore` controller, and what a `NestedControlPlane` on one
+//! needs from it (a user, a role and a key prefix of its own, and the credentials for them).
+//!
+//! - A **managed** datastore is an etcd nestplane runs: a `NestedEtcd` named
+//!   `<datastore>-datastore-etcd`, controlled by the datastore, which the etcd controller runs
+//!   like any tenant's (either runtime, persistent). nestplane keeps a client certificate of
+//!   etcd's `root` user beside it (`<datastore>-datastore-root`).
+//! - An **external** datastore is an etcd someone else runs: its endpoints, the CA etcd
+//!   trusts for clients (certificate and key), and a `root` client certificate.
+//!
+//! For each tenant nestplane creates an etcd user and role `nestplane:<ns>:<cluster>` that may
+//! read and write `/nestplane/<ns>/<cluster>/` only, a client certificate for that user signed
+//! by the datastore's CA (the CA's key never leaves the datastore's namespace), and the API
+//! server's `--etcd-prefix`. Deleting the tenant deletes its keys, user and role, and nothing
+//! else. A datastore is not deleted while tenants use it.
+
+pub mod etcd;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
+use kube::runtime::reflector::ObjectRef;
+use kube::{Resource, ResourceExt};
+use nestplane_api::conditions::{self, reasons, types};
+use nestplane_api::datastore::{
+    DatastoreTenant, TenantDatastoreStatus, datastore_cluster, tenant_prefix, tenant_user,
+};
+use nestplane_api::names::{self, Component, SecretPurpose};
+use nestplane_api::{
+    NestedControlPlane, NestedDatastore, NestedDatastoreStatus, NestedEtcd, NestedEtcdSpec,
+};
+use nestplane_pki::{CertKey, LeafSpec, Usage};
+
+use crate::context::Context;
+use crate::error::Error;
+use crate::secrets::{ClusterSecrets, Leaf};
+use crate::tenant::Tenant;
+
+/// Kept on a datastore until no tenant uses it and what nestplane runs for it is gone.
+pub const FINALIZER: &str = "controlplane.cluster.x-k8s.io/nestplane-datastore";
+/// `status.type` of a datastore nestplane runs.
+pub const MANAGED: &str = "Managed";
+/// `status.type` of a datastore someone else runs.
+pub const EXTERNAL: &str = "External";
+/// Reason: the datastore's etcd is not Ready yet.
+pub const WAITING_FOR_ETCD: &str = "WaitingForEtcd";
+/// Reason: the datastore cannot be reached or refused nestplane's root user.
+pub const UNREACHABLE: &str = "Unreachable";
+/// Reason: tenants still use the datastore being deleted.
+pub const IN_USE: &str = "InUse";
+/// Reason: a control plane waits for its datastore.
+pub const WAITING_FOR_DATASTORE: &str = "WaitingForDatastore";
+
+/// How often a Ready datastore's members are asked how they are.
+pub const HEALTH_INTERVAL: Duration = Duration::from_secs(30);
+
+/// The `(namespace, name)` of the datastore `ncp` uses, if any.
+pub fn referenced(ncp: &NestedControlPlane) -> Option<(String, String)> {
+    let r = ncp.spec.datastore_ref.as_ref()?;
+    let ns = r
+        .namespace
+        .clone()
+        .filter(|n| !n.is_empty())
+        .or_else(|| ncp.namespace())?;
+    Some((ns, r.name.clone()))
+}
+
+/// The name of a managed datastore's `NestedEtcd`.
+pub fn etcd_name(ds: &NestedDatastore) -> String {
+    Component::Etcd.workload_name(&datastore_cluster(&ds.name_any()))
+}
+
+fn owner(ds: &NestedDatastore) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+    let mut r = ds.controller_owner_ref(&()).unwrap_or_default();
+    r.block_owner_deletion = Some(true);
+    r
+}
+
+/// A managed datastore's etcd as a tenant of its own: a control plane that exists only in
+/// memory (named `<datastore>-datastore`, with the datastore's uid), whose only component is
+/// the datastore's `NestedEtcd`, and whose objects the datastore owns.
+pub fn etcd_tenant(ds: &NestedDatastore, etcd: NestedEtcd) -> Tenant {
+    let mut ncp = NestedControlPlane::new(&ds.name_any(), Default::default());
+    ncp.metadata.namespace = ds.namespace();
+    ncp.metadata.uid = ds.uid();
+    ncp.metadata.annotations = Some(
+        [(
+            names::CLUSTER_IDENTITY_ANNOTATION.to_string(),
+            datastore_cluster(&ds.name_any()),
+        )]
+        .into(),
+    );
+    ncp.spec.version = ds.spec.managed.as_ref().and_then(|m| m.version.clone());
+    Tenant {
+        ncp,
+        etcd: crate::tenant::Lookup::Found(etcd),
+        apiserver: crate::tenant::Lookup::Unreferenced,
+        controller_manager: crate::tenant::Lookup::Unreferenced,
+        scheduler: crate::tenant::Lookup::Unreferenced,
+        cluster_paused: false,
+        external_etcd: None,
+        owner: Some(owner(ds)),
+    }
+}
+
+/// The datastore that controls `obj`, by its controller owner reference.
+pub fn controller_of<K: Resource>(obj: &K) -> Option<String> {
+    obj.meta()
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|r| {
+            r.controller == Some(true)
+                && r.kind == "NestedDatastore"
+                && r.api_version
+                    .starts_with(nestplane_api::controlplane::GROUP)
+        })
+        .map(|r| r.name.clone())
+}
+
+/// A datastore from the cache, else from the API server.
+pub async fn get(ctx: &Context, ns: &str, name: &str) -> Result<Option<NestedDatastore>, Error> {
+    if let Some(hit) = ctx
+        .caches
+        .datastores
+        .get()
+        .and_then(|s| s.get(&ObjectRef::new(name).within(ns)))
+    {
+        return Ok(Some((*hit).clone()));
+    }
+    Ok(Api::<NestedDatastore>::namespaced(ctx.client.clone(), ns)
+        .get_opt(name)
+        .await?)
+}
+
+/// How nestplane reaches a datastore as `root`, and the CA that signs tenants' certificates.
+struct Access {
+    endpoints: Vec<String>,
+    creds: etcd::Credentials,
+    ca: CertKey,
+}
+
+/// Why a datastore cannot be used yet: a reason and a message for a person.
+type NotYet = (&'static str, String);
+
+fn secret_text(s: &Secret, key: &str) -> Option<String> {
+    s.data
+        .as_ref()?
+        .get(key)
+        .map(|b| String::from_utf8_lossy(&b.0).into_owned())
+}
+
+/// Client URLs from an etcd's status: a DNS name when the address has one (a Service's),
+/// else the IP.
+fn etcd_urls(etcd: &NestedEtcd) -> Vec<String> {
+    etcd.status
+        .iter()
+        .flat_map(|s| &s.addresses)
+        .filter_map(|a| {
+            let host = a
+                .hostname
+                .clone()
+                .filter(|h| h.contains('.'))
+                .or_else(|| a.ip.clone())
+                .or_else(|| a.hostname.clone())?;
+            Some(format!("https://{host}:{}", a.port))
+        })
+        .collect()
+}
+
+/// How to reach `ds`. A managed datastore's etcd must be Ready, unless `any_state` (a tenant
+/// leaving uses whatever members are known).
+async fn access(
+    ctx: &Context,
+    ds: &NestedDatastore,
+    any_state: bool,
+) -> Result<Result<Access, NotYet>, Error> {
+    let ns = ds.namespace().unwrap_or_default();
+    if let Some(ext) = &ds.spec.external {
+        let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+        let read = |name: String| {
+            let secrets = secrets.clone();
+            async move {
+                let s = secrets.get_opt(&name).await?;
+                let pair = s.as_ref().map(|s| {
+                    (
+                        secret_text(s, names::TLS_CRT),
+                        secret_text(s, names::TLS_KEY),
+                    )
+                });
+                Ok::<_, Error>((name, pair))
+            }
+        };
+        let mut pairs = Vec::new();
+        for name in [ext.ca_secret_name.clone(), ext.root_secret_name.clone()] {
+            match read(name).await? {
+                (name, None) => {
+                    return Ok(Err((
+                        reasons::REFERENCE_NOT_FOUND,
+                        format!("Secret {ns}/{name} not found"),
+                    )));
+                }
+                (_, Some((Some(crt), Some(key)))) => pairs.push((crt, key)),
+                (name, Some(_)) => {
+                    return Ok(Err((
+                        reasons::INVALID_SPEC,
+                        format!("Secret {ns}/{name} must hold tls.crt and tls.key"),
+                    )));
+                }
+            }
+        }
+        let (root_crt, root_key) = pairs.pop().unwrap_or_default();
+        let (ca_crt, ca_key) = pairs.pop().unwrap_or_default();
+        match nestplane_pki::key_matches(&ca_crt, &ca_key) {
+            Ok(true) => {}
+            _ => {
+                return Ok(Err((
+                    reasons::INVALID_SPEC,
+                    format!(
+                        "Secret {ns}/{}: tls.key does not belong to tls.crt",
+                        ext.ca_secret_name
+                    ),
+                )));
+            }
+        }
+        return Ok(Ok(Access {
+            endpoints: ext.endpoints.clone(),
+            creds: etcd::Credentials {
+                ca_pem: ca_crt.clone(),
+                cert_pem: root_crt,
+                key_pem: root_key,
+            },
+            ca: CertKey {
+                cert_pem: ca_crt,
+                key_pem: ca_key,
+            },
+        }));
+    }
+    let name = etcd_name(ds);
+    let Some(etcd) = Api::<NestedEtcd>::namespaced(ctx.client.clone(), &ns)
+        .get_opt(&name)
+        .await?
+    else {
+        return Ok(Err((
+            WAITING_FOR_ETCD,
+            format!("NestedEtcd {ns}/{name} is being created"),
+        )));
+    };
+    let ready = etcd.status.as_ref().is_some_and(|s| s.common.ready);
+    let endpoints = etcd_urls(&etcd);
+    if (!ready && !any_state) || endpoints.is_empty() {
+        return Ok(Err((
+            WAITING_FOR_ETCD,
+            format!("waiting for NestedEtcd {ns}/{name} to be Ready"),
+        )));
+    }
+    let secrets = ClusterSecrets::new(
+        ctx.client.clone(),
+        &ns,
+        &datastore_cluster(&ds.name_any()),
+        owner(ds),
+        ctx.clock.clone(),
+    )
+    .with_cache(ctx.caches.secrets.get().cloned());
+    let ca = secrets.ca(SecretPurpose::EtcdCa).await?;
+    let root = secrets
+        .leaf(
+            &Leaf {
+                purpose: SecretPurpose::DatastoreRoot,
+                ca: SecretPurpose::EtcdCa,
+                spec: LeafSpec {
+                    common_name: etcd::ROOT.into(),
+                    usage: Usage::Client,
+                    ..LeafSpec::default()
+                },
+            },
+            &ca,
+        )
+        .await?;
+    Ok(Ok(Access {
+        endpoints,
+        creds: etcd::Credentials {
+            ca_pem: ca.cert_pem.clone(),
+            cert_pem: root.cert_pem,
+            key_pem: root.key_pem,
+        },
+        ca,
+    }))
+}
+
+/// The control planes that use `ds`, from the control planes' cache.
+fn tenants_of(ctx: &Context, ds: &NestedDatastore) -> Vec<Arc<NestedControlPlane>> {
+    let key = (ds.namespace().unwrap_or_default(), ds.name_any());
+    let Some(store) = ctx.caches.ncps.get() else {
+        return Vec::new();
+    };
+    let mut out: Vec<_> = store
+        .state()
+        .into_iter()
+        .filter(|ncp| referenced(ncp).as_ref() == Some(&key))
+        .collect();
+    out.sort_by_key(|n| (n.namespace(), n.name_any()));
+    out
+}
+
+/// Reconcile one datastore.
+pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let _timer = ctx.metrics.reconcile_started("NestedDatastore");
+    let ns = ds.namespace().unwrap_or_default();
+    let name = ds.name_any();
+    let api: Api<NestedDatastore> = Api::namespaced(ctx.client.clone(), &ns);
+    let key = crate::context::object_key(ds.as_ref());
+    let tenants = tenants_of(&ctx, &ds);
+    if ds.metadata.deletion_timestamp.is_some() {
+        return delete(&ctx, &ds, &api, &tenants).await;
+    }
+    if !ds.finalizers().iter().any(|f| f == FINALIZER) {
+        let mut list: Vec<String> = ds.finalizers().to_vec();
+        list.push(FINALIZER.into());
+        api.patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {
+                "finalizers": list, "resourceVersion": ds.resource_version()}})),
+        )
+        .await?;
+    }
+    let kind = if ds.spec.external.is_some() {
+        EXTERNAL
+    } else {
+        MANAGED
+    };
+    let mut status = NestedDatastoreStatus {
+        r#type: Some(kind.into()),
+        observed_generation: ds.metadata.generation,
+        tenants: tenants
+            .iter()
+            .filter_map(|t| {
+                let s = t.status.as_ref()?.datastore.clone()?;
+                Some(DatastoreTenant {
+                    namespace: t.namespace().unwrap_or_default(),
+                    name: t.name_any(),
+                    user: s.user,
+                    prefix: s.prefix,
+                })
+            })
+            .collect(),
+        conditions: ds
+            .status
+            .as_ref()
+            .map(|s| s.conditions.clone())
+            .unwrap_or_default(),
+        ..Default::default()
+    };
+    status.tenant_count = status.tenants.len() as i32;
+    let verdict: Result<(), (&'static str, String, Option<EventType>)> = match problem(&ds) {
+        Some(m) => Err((reasons::INVALID_SPEC, m, Some(EventType::Warning))),
+        None => {
+            if ds.spec.external.is_none() {
+                // A datastore of a name deleted before runs again.
+                let placeholder = NestedEtcd::new(&etcd_name(&ds), NestedEtcdSpec::default());
+                ctx.runtime.revive(&etcd_tenant(&ds, placeholder).ncp);
+                ensure_etcd(&ctx, &ds).await?;
+            }
+            match access(&ctx, &ds, false).await? {
+                Err((reason, m)) => Err((
+                    reason,
+                    m,
+                    (reason != WAITING_FOR_ETCD).then_some(EventType::Warning),
+                )),
+                Ok(a) => {
+                    status.endpoints = a.endpoints.clone();
+                    match check(&a).await {
+                        Ok(members) => {
+                            let healthy = members.iter().filter(|m| m.healthy).count();
+                            status.healthy_members = Some(format!("{healthy}/{}", members.len()));
+                            let all = healthy == members.len();
+                            let unhealthy: Vec<String> = members
+                                .iter()
+                                .filter(|m| !m.healthy)
+                                .map(|m| {
+                                    format!(
+                                        "{}: {}",
+                                        m.endpoint,
+                                        m.message.clone().unwrap_or_default()
+                                    )
+                                })
+                                .collect();
+                            status.members = members;
+                            if all {
+                                Ok(())
+                            } else {
+                                Err((
+                                    reasons::UNHEALTHY,
+                                    format!("unhealthy members: {}", unhealthy.join("; ")),
+                                    Some(EventType::Warning),
+                                ))
+                            }
+                        }
+                        Err(e) => Err((UNREACHABLE, e.to_string(), Some(EventType::Warning))),
+                    }
+                }
+            }
+        }
+    };
+    status.ready = verdict.is_ok();
+    let (reason, message, event) = match &verdict {
+        Ok(()) => (
+            reasons::AS_EXPECTED,
+            format!("{} tenant(s)", status.tenant_count),
+            None,
+        ),
+        Err((r, m, e)) => (*r, m.clone(), *e),
+    };
+    let before = ds
+        .status
+        .as_ref()
+        .and_then(|s| conditions::get(&s.conditions, types::READY))
+        .map(|c| (c.status.clone(), c.reason.clone()));
+    conditions::set(
+        &mut status.conditions,
+        conditions::new(types::READY, status.ready, reason, message.clone()),
+        ds.metadata.generation,
+        k8s_openapi::jiff::Timestamp::now(),
+    );
+    if ds.status.as_ref() != Some(&status) {
+        api.patch_status(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "status": status })),
+        )
+        .await?;
+        let after = (
+            if status.ready { "True" } else { "False" }.to_string(),
+            reason.to_string(),
+        );
+        if before != Some(after) {
+            let note = if status.ready {
+                format!("the datastore is ready ({message})")
+            } else {
+                message.clone()
+            };
+            ctx.event(
+                ds.object_ref(&()),
+                event.unwrap_or(EventType::Normal),
+                reason,
+                &note,
+            )
+            .await;
+        }
+    }
+    Ok(match verdict {
+        Ok(()) => {
+            ctx.pacing.succeeded(&key);
+            Action::requeue(HEALTH_INTERVAL)
+        }
+        Err((reasons::INVALID_SPEC, ..)) => Action::await_change(),
+        Err((WAITING_FOR_ETCD, ..)) => Action::requeue(ctx.pacing.starting(&key)),
+        Err(_) => Action::requeue(ctx.pacing.error(&key)),
+    })
+}
+
+/// What is wrong with a datastore's spec, said for a person.
+fn problem(ds: &NestedDatastore) -> Option<String> {
+    match (&ds.spec.managed, &ds.spec.external) {
+        (Some(_), Some(_)) => Some("set either managed or external, not both".into()),
+        (_, Some(e)) if e.endpoints.is_empty() => {
+            Some("external.endpoints is empty: give etcd's client URLs".into())
+        }
+        (_, Some(e)) => e
+            .endpoints
+            .iter()
+            .find(|u| !u.starts_with("https://"))
+            .map(|u| format!("external endpoint {u:?} is not an https:// URL")),
+        (Some(m), None) => match m.replicas {
+            Some(1) | Some(3) | None => None,
+            Some(n) => Some(format!(
+                "managed.replicas {n}: a datastore runs 1 or 3 members"
+            )),
+        },
+        (None, None) => None,
+    }
+}
+
+/// A managed datastore's `NestedEtcd`: created when missing, its version and replicas kept
+/// to the datastore's spec (the etcd controller refuses a membership change after bootstrap,
+/// and says so on the NestedEtcd).
+async fn ensure_etcd(ctx: &Context, ds: &NestedDatastore) -> Result<(), Error> {
+    let ns = ds.namespace().unwrap_or_default();
+    let name = etcd_name(ds);
+    let managed = ds.spec.managed.clone().unwrap_or_default();
+    let api: Api<NestedEtcd> = Api::namespaced(ctx.client.clone(), &ns);
+    let cached = ctx
+        .caches
+        .etcds
+        .get()
+        .and_then(|s| s.get(&ObjectRef::new(&name).within(&ns)));
+    let existing = match cached {
+        Some(e) => Some((*e).clone()),
+        None => api.get_opt(&name).await?,
+    };
+    match existing {
+        None => {
+            let mut etcd = NestedEtcd::new(&name, NestedEtcdSpec::default());
+            etcd.metadata.namespace = Some(ns.clone());
+            etcd.metadata.owner_references = Some(vec![owner(ds)]);
+            etcd.metadata.labels = Some(
+                [(
+                    names::CLUSTER_NAME_LABEL.to_string(),
+                    datastore_cluster(&ds.name_any()),
+                )]
+                .into(),
+            );
+            etcd.spec.component.replicas = managed.replicas;
+            etcd.spec.component.version = managed.version;
+            match api.create(&PostParams::default(), &etcd).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Some(e) => {
+            let spec = &e.spec.component;
+            if spec.replicas != managed.replicas || spec.version != managed.version {
+                api.patch(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::Merge(serde_json::json!({"spec": {
+                        "replicas": managed.replicas,
+                        "version": managed.version,
+                    }})),
+                )
+                .await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Authentication on, and every member's health.
+async fn check(a: &Access) -> Result<Vec<nestplane_api::datastore::DatastoreMember>, Error> {
+    let mut admin = etcd::Admin::connect(&a.endpoints, &a.creds).await?;
+    admin.ensure_auth().await?;
+    Ok(admin.members().await)
+}
+
+async fn delete(
+    ctx: &Context,
+    ds: &NestedDatastore,
+    api: &Api<NestedDatastore>,
+    tenants: &[Arc<NestedControlPlane>],
+) -> Result<Action, Error> {
+    if !ds.finalizers().iter().any(|f| f == FINALIZER) {
+        return Ok(Action::await_change());
+    }
+    if !tenants.is_empty() {
+        let names: Vec<String> = tenants
+            .iter()
+            .map(|t| format!("{}/{}", t.namespace().unwrap_or_default(), t.name_any()))
+            .collect();
+        let message = format!(
+            "{} control plane(s) still use this datastore: {}; it is deleted after them",
+            names.len(),
+            names.join(", ")
+        );
+        let mut status = ds.status.clone().unwrap_or_default();
+        let had = conditions::get(&status.conditions, types::DELETING).map(|c| c.message.clone());
+        if had.as_ref() != Some(&message) {
+            conditions::set(
+                &mut status.conditions,
+                conditions::new(types::DELETING, true, IN_USE, message.clone()),
+                ds.metadata.generation,
+                k8s_openapi::jiff::Timestamp::now(),
+            );
+            api.patch_status(
+                &ds.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "status": status })),
+            )
+            .await?;
+            ctx.event(ds.object_ref(&()), EventType::Warning, IN_USE, &message)
+                .await;
+        }
+        // Tenants leaving are seen through the control planes' watch.
+        return Ok(Action::requeue(Duration::from_secs(30)));
+    }
+    if ds.spec.external.is_none() {
+        // What owner references do not remove: processes and data, volume claims.
+        let etcd = NestedEtcd::new(&etcd_name(ds), NestedEtcdSpec::default());
+        let t = etcd_tenant(ds, etcd);
+        ctx.runtime.remove(&ctx.client, &t.ncp).await?;
+    }
+    let list: Vec<String> = ds
+        .finalizers()
+        .iter()
+        .filter(|f| *f != FINALIZER)
+        .cloned()
+        .collect();
+    api.patch(
+        &ds.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"metadata": {
+            "finalizers": list, "resourceVersion": ds.resource_version()}})),
+    )
+    .await?;
+    Ok(Action::await_change())
+}
+
+/// What a control plane's pass learns from its datastore.
+pub enum Binding {
+    /// The tenant's user, role and credentials are in place.
+    Bound(TenantDatastoreStatus),
+    /// Not yet (the datastore is starting): a message for the tenant's status.
+    Waiting(String),
+    /// Something a person must fix: a reason and a message.
+    Problem(&'static str, String),
+}
+
+/// Make sure tenant `t` has its user, role and prefix in its datastore and the credentials
+/// for them: the datastore's CA certificate as `<cluster>-etcd` (no key) and a client
+/// certificate of its user as `<cluster>-apiserver-etcd-client`.
+pub async fn bind(ctx: &Context, t: &Tenant) -> Result<Binding, Error> {
+    let Some((ds_ns, ds_name)) = referenced(&t.ncp) else {
+        return Ok(Binding::Problem(
+            reasons::INVALID_SPEC,
+            "no datastore referenced".into(),
+        ));
+    };
+    if let Some(etcd) = t.etcd.found() {
+        return Ok(Binding::Problem(
+            reasons::INVALID_SPEC,
+            format!(
+                "this control plane has an etcd of its own (NestedEtcd {}); a datastore can only be chosen when a control plane is created",
+                etcd.name_any()
+            ),
+        ));
+    }
+    let Some(ds) = get(ctx, &ds_ns, &ds_name).await? else {
+        return Ok(Binding::Problem(
+            reasons::REFERENCE_NOT_FOUND,
+            format!("NestedDatastore {ds_ns}/{ds_name} not found"),
+        ));
+    };
+    let bound = t.datastore();
+    if bound.is_some_and(|b| b.name != ds_name || b.namespace != ds_ns) {
+        return Ok(Binding::Problem(
+            reasons::INVALID_SPEC,
+            "the datastore of a control plane cannot be changed: its data is in the first one"
+                .into(),
+        ));
+    }
+    if ds.metadata.deletion_timestamp.is_some() && bound.is_none() {
+        return Ok(Binding::Waiting(format!(
+            "NestedDatastore {ds_ns}/{ds_name} is being deleted"
+        )));
+    }
+    let ready = ds.status.as_ref().is_some_and(|s| s.ready);
+    let a = match access(ctx, &ds, false).await? {
+        Ok(a) if ready || bound.is_some() => a,
+        Ok(_) | Err(_) => {
+            return Ok(Binding::Waiting(format!(
+                "waiting for NestedDatastore {ds_ns}/{ds_name} to be Ready"
+            )));
+        }
+    };
+    let ns = t.namespace();
+    let cluster = t.cluster();
+    let want = TenantDatastoreStatus {
+        name: ds_name,
+        namespace: ds_ns,
+        user: tenant_user(&ns, &cluster),
+        prefix: tenant_prefix(&ns, &cluster),
+        endpoints: a.endpoints.clone(),
+    };
+    let mut admin = etcd::Admin::connect(&a.endpoints, &a.creds).await?;
+    admin.ensure_tenant(&want.user, &want.prefix).await?;
+    let secrets = ClusterSecrets::new(
+        ctx.client.clone(),
+        &ns,
+        &cluster,
+        t.owner(),
+        ctx.clock.clone(),
+    )
+    .with_cache(ctx.caches.secrets.get().cloned());
+    secrets.trust(SecretPurpose::EtcdCa, &a.ca.cert_pem).await?;
+    secrets
+        .leaf(
+            &Leaf {
+                purpose: SecretPurpose::ApiServerEtcdClient,
+                ca: SecretPurpose::EtcdCa,
+                spec: LeafSpec {
+                    common_name: want.user.clone(),
+                    usage: Usage::Client,
+                    ..LeafSpec::default()
+                },
+            },
+            &a.ca,
+        )
+        .await?;
+    Ok(Binding::Bound(want))
+}
+
+/// A deleted tenant leaves its datastore: its keys, user and role are deleted. A datastore
+/// that no longer exists is said in an Event (its keys cannot be reached).
+pub async fn unbind(ctx: &Context, ncp: &NestedControlPlane) -> Result<(), Error> {
+    let Some(bound) = ncp.status.as_ref().and_then(|s| s.datastore.clone()) else {
+        return Ok(());
+    };
+    let Some(ds) = get(ctx, &bound.namespace, &bound.name).await? else {
+        ctx.event(
+            ncp.object_ref(&()),
+            EventType::Warning,
+            reasons::REFERENCE_NOT_FOUND,
+            &format!(
+                "NestedDatastore {}/{} is gone: the tenant's keys under {} could not be deleted",
+                bound.namespace, bound.name, bound.prefix
+            ),
+        )
+        .await;
+        return Ok(());
+    };
+    let a = match access(ctx, &ds, true).await? {
+        Ok(a) => a,
+        Err((_, m)) => return Err(Error::Internal(format!("datastore not reachable: {m}"))),
+    };
+    let mut admin = etcd::Admin::connect(&a.endpoints, &a.creds).await?;
+    let deleted = admin.remove_tenant(&bound.user, &bound.prefix).await?;
+    tracing::info!(
+        namespace = %ncp.namespace().unwrap_or_default(),
+        cluster = %ncp.name_any(),
+        keys = deleted,
+        "tenant removed from its datastore"
+    );
+    Ok(())
+}
