@@ -318,7 +318,14 @@ pub struct Tenant {
     /// Who owns what is made for this tenant when it is not the control plane itself (a
     /// `NestedDatastore`'s own etcd runs as a tenant of its own).
     pub owner: Option<OwnerReference>,
+    /// Whether this tenant's etcd compacts itself (a shared datastore's: its tenants' API
+    /// servers do not compact).
+    pub etcd_compacts_itself: bool,
 }
+
+/// How much history a shared datastore's etcd keeps (what kube-apiserver's own compactor
+/// keeps by default).
+pub const ETCD_RETENTION: &str = "5m";
 
 /// Who manages a component object instead of nestplane: the value of its
 /// `cluster.x-k8s.io/managed-by` annotation (any value but `nestplane`; an empty value is
@@ -354,6 +361,7 @@ impl Tenant {
             cluster_paused: cluster_paused(client, &ncp).await,
             external_etcd: None,
             owner: None,
+            etcd_compacts_itself: false,
             ncp,
         })
     }
@@ -615,6 +623,9 @@ impl Tenant {
         input.replicas = replicas;
         input.resources = resources;
         input.external_etcd = self.external_etcd.clone();
+        if self.etcd_compacts_itself {
+            input.etcd_auto_compaction = Some(ETCD_RETENTION.into());
+        }
         if let Some(d) = self.datastore() {
             input.external_etcd = Some(d.endpoints.clone());
             input.datastore_prefix = Some(d.prefix.clone());

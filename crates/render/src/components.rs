@@ -108,6 +108,10 @@ fn etcd(input: &RenderInput) -> Part {
     f.set("initial-cluster-state", "new");
     f.set("initial-cluster-token", cluster.clone());
     f.set("snapshot-count", "10000");
+    if let Some(retention) = &input.etcd_auto_compaction {
+        f.set("auto-compaction-mode", "periodic");
+        f.set("auto-compaction-retention", retention.clone());
+    }
 
     f.set("client-cert-auth", "true");
     f.set("trusted-ca-file", m.file(SecretPurpose::EtcdCa, TLS_CRT));

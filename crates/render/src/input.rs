@@ -63,6 +63,9 @@ pub struct RenderInput {
     /// etcd CA and client certificate come from the datastore, not from the tenant's plan.
     /// `None` for an etcd of the tenant's own.
     pub datastore_prefix: Option<String>,
+    /// etcd compacts its own history (`--auto-compaction-mode=periodic`, this retention):
+    /// a shared datastore's etcd, whose tenants' API servers do not compact.
+    pub etcd_auto_compaction: Option<String>,
 }
 
 impl RenderInput {
@@ -87,6 +90,7 @@ impl RenderInput {
             apiserver_service_type: "ClusterIP".into(),
             external_etcd: None,
             datastore_prefix: None,
+            etcd_auto_compaction: None,
         }
     }
 

@@ -85,11 +85,25 @@ pub struct Rendered {
     pub secrets: Vec<SecretPurpose>,
 }
 
+/// `GOGC` of the API server, controller-manager and scheduler (see [`render`]).
+pub const GOGC: &str = "25";
+
 /// Render component `c` of the tenant described by `input`.
 pub fn render(c: Component, input: &RenderInput) -> Result<Rendered, RenderError> {
     input.validate()?;
     let part = components::part(c, input);
     let mut env = pod::downward_env();
+    if c != Component::Etcd {
+        // Density: Go's collector at 25% heap growth instead of 100%. An idle tenant's API
+        // server keeps about 60 MiB less resident memory (anonymous memory 227 → 160 MiB,
+        // measured on 1.20.2) at the same idle CPU; the price is more frequent collection
+        // under churn. A patch of the container's env changes it per component.
+        env.push(k8s_openapi::api::core::v1::EnvVar {
+            name: "GOGC".into(),
+            value: Some(GOGC.into()),
+            value_from: None,
+        });
+    }
     env.sort_by(|a, b| a.name.cmp(&b.name));
     let container = Container {
         name: c.binary().into(),

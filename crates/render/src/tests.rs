@@ -1421,7 +1421,43 @@ fn a_tenant_on_a_shared_datastore_keeps_to_its_prefix() {
         flag(&shared, "etcd-servers").as_deref(),
         Some("https://127.9.8.1:2379")
     );
+    // The datastore's etcd compacts itself, a tenant's own does not.
+    let etcd = |auto: Option<&str>| {
+        let mut i = loopback(20, 1);
+        i.etcd_auto_compaction = auto.map(String::from);
+        let r = render(Component::Etcd, &i).unwrap();
+        (
+            flag(&r, "auto-compaction-mode"),
+            flag(&r, "auto-compaction-retention"),
+        )
+    };
+    assert_eq!(etcd(None), (None, None));
+    assert_eq!(
+        etcd(Some("5m")),
+        (Some("periodic".into()), Some("5m".into()))
+    );
     // A prefix that could cover another tenant's is refused.
     input.datastore_prefix = Some("/nestplane/ns/demo".into());
     assert!(render(Component::ApiServer, &input).is_err());
+}
+
+#[test]
+fn go_collects_more_often_in_the_kubernetes_components_only() {
+    let gogc = |c: Component| {
+        let r = render(c, &loopback(20, 1)).unwrap();
+        container(&r)
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == "GOGC")
+            .and_then(|e| e.value.clone())
+    };
+    for c in [
+        Component::ApiServer,
+        Component::ControllerManager,
+        Component::Scheduler,
+    ] {
+        assert_eq!(gogc(c).as_deref(), Some(GOGC), "{c:?}");
+    }
+    assert_eq!(gogc(Component::Etcd), None);
 }

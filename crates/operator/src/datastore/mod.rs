@@ -104,6 +104,7 @@ pub fn etcd_tenant(ds: &NestedDatastore, etcd: NestedEtcd) -> Tenant {
         cluster_paused: false,
         external_etcd: None,
         owner: Some(owner(ds)),
+        etcd_compacts_itself: true,
     }
 }
 
