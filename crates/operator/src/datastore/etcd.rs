@@ -110,52 +110,98 @@ impl Admin {
         Ok(())
     }
 
+    /// Whether a client whose certificate names a user etcd does not know may read (only when
+    /// authentication is off).
+    pub async fn anyone_may_read(
+        endpoints: &[String],
+        stranger: &Credentials,
+    ) -> Result<bool, EtcdError> {
+        let mut probe = Admin::connect(endpoints, stranger).await?;
+        Ok(probe
+            .client
+            .get(
+                "/nestplane/",
+                Some(etcd_client::GetOptions::new().with_keys_only()),
+            )
+            .await
+            .is_ok())
+    }
+
     /// Give tenant `user` a role of the same name that may read and write `prefix` and
     /// nothing else (idempotent).
     pub async fn ensure_tenant(&mut self, user: &str, prefix: &str) -> Result<(), EtcdError> {
-        if let Err(e) = self.client.role_add(user).await
-            && !already_exists(&e)
-        {
-            return Err(self.fail("adding the tenant's role")(e));
-        }
-        let permission = Permission::read_write(prefix).with_prefix();
-        let granted = self
-            .client
-            .role_get(user)
-            .await
-            .map_err(self.fail("reading the tenant's role"))?
-            .permissions();
-        let exact = granted.len() == 1
-            && granted[0].key() == prefix.as_bytes()
-            && granted[0].range_end() == permission.range_end();
-        if !exact {
-            // Anything else granted to this role (by hand, say) is taken away: the role is
-            // the tenant's confinement.
-            for p in &granted {
-                let opts =
-                    etcd_client::RoleRevokePermissionOptions::new().with_range_end(p.range_end());
+        // Read first, write only what is missing or wrong: every write to etcd's auth store
+        // makes the requests then in flight of every tenant fail once (etcd compares auth
+        // revisions), so a steady tenant must cost reads only.
+        let permission = Permission::read_write(prefix).with_range_end(prefix_end(prefix));
+        let granted = match self.client.role_get(user).await {
+            Ok(r) => Some(r.permissions()),
+            Err(e) if not_found(&e) => None,
+            Err(e) => return Err(self.fail("reading the tenant's role")(e)),
+        };
+        let exact = |g: &[Permission]| {
+            g.len() == 1
+                && g[0].key() == prefix.as_bytes()
+                && g[0].range_end() == permission.range_end()
+                && g[0].get_type() == permission.get_type()
+        };
+        match granted {
+            Some(g) if exact(&g) => {}
+            Some(g) => {
+                // Anything else granted to this role (by hand, say) is taken away: the role
+                // is the tenant's confinement.
+                for p in &g {
+                    let opts = etcd_client::RoleRevokePermissionOptions::new()
+                        .with_range_end(p.range_end());
+                    self.client
+                        .role_revoke_permission(user, p.key(), Some(opts))
+                        .await
+                        .map_err(self.fail("revoking a stray permission"))?;
+                }
                 self.client
-                    .role_revoke_permission(user, p.key(), Some(opts))
+                    .role_grant_permission(user, permission)
                     .await
-                    .map_err(self.fail("revoking a stray permission"))?;
+                    .map_err(self.fail("granting the tenant's prefix"))?;
             }
+            None => {
+                self.client
+                    .role_add(user)
+                    .await
+                    .map_err(self.fail("adding the tenant's role"))?;
+                self.client
+                    .role_grant_permission(user, permission)
+                    .await
+                    .map_err(self.fail("granting the tenant's prefix"))?;
+            }
+        }
+        let roles = match self.client.user_get(user).await {
+            Ok(u) => Some(u.roles().to_vec()),
+            Err(e) if not_found(&e) => None,
+            Err(e) => return Err(self.fail("reading the tenant's user")(e)),
+        };
+        let roles = match roles {
+            Some(r) => r,
+            None => {
+                self.client
+                    .user_add(user, "", Some(UserAddOptions::new().with_no_pwd()))
+                    .await
+                    .map_err(self.fail("adding the tenant's user"))?;
+                Vec::new()
+            }
+        };
+        // The user has its own role and no other.
+        for other in roles.iter().filter(|r| *r != user) {
             self.client
-                .role_grant_permission(user, permission)
+                .user_revoke_role(user, other.as_str())
                 .await
-                .map_err(self.fail("granting the tenant's prefix"))?;
+                .map_err(self.fail("revoking a stray role"))?;
         }
-        if let Err(e) = self
-            .client
-            .user_add(user, "", Some(UserAddOptions::new().with_no_pwd()))
-            .await
-            && !already_exists(&e)
-        {
-            return Err(self.fail("adding the tenant's user")(e));
+        if !roles.iter().any(|r| r == user) {
+            self.client
+                .user_grant_role(user, user)
+                .await
+                .map_err(self.fail("granting the tenant's role"))?;
         }
-        self.client
-            .user_grant_role(user, user)
-            .await
-            .map_err(self.fail("granting the tenant's role"))?;
         Ok(())
     }
 
@@ -212,6 +258,20 @@ impl Admin {
     }
 }
 
+/// The end of the key range of everything under `prefix` (etcd's `--prefix`): the prefix
+/// with its last byte incremented (a tenant's prefix ends with `/`, so this is `…0`).
+pub fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // All 0xff (or empty): every key from `prefix` on.
+    vec![0]
+}
+
 async fn connect(endpoints: &[String], tls: TlsOptions) -> Result<Client, EtcdError> {
     Client::connect(
         endpoints,
@@ -228,4 +288,16 @@ async fn connect(endpoints: &[String], tls: TlsOptions) -> Result<Client, EtcdEr
         what: "connecting",
         source: Box::new(source),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prefix_ends_where_etcdctl_says() {
+        assert_eq!(prefix_end("/nestplane/ns/a/"), b"/nestplane/ns/a0".to_vec());
+        assert_eq!(prefix_end("a\u{7f}"), b"a\x80".to_vec());
+        assert_eq!(prefix_end(""), vec![0]);
+    }
 }

@@ -543,9 +543,29 @@ async fn ensure_etcd(ctx: &Context, ds: &NestedDatastore) -> Result<(), Error> {
 }
 
 /// Authentication on, and every member's health.
+/// Authentication on (checked with a read as a user etcd does not know, which only succeeds
+/// when it is off; turned on then), and every member's health. A steady datastore costs
+/// reads only.
 async fn check(a: &Access) -> Result<Vec<nestplane_api::datastore::DatastoreMember>, Error> {
     let mut admin = etcd::Admin::connect(&a.endpoints, &a.creds).await?;
-    admin.ensure_auth().await?;
+    let stranger = nestplane_pki::issue(
+        &a.ca,
+        &LeafSpec {
+            common_name: "nestplane-auth-probe".into(),
+            usage: Usage::Client,
+            ..LeafSpec::default()
+        },
+        time::OffsetDateTime::now_utc(),
+    )
+    .map_err(|e| Error::Internal(e.to_string()))?;
+    let probe = etcd::Credentials {
+        ca_pem: a.creds.ca_pem.clone(),
+        cert_pem: stranger.cert_pem,
+        key_pem: stranger.key_pem,
+    };
+    if etcd::Admin::anyone_may_read(&a.endpoints, &probe).await? {
+        admin.ensure_auth().await?;
+    }
     Ok(admin.members().await)
 }
 
