@@ -8,12 +8,15 @@
 #     Ready in the kubernetes runtime on a real node (crates/cli/examples/nodes_bench.rs).
 #  4. The built-in DNS server with 2,000 Services: queries/s and p99 latency from dnsperf,
 #     resident memory (crates/cli/examples/dns_bench.rs).
+#  5. Memory per tenant with N = 1, 10, 30 tenants (process runtime), each with an etcd of its
+#     own and then all on one shared NestedDatastore; the operator's memory
+#     (crates/cli/examples/tenants_bench.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin_line=$(scripts/install-deps.sh | grep '^NESTPLANE_BIN_DIR=')
 export "${bin_line?}"
 echo "bench: building nestplane (release)" >&2
-cargo build --release -p nestplane-cli --bin nestplane --example nodes_bench --example dns_bench
+cargo build --release -p nestplane-cli --bin nestplane --example nodes_bench --example dns_bench --example tenants_bench
 runs="${1:-3}"
 for i in $(seq 1 "$runs"); do
   dir=$(mktemp -d)
@@ -32,3 +35,5 @@ for n in 1 3; do
 done
 echo "cluster DNS (built-in server, dnsperf)"
 target/release/examples/dns_bench | sed 's/^/  /'
+echo "memory per tenant (process runtime; own etcd, then one shared datastore)"
+target/release/examples/tenants_bench | sed 's/^/  /'

@@ -551,7 +551,99 @@ async fn kubernetes_runtime_with_real_pods_and_the_operator_installed_by_kustomi
         "",
         "components are garbage-collected with their control plane"
     );
+
+    // A shared datastore in pods, run by the installed operator under its shipped RBAC: its
+    // etcd is a StatefulSet with a claim, reached by its Service's names, and a tenant on it
+    // works and keeps its data under its own prefix there.
+    kubectl_ok(&kc, &["create", "namespace", "shared"]);
+    kubectl_apply(&kc, DATASTORE_IN_PODS);
+    eventually("the datastore Ready", Duration::from_secs(240), || {
+        (jsonpath(
+            &kc,
+            &["nesteddatastore", "pool", "-n", "shared"],
+            "{.status.ready}",
+        ) == "true")
+            .then_some(())
+    });
+    let endpoints = jsonpath(
+        &kc,
+        &["nesteddatastore", "pool", "-n", "shared"],
+        "{.status.endpoints[*]}",
+    );
+    assert_eq!(
+        endpoints,
+        "https://pool-datastore-etcd-0.pool-datastore-etcd-peer.shared.svc:2379"
+    );
+    eventually("delta Ready", Duration::from_secs(240), || {
+        (jsonpath(&kc, &["ncp", "delta", "-n", "shared"], "{.status.ready}") == "true")
+            .then_some(())
+    });
+    let secret = jsonpath(
+        &kc,
+        &["secret", "delta-kubeconfig", "-n", "shared"],
+        "{.data.value}",
+    );
+    let delta = plane.dir().join("delta.kubeconfig");
+    {
+        use base64::Engine as _;
+        let value = base64::engine::general_purpose::STANDARD
+            .decode(secret.trim())
+            .unwrap();
+        std::fs::write(&delta, value).unwrap();
+    }
+    kubectl_ok(&delta, &["create", "namespace", "on-the-pool"]);
+    let claim = jsonpath(
+        &kc,
+        &["pvc", "data-pool-datastore-etcd-0", "-n", "shared"],
+        "{.status.phase}",
+    );
+    assert_eq!(claim, "Bound");
+    assert!(
+        kubectl(&kc, &["get", "statefulset", "delta-etcd", "-n", "shared"])
+            .status
+            .code()
+            != Some(0),
+        "a tenant on a datastore has no etcd of its own"
+    );
+    kubectl_ok(
+        &kc,
+        &[
+            "delete",
+            "ncp",
+            "delta",
+            "-n",
+            "shared",
+            "--wait=true",
+            "--timeout=120s",
+        ],
+    );
+    kubectl_ok(
+        &kc,
+        &[
+            "delete",
+            "nesteddatastore",
+            "pool",
+            "-n",
+            "shared",
+            "--wait=true",
+            "--timeout=120s",
+        ],
+    );
 }
+
+const DATASTORE_IN_PODS: &str = r#"
+apiVersion: controlplane.cluster.x-k8s.io/v1alpha1
+kind: NestedDatastore
+metadata: {name: pool, namespace: shared}
+spec: {managed: {replicas: 1}}
+---
+apiVersion: controlplane.cluster.x-k8s.io/v1alpha1
+kind: NestedControlPlane
+metadata: {name: delta, namespace: shared}
+spec:
+  version: v1.20.2
+  datastoreRef: {name: pool}
+"#;
 
 /// A management plane with one real node and cluster DNS; every locally built image is on
 /// the node.
