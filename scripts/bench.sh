@@ -8,12 +8,21 @@
 #     Ready in the kubernetes runtime on a real node (crates/cli/examples/nodes_bench.rs).
 #  4. The built-in DNS server with 2,000 Services: queries/s and p99 latency from dnsperf,
 #     resident memory (crates/cli/examples/dns_bench.rs).
+#  5. Start-up overhead: the same four components started by hand (etcd -> API server ->
+#     controller-manager + scheduler, same binaries, flags and certificates) against a tenant
+#     through nestplane, alternately in one run; bare_seconds, nestplane_seconds and their ratio
+#     (crates/cli/examples/startup_bench.rs; runs: BENCH_STARTUP_RUNS, default 5).
+#  6. One operator, many control planes: 1,000 NestedControlPlanes in the kubernetes runtime
+#     against a local management plane without nodes; time until every one has its objects,
+#     the operator's peak memory, and the writes of 60 s of steady state afterwards
+#     (crates/cli/examples/scale_bench.rs; BENCH_SCALE_TENANTS, default 1000).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin_line=$(scripts/install-deps.sh | grep '^NESTPLANE_BIN_DIR=')
 export "${bin_line?}"
 echo "bench: building nestplane (release)" >&2
-cargo build --release -p nestplane-cli --bin nestplane --example nodes_bench --example dns_bench
+cargo build --release -p nestplane-cli --bin nestplane --example nodes_bench --example dns_bench \
+  --example startup_bench --example scale_bench
 runs="${1:-3}"
 for i in $(seq 1 "$runs"); do
   dir=$(mktemp -d)
@@ -32,3 +41,7 @@ for n in 1 3; do
 done
 echo "cluster DNS (built-in server, dnsperf)"
 target/release/examples/dns_bench | sed 's/^/  /'
+echo "start-up overhead (by hand against nestplane, alternately)"
+target/release/examples/startup_bench "${BENCH_STARTUP_RUNS:-5}" | sed 's/^/  /'
+echo "one operator, many control planes"
+target/release/examples/scale_bench "${BENCH_SCALE_TENANTS:-1000}" 60 | sed 's/^/  /'
