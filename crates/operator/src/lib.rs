@@ -94,7 +94,7 @@ where
 pub const CONCURRENCY: u16 = 32;
 
 /// How long the control plane controller waits after an event for more (see `run_with`).
-pub const NCP_DEBOUNCE: std::time::Duration = std::time::Duration::from_millis(200);
+pub const NCP_DEBOUNCE: std::time::Duration = std::time::Duration::from_millis(50);
 
 fn controller_config() -> kube::runtime::controller::Config {
     kube::runtime::controller::Config::default().concurrency(CONCURRENCY)
