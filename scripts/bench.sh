@@ -11,12 +11,21 @@
 #  5. Memory per tenant with N = 1, 10, 30 tenants (process runtime), each with an etcd of its
 #     own and then all on one shared NestedDatastore; the operator's memory
 #     (crates/cli/examples/tenants_bench.rs).
+#  6. Start-up overhead: the same four components started by hand (etcd -> API server ->
+#     controller-manager + scheduler, same binaries, flags and certificates) against a tenant
+#     through nestplane, alternately in one run; bare_seconds, nestplane_seconds and their ratio
+#     (crates/cli/examples/startup_bench.rs; runs: BENCH_STARTUP_RUNS, default 5).
+#  7. One operator, many control planes: 1,000 NestedControlPlanes in the kubernetes runtime
+#     against a local management plane without nodes; time until every one has its objects,
+#     the operator's peak memory, and the writes of 60 s of steady state afterwards
+#     (crates/cli/examples/scale_bench.rs; BENCH_SCALE_TENANTS, default 1000).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin_line=$(scripts/install-deps.sh | grep '^NESTPLANE_BIN_DIR=')
 export "${bin_line?}"
 echo "bench: building nestplane (release)" >&2
-cargo build --release -p nestplane-cli --bin nestplane --example nodes_bench --example dns_bench --example tenants_bench
+cargo build --release -p nestplane-cli --bin nestplane --example nodes_bench --example dns_bench \
+  --example startup_bench --example scale_bench --example tenants_bench
 runs="${1:-3}"
 for i in $(seq 1 "$runs"); do
   dir=$(mktemp -d)
@@ -37,3 +46,7 @@ echo "cluster DNS (built-in server, dnsperf)"
 target/release/examples/dns_bench | sed 's/^/  /'
 echo "memory per tenant (process runtime; own etcd, then one shared datastore)"
 target/release/examples/tenants_bench | sed 's/^/  /'
+echo "start-up overhead (by hand against nestplane, alternately)"
+target/release/examples/startup_bench "${BENCH_STARTUP_RUNS:-5}" | sed 's/^/  /'
+echo "one operator, many control planes"
+target/release/examples/scale_bench "${BENCH_SCALE_TENANTS:-1000}" 60 | sed 's/^/  /'

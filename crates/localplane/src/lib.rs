@@ -243,7 +243,9 @@ impl LocalPlane {
         let service_cidr = plane_slot
             .as_ref()
             .map(|s| nestplane_nodes::net::plane_service_cidr(s.number))
-            .unwrap_or_else(|| "10.0.0.0/24".into());
+            // Without nodes nothing routes the range: a /16, so that a thousand tenants'
+            // Services fit (each has several).
+            .unwrap_or_else(|| "10.0.0.0/16".into());
         let first_service_ip = nth_address(&service_cidr, 1)?;
         let pki = ensure_pki(
             &dir,

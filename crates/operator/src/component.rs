@@ -423,12 +423,17 @@ fn gate(ctx: &Context, t: &Tenant, c: Component, key: &str) -> Result<Gate, Erro
         .status_of(c)
         .is_some_and(|s| s.ready || s.version.is_some());
     if !waiting_for.is_empty() && !started_before {
-        // A dependency's status change reaches this component through its control plane's
-        // watch; the requeue is only a safety net, backed off.
+        // A dependency's status change reaches this component through the watch of its kind
+        // (and its control plane's); the requeue is only a safety net, since that event may
+        // come before the dependency's own cache has the change.
         return stop(
             reasons::WAITING_FOR_DEPENDENCIES,
             format!("waiting for {} to be Ready", waiting_for.join(" and ")),
-            Some(ctx.pacing.starting(key)),
+            Some(if ctx.runtime.readiness_is_watched() {
+                ctx.pacing.starting(key)
+            } else {
+                ctx.pacing.waiting(key)
+            }),
             None,
         );
     }
@@ -485,10 +490,20 @@ fn judge(
         } else if ready {
             crate::pacing::RECHECK
         } else {
-            ctx.pacing.starting(key)
+            starting_delay(ctx, key)
         }),
         event: None,
         scale_refused: scale_refusal(t, c),
+    }
+}
+
+/// When to look again at a component that is starting (or waiting for a dependency): probed
+/// often at first where nothing announces readiness, backed off where a watch does.
+fn starting_delay(ctx: &Context, key: &str) -> Duration {
+    if ctx.runtime.readiness_is_watched() {
+        ctx.pacing.starting(key)
+    } else {
+        ctx.pacing.probing(key)
     }
 }
 

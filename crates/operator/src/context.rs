@@ -32,6 +32,11 @@ struct FailureLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabel {
+    method: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TenantLabel {
     namespace: String,
     cluster: String,
@@ -45,6 +50,7 @@ pub struct Metrics {
     duration: Family<KindLabel, Histogram>,
     tenant_ready: Family<TenantLabel, Gauge<i64, AtomicI64>>,
     watch_failures: Family<KindLabel, Counter>,
+    api_requests: Family<RequestLabel, Counter>,
     registry: Arc<Registry>,
 }
 
@@ -57,6 +63,7 @@ impl Default for Metrics {
         });
         let tenant_ready = Family::<TenantLabel, Gauge<i64, AtomicI64>>::default();
         let watch_failures = Family::<KindLabel, Counter>::default();
+        let api_requests = Family::<RequestLabel, Counter>::default();
         let mut registry = Registry::with_prefix("nestplane");
         registry.register("reconciles", "Reconcile passes by kind", reconciles.clone());
         registry.register(
@@ -79,12 +86,18 @@ impl Default for Metrics {
             "Failed watches (list or watch refused, connection lost) by controller",
             watch_failures.clone(),
         );
+        registry.register(
+            "api_requests",
+            "Requests sent to the management cluster's API server, by HTTP method (POST, PUT, PATCH and DELETE are writes)",
+            api_requests.clone(),
+        );
         Metrics {
             reconciles,
             failures,
             duration,
             tenant_ready,
             watch_failures,
+            api_requests,
             registry: Arc::new(registry),
         }
     }
@@ -133,6 +146,16 @@ impl Metrics {
             .set(i64::from(ready));
     }
 
+    /// A tenant's readiness as last recorded.
+    pub fn tenant_ready(&self, namespace: &str, cluster: &str) -> Option<bool> {
+        self.tenant_ready
+            .get(&TenantLabel {
+                namespace: namespace.into(),
+                cluster: cluster.into(),
+            })
+            .map(|g| g.get() == 1)
+    }
+
     /// Count a failed watch of a controller.
     pub fn watch_failed(&self, controller: &str) {
         self.watch_failures
@@ -140,6 +163,23 @@ impl Metrics {
                 kind: controller.into(),
             })
             .inc();
+    }
+
+    /// `client`, counting every request it sends in `nestplane_api_requests_total{method}`
+    /// (watches count once, when they start).
+    pub fn counted(&self, client: kube::Client) -> kube::Client {
+        let requests = self.api_requests.clone();
+        let namespace = client.default_namespace().to_string();
+        let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
+            requests
+                .get_or_create(&RequestLabel {
+                    method: req.method().as_str().to_string(),
+                })
+                .inc();
+            let client = client.clone();
+            async move { client.send(req).await }
+        });
+        kube::Client::new(service, namespace)
     }
 
     /// Forget a deleted tenant.
@@ -218,6 +258,8 @@ pub struct Context {
     pub recorder: Recorder,
     /// Metrics.
     pub metrics: Metrics,
+    /// The kubernetes runtime's watch caches of workloads and Services, and what it applied.
+    pub applied: Arc<crate::applied::Applied>,
     /// Per-object backoff and health hysteresis.
     pub pacing: crate::pacing::Pacing,
     /// Watch failures, for `/readyz`.
@@ -319,9 +361,14 @@ pub fn object_key<K: kube::Resource<DynamicType = ()>>(obj: &K) -> String {
 impl Context {
     /// A context for `client` and `runtime`.
     pub fn new(client: kube::Client, processes: Arc<ProcessRuntime>, mode: Mode) -> Self {
+        let metrics = Metrics::default();
+        let client = metrics.counted(client);
+        let applied = Arc::new(crate::applied::Applied::default());
         let runtime: Arc<dyn crate::runtime::Runtime> = match mode {
             Mode::Process => Arc::new(crate::process::Processes::new(processes)),
-            Mode::Kubernetes(settings) => Arc::new(crate::workloads::Workloads::new(settings)),
+            Mode::Kubernetes(settings) => {
+                Arc::new(crate::workloads::Workloads::new(settings, applied.clone()))
+            }
         };
         let recorder = Recorder::new(
             client.clone(),
@@ -334,7 +381,8 @@ impl Context {
             client,
             runtime,
             recorder,
-            metrics: Metrics::default(),
+            metrics,
+            applied,
             pacing: Default::default(),
             health: Health::default(),
             watch_filter: None,

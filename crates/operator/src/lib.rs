@@ -4,6 +4,7 @@
 //! Each controller reads, calls the pure core (`render`, `pki`, [`status`]), applies, and
 //! writes status only when it changed.
 
+pub mod applied;
 pub mod clock;
 pub mod component;
 pub mod context;
@@ -28,7 +29,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use kube::ResourceExt;
 use kube::api::Api;
@@ -88,6 +89,137 @@ where
     Action::requeue(delay)
 }
 
+/// How many reconciles of one controller run at once: enough to keep the API server busy
+/// while a thousand control planes are created, few enough that a burst does not open a
+/// connection and hold a pass's memory per object.
+pub const CONCURRENCY: u16 = 32;
+
+/// How long the control plane controller waits after an event for more (see `run_with`).
+pub const NCP_DEBOUNCE: std::time::Duration = std::time::Duration::from_millis(50);
+
+fn controller_config() -> kube::runtime::controller::Config {
+    kube::runtime::controller::Config::default().concurrency(CONCURRENCY)
+}
+
+/// A watch cache of `K` filling `slot`, until `shutdown`; a failed watch is logged, counted
+/// and fails `/readyz`, and is retried with backoff.
+fn cache<K>(
+    ctx: &Arc<Context>,
+    kind: &'static str,
+    slot: &std::sync::OnceLock<Store<K>>,
+    api: Api<K>,
+    config: watcher::Config,
+    slim: fn(&mut K),
+    shutdown: &CancellationToken,
+) -> impl std::future::Future<Output = ()> + use<K>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let (reader, writer) = kube::runtime::reflector::store();
+    let _ = slot.set(reader);
+    let ctx = ctx.clone();
+    kube::runtime::reflector(
+        writer,
+        watcher(api, config)
+            .default_backoff()
+            .modify(move |o: &mut K| {
+                // What a pass reads is the rollout and the markers (see `applied`): the field
+                // managers are the largest part of an applied object and are never read.
+                o.meta_mut().managed_fields = None;
+                slim(o);
+            }),
+    )
+    .take_until(shutdown.clone().cancelled_owned())
+    .for_each(move |r| {
+        if let Err(e) = r {
+            tracing::error!(error = %e, kind, "watch failed");
+            ctx.metrics.watch_failed(kind);
+            ctx.health.watch_failed(kind, e.to_string());
+        }
+        std::future::ready(())
+    })
+}
+
+/// [`ncp::reconcile`], looking again soon at a control plane that is not Ready yet.
+///
+/// A component's change reaches its control plane through a watch of its own, which may
+/// deliver the event before the component controller's cache (which the pass reads) has the
+/// change: the pass then computes the status from the older component. While the tenant is
+/// not Ready, a look after [`pacing`]'s starting delay (fast at first where readiness is
+/// probed, backed off where it is watched) bounds what that costs; a Ready tenant is looked
+/// at as `ncp::reconcile` says.
+async fn reconcile_ncp(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let action = ncp::reconcile(ncp.clone(), ctx.clone()).await?;
+    let key = format!("ready/{}", context::object_key(ncp.as_ref()));
+    let ready = ctx
+        .metrics
+        .tenant_ready(&ncp.namespace().unwrap_or_default(), &ncp.name_any());
+    if ready != Some(false) || ncp.metadata.deletion_timestamp.is_some() {
+        ctx.pacing.forget(&key);
+        return Ok(action);
+    }
+    // Only the periodic look is shortened: a paused or invalid control plane still waits for
+    // a change.
+    if action != Action::requeue(ncp::RESYNC) {
+        return Ok(action);
+    }
+    Ok(Action::requeue(if ctx.runtime.readiness_is_watched() {
+        ctx.pacing.starting(&key)
+    } else {
+        ctx.pacing.waiting(&key)
+    }))
+}
+
+/// A dependency's change reaches the components of its control plane that wait for it at
+/// once, rather than through the control plane's status (one write and one pass fewer on the
+/// way from "etcd is Ready" to "the API server starts").
+fn dependents<D, K>(
+    ncps: &Store<NestedControlPlane>,
+) -> impl Fn(D) -> Option<ObjectRef<K>> + Send + Sync + 'static
+where
+    D: tenant::ComponentKind,
+    K: tenant::ComponentKind,
+{
+    let ncps = ncps.clone();
+    move |d: D| {
+        let ns = d.namespace()?;
+        let owner = tenant::controller_of(&d)?;
+        let ncp = ncps.get(&ObjectRef::new(&owner.name).within(&ns))?;
+        let name = tenant::reference(&ncp, K::COMPONENT)?.name.clone()?;
+        Some(ObjectRef::new(&name).within(&ns))
+    }
+}
+
+/// The component controller of `K`, also watching what `K` waits for (seed 000's order).
+fn with_dependencies<K: tenant::ComponentKind>(
+    ctl: Controller<K>,
+    client: &kube::Client,
+    ns: &Option<String>,
+    ncps: &Store<NestedControlPlane>,
+) -> Controller<K> {
+    use nestplane_api::names::Component;
+    let wc = watcher::Config::default;
+    match K::COMPONENT {
+        Component::Etcd => ctl,
+        Component::ApiServer => ctl.watches(
+            api::<NestedEtcd>(client, ns),
+            wc(),
+            dependents::<NestedEtcd, K>(ncps),
+        ),
+        Component::ControllerManager | Component::Scheduler => ctl.watches(
+            api::<NestedAPIServer>(client, ns),
+            wc(),
+            dependents::<NestedAPIServer, K>(ncps),
+        ),
+    }
+}
+
 /// How long reconciles in flight may take to finish after a stop was asked for.
 pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -135,6 +267,8 @@ pub async fn run_with(
     ctx.node_settings = config.nodes.clone();
     ctx.dns = config.dns.clone();
     let ctx = Arc::new(ctx);
+    // Every request from here on, watches included, goes through the counting client.
+    let client = ctx.client.clone();
     if let Some(addr) = config.metrics_addr {
         let metrics = ctx.metrics.clone();
         let health = ctx.health.clone();
@@ -179,7 +313,11 @@ pub async fn run_with(
         ncp_watch = ncp_watch.labels(&format!("{}={f}", context::WATCH_FILTER_LABEL));
     }
     let wc = watcher::Config::default;
-    let ncp_ctl = Controller::new(api::<NestedControlPlane>(&client, ns), ncp_watch);
+    // Debounced: the events of one control plane's creation (its own patches, four
+    // components, their first status) come in a burst and make one pass; and that pass reads
+    // the components' caches after they had time to take the change that triggered it.
+    let ncp_ctl = Controller::new(api::<NestedControlPlane>(&client, ns), ncp_watch)
+        .with_config(controller_config().debounce(NCP_DEBOUNCE));
     let ncps = ncp_ctl.store();
     let _ = ctx.caches.ncps.set(ncps.clone());
     // A component change reaches every control plane that references it, owned or not (so
@@ -253,7 +391,7 @@ pub async fn run_with(
             referencing(&ncps),
         )
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-        .run(ncp::reconcile, error_policy, ctx.clone())
+        .run(reconcile_ncp, error_policy, ctx.clone())
         .for_each(report("NestedControlPlane", &ctx));
 
     // A change of the control plane (version, replicas, pause) reaches its components.
@@ -277,15 +415,17 @@ pub async fn run_with(
             enabled.then(|| component_controller!(@run $k, kind))
         }};
         (@run $k:ty, $kind:expr) => {{
-            let ctl = Controller::new(api::<$k>(&client, ns), wc());
+            let ctl = Controller::new(api::<$k>(&client, ns), wc()).with_config(controller_config());
             let _ = <$k as tenant::ComponentKind>::cache_slot(&ctx.caches).set(ctl.store());
             let ctl = ctl.watches(api::<NestedControlPlane>(&client, ns), wc(), refs::<$k>);
-            // In the kubernetes runtime a workload's rollout reaches its component.
-            let ctl = if workloads {
-                ctl.owns(api::<StatefulSet>(&client, ns), wc())
-                    .owns(api::<Deployment>(&client, ns), wc())
-            } else {
-                ctl
+            let ctl = with_dependencies(ctl, &client, ns, &ncps);
+            // In the kubernetes runtime a workload's rollout reaches its component: etcd is
+            // a StatefulSet, the others are Deployments.
+            let etcd = <$k as tenant::ComponentKind>::COMPONENT == nestplane_api::names::Component::Etcd;
+            let ctl = match (workloads, etcd) {
+                (true, true) => ctl.owns(api::<StatefulSet>(&client, ns), wc()),
+                (true, false) => ctl.owns(api::<Deployment>(&client, ns), wc()),
+                (false, _) => ctl,
             };
             ctl.graceful_shutdown_on(shutdown.clone().cancelled_owned())
                 .run(component::reconcile::<$k>, error_policy, ctx.clone())
@@ -311,7 +451,8 @@ pub async fn run_with(
                 nestplane_api::names::MANAGED_BY
             )),
         )
-        .default_backoff(),
+        .default_backoff()
+        .modify(|s: &mut k8s_openapi::api::core::v1::Secret| s.metadata.managed_fields = None),
     )
     .take_until(shutdown.clone().cancelled_owned())
     .for_each({
@@ -324,6 +465,57 @@ pub async fn run_with(
             }
             std::future::ready(())
         }
+    });
+    // The kubernetes runtime's workloads and Services, cached: a pass that would apply the
+    // same object again reads it from here instead (see `applied`).
+    let managed = || {
+        wc().labels(&format!(
+            "{}={}",
+            nestplane_api::names::MANAGED_BY_LABEL,
+            nestplane_api::names::MANAGED_BY
+        ))
+    };
+    let applied_watch = workloads.then(|| {
+        futures::future::join3(
+            cache(
+                &ctx,
+                "StatefulSet",
+                &ctx.applied.statefulsets,
+                api::<StatefulSet>(&client, ns),
+                managed(),
+                |s| {
+                    // Nor is the pod template (the rollout is in the status).
+                    if let Some(spec) = s.spec.as_mut() {
+                        spec.template = Default::default();
+                        spec.volume_claim_templates = None;
+                    }
+                },
+                &shutdown,
+            ),
+            cache(
+                &ctx,
+                "Deployment",
+                &ctx.applied.deployments,
+                api::<Deployment>(&client, ns),
+                managed(),
+                |d| {
+                    if let Some(spec) = d.spec.as_mut() {
+                        spec.template = Default::default();
+                    }
+                },
+                &shutdown,
+            ),
+            cache(
+                &ctx,
+                "Service",
+                &ctx.applied.services,
+                api::<k8s_openapi::api::core::v1::Service>(&client, ns),
+                managed(),
+                |_| {},
+                &shutdown,
+            ),
+        )
+        .map(|_| ())
     });
     // PostCreateConfigs: looked at again when a control plane in their namespace changes
     // (initialized, labelled), when a Secret they use or a kubeconfig appears or changes, and
@@ -416,6 +608,7 @@ pub async fn run_with(
     let controllers = async {
         tokio::join!(
             secret_watch,
+            maybe(applied_watch),
             ncp_ctl,
             ds_ctl,
             pcc_ctl,

@@ -17,6 +17,9 @@ use crate::context::{Context, Error};
 use crate::status::{self, Observed};
 use crate::tenant::{self, ComponentKind, Lookup, Tenant};
 
+/// How often a control plane is looked at without a change.
+pub const RESYNC: Duration = Duration::from_secs(60);
+
 /// Reconcile one control plane.
 pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started("NestedControlPlane");
@@ -199,7 +202,7 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
     } else if problem.is_some() || paused {
         Action::await_change()
     } else {
-        Action::requeue(Duration::from_secs(60))
+        Action::requeue(RESYNC)
     })
 }
 

@@ -5,6 +5,12 @@
 //! - Exponential backoff with a cap, per object: a component that is starting is re-checked
 //!   after 0.5 s, 1 s, 2 s … up to [`STARTING_CAP`]; a failing reconcile is retried after
 //!   1 s, 2 s … up to [`ERROR_CAP`]. Success resets both.
+//! - Where nothing announces readiness (the process runtime: a process that starts answering
+//!   its health endpoint sends no event), a starting component is probed every
+//!   [`PROBE_INTERVAL`] for its first [`FAST_PROBES`] looks, then with the backoff above: a
+//!   component is Ready within a tenth of a second of answering, and one that never answers
+//!   costs little after a few seconds. Where readiness arrives through a watch (a workload's
+//!   rollout in the kubernetes runtime), the backoff alone is the safety net.
 //! - Hysteresis: once a component has been Ready, only [`FAILURES_BEFORE_NOT_READY`]
 //!   consecutive failed probes make it not Ready; one blip changes nothing.
 
@@ -18,6 +24,10 @@ pub const FAILURES_BEFORE_NOT_READY: u32 = 3;
 pub const STARTING_CAP: Duration = Duration::from_secs(10);
 /// Longest wait before retrying a failed reconcile.
 pub const ERROR_CAP: Duration = Duration::from_secs(300);
+/// How often a starting component whose readiness no watch announces is probed at first.
+pub const PROBE_INTERVAL: Duration = Duration::from_millis(100);
+/// How many looks at [`PROBE_INTERVAL`] before the backoff takes over (10 s).
+pub const FAST_PROBES: u32 = 100;
 /// How soon a Ready component that failed a probe is probed again.
 pub const RECHECK: Duration = Duration::from_secs(2);
 
@@ -51,9 +61,19 @@ pub fn judge(was_ready: bool, ok: bool, failures_before: u32) -> Verdict {
     }
 }
 
+fn fast_then_backoff(looks: &mut u32) -> Duration {
+    let d = match looks.checked_sub(FAST_PROBES) {
+        None => PROBE_INTERVAL,
+        Some(n) => backoff(n, Duration::from_millis(500), STARTING_CAP),
+    };
+    *looks = looks.saturating_add(1);
+    d
+}
+
 #[derive(Default)]
 struct Entry {
     starting: u32,
+    waiting: u32,
     errors: u32,
     failures: u32,
 }
@@ -79,6 +99,18 @@ impl Pacing {
         })
     }
 
+    /// The next delay for a component that is still starting and whose readiness must be
+    /// probed: [`PROBE_INTERVAL`] for the first [`FAST_PROBES`] looks, then as [`Self::starting`].
+    pub fn probing(&self, key: &str) -> Duration {
+        self.with(key, |e| fast_then_backoff(&mut e.starting))
+    }
+
+    /// Like [`Self::probing`], for a component waiting for a dependency, counted apart: a
+    /// component that waited long is still probed fast once it starts.
+    pub fn waiting(&self, key: &str) -> Duration {
+        self.with(key, |e| fast_then_backoff(&mut e.waiting))
+    }
+
     /// The next delay after a failed reconcile.
     pub fn error(&self, key: &str) -> Duration {
         self.with(key, |e| {
@@ -100,6 +132,7 @@ impl Pacing {
             e.failures = v.failures;
             if ok {
                 e.starting = 0;
+                e.waiting = 0;
             }
             v
         })
@@ -136,6 +169,24 @@ mod tests {
     fn a_component_that_never_was_ready_is_not_ready_on_a_failed_probe() {
         assert!(!judge(false, false, 0).ready);
         assert!(judge(false, true, 7).ready);
+    }
+
+    #[test]
+    fn probing_is_fast_at_first_then_backs_off() {
+        let p = Pacing::default();
+        let delays: Vec<Duration> = (0..FAST_PROBES + 6).map(|_| p.probing("etcd/a")).collect();
+        assert!(
+            delays[..FAST_PROBES as usize]
+                .iter()
+                .all(|d| *d == PROBE_INTERVAL)
+        );
+        assert_eq!(delays[FAST_PROBES as usize], Duration::from_millis(500));
+        assert_eq!(delays[FAST_PROBES as usize + 5], STARTING_CAP);
+        // Waiting is counted apart.
+        assert_eq!(p.waiting("etcd/a"), PROBE_INTERVAL);
+        // Ready resets it.
+        p.probe("etcd/a", false, true);
+        assert_eq!(p.probing("etcd/a"), PROBE_INTERVAL);
     }
 
     #[test]

@@ -100,6 +100,13 @@ pub trait Runtime: Send + Sync {
     /// compares a rendering with its patched self).
     fn check_input(&self, t: &Tenant, version: KubeVersion) -> RenderInput;
 
+    /// Whether a component's readiness reaches its controller through a watch (a workload's
+    /// rollout), so that a starting component need not be probed often (see
+    /// [`crate::pacing`]).
+    fn readiness_is_watched(&self) -> bool {
+        false
+    }
+
     /// Fail at once when `version` of `c` cannot run here (a missing binary).
     fn can_run(&self, c: Component, version: &KubeVersion) -> Result<(), Error>;
 

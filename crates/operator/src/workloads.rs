@@ -3,20 +3,21 @@
 //! runtime runs, patched by the component's `spec.patches`, applied server-side, and Ready
 //! when the workload reports every replica updated and ready.
 
+use std::sync::Arc;
+
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolumeClaim, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, ListParams};
 use nestplane_api::names::{self, Component, ports};
 use nestplane_api::{ApiEndpoint, NestedControlPlane, NestedEtcdAddress};
 use nestplane_render::{KubeVersion, Network, RenderInput, SECRETS_CHECKSUM_ANNOTATION, policy};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use crate::crds::FIELD_MANAGER;
+use crate::applied::Applied;
 use crate::error::Error;
 use crate::runtime::{Observation, Pass, Runtime};
 use crate::tenant::{ComponentKind, Lookup, Tenant};
@@ -67,13 +68,6 @@ fn owner_of(t: &Tenant, c: Component) -> Option<OwnerReference> {
         Component::ControllerManager => o(&t.controller_manager),
         Component::Scheduler => o(&t.scheduler),
     }
-}
-
-fn name_of(v: &Value) -> String {
-    v.pointer("/metadata/name")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string()
 }
 
 /// Where the control plane is reached, as its API server Service says: a LoadBalancer's
@@ -127,28 +121,6 @@ fn checksum(data: &nestplane_runtime::process::SecretData) -> String {
     format!("{:x}", h.finalize())
 }
 
-async fn apply(client: &kube::Client, ns: &str, obj: &Value) -> Result<Value, Error> {
-    let name = name_of(obj);
-    let pp = PatchParams::apply(FIELD_MANAGER).force();
-    let kind = obj.get("kind").and_then(Value::as_str).unwrap_or_default();
-    let out = match kind {
-        "StatefulSet" => {
-            let api: Api<StatefulSet> = Api::namespaced(client.clone(), ns);
-            serde_json::to_value(api.patch(&name, &pp, &Patch::Apply(obj)).await?)
-        }
-        "Deployment" => {
-            let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
-            serde_json::to_value(api.patch(&name, &pp, &Patch::Apply(obj)).await?)
-        }
-        "Service" => {
-            let api: Api<Service> = Api::namespaced(client.clone(), ns);
-            serde_json::to_value(api.patch(&name, &pp, &Patch::Apply(obj)).await?)
-        }
-        other => return Err(Error::Internal(format!("cannot apply a {other}"))),
-    };
-    out.map_err(|e| Error::Internal(e.to_string()))
-}
-
 /// Rolled out: the controller has seen the newest spec and every replica is updated and
 /// ready. Returns (ready replicas, rolled out).
 fn rollout(workload: &Value, desired: u32) -> (i32, bool) {
@@ -166,12 +138,14 @@ fn rollout(workload: &Value, desired: u32) -> (i32, bool) {
 /// Components as workloads in the management cluster.
 pub struct Workloads {
     settings: KubernetesSettings,
+    applied: Arc<Applied>,
 }
 
 impl Workloads {
-    /// Workloads with these settings.
-    pub fn new(settings: KubernetesSettings) -> Self {
-        Workloads { settings }
+    /// Workloads with these settings, applied through `applied` (which the operator fills
+    /// with its watch caches).
+    pub fn new(settings: KubernetesSettings, applied: Arc<Applied>) -> Self {
+        Workloads { settings, applied }
     }
 }
 
@@ -184,13 +158,18 @@ impl Runtime for Workloads {
         render_input(t, version, &self.settings)
     }
 
+    fn readiness_is_watched(&self) -> bool {
+        // The workloads are owned: every rollout change reconciles the component.
+        true
+    }
+
     fn can_run(&self, _c: Component, _version: &KubeVersion) -> Result<(), Error> {
         // Images are the platform's business: a missing one shows in the rollout.
         Ok(())
     }
 
     fn run<'a>(&'a self, pass: Pass<'a>) -> BoxFuture<'a, Result<Observation, Error>> {
-        run(pass, &self.settings).boxed()
+        run(pass, &self.settings, &self.applied).boxed()
     }
 
     fn endpoint<'a>(
@@ -199,14 +178,19 @@ impl Runtime for Workloads {
         ncp: &'a NestedControlPlane,
     ) -> BoxFuture<'a, Result<Option<ApiEndpoint>, Error>> {
         async move {
-            // The endpoint follows the API server's Service once it exists.
-            let services: Api<Service> =
-                Api::namespaced(client.clone(), &ncp.namespace().unwrap_or_default());
-            Ok(services
-                .get_opt(&Component::ApiServer.workload_name(&crate::tenant::cluster_name(ncp)))
-                .await?
-                .as_ref()
-                .and_then(service_endpoint))
+            // The endpoint follows the API server's Service once it exists (read from the
+            // watch cache; a GET only where there is none).
+            let ns = ncp.namespace().unwrap_or_default();
+            let name = Component::ApiServer.workload_name(&crate::tenant::cluster_name(ncp));
+            let svc = match self.applied.services.get() {
+                Some(_) => self.applied.service(&ns, &name),
+                None => {
+                    Api::<Service>::namespaced(client.clone(), &ns)
+                        .get_opt(&name)
+                        .await?
+                }
+            };
+            Ok(svc.as_ref().and_then(service_endpoint))
         }
         .boxed()
     }
@@ -221,6 +205,8 @@ impl Runtime for Workloads {
             // StatefulSets); they are this tenant's data and go with it. Workloads and
             // Services go by garbage collection (owner chain).
             let ns = ncp.namespace().unwrap_or_default();
+            self.applied
+                .forget(&ns, &format!("{}-", crate::tenant::cluster_name(ncp)));
             let selector = format!(
                 "{}={},{}={}",
                 names::CLUSTER_NAME_LABEL,
@@ -245,7 +231,11 @@ impl Runtime for Workloads {
 }
 
 /// One pass of a component in the `kubernetes` runtime.
-async fn run(pass: Pass<'_>, settings: &KubernetesSettings) -> Result<Observation, Error> {
+async fn run(
+    pass: Pass<'_>,
+    settings: &KubernetesSettings,
+    applied: &Applied,
+) -> Result<Observation, Error> {
     let Pass {
         client,
         tenant: t,
@@ -278,7 +268,7 @@ async fn run(pass: Pass<'_>, settings: &KubernetesSettings) -> Result<Observatio
     // Services first: the API server's address goes into its certificate.
     let mut applied_services = Vec::new();
     for s in &objects.services {
-        let svc: Service = serde_json::from_value(apply(client, &ns, s).await?)
+        let svc: Service = serde_json::from_value(applied.apply(client, &ns, s).await?)
             .map_err(|e| Error::Internal(e.to_string()))?;
         applied_services.push(svc);
     }
@@ -299,9 +289,9 @@ async fn run(pass: Pass<'_>, settings: &KubernetesSettings) -> Result<Observatio
         .pointer("/spec/replicas")
         .and_then(Value::as_u64)
         .unwrap_or(u64::from(rendered.replicas)) as u32;
-    let applied = apply(client, &ns, &objects.workload).await?;
-    let (ready_replicas, ok) = rollout(&applied, desired);
-    let kind = applied
+    let workload = applied.apply(client, &ns, &objects.workload).await?;
+    let (ready_replicas, ok) = rollout(&workload, desired);
+    let kind = workload
         .get("kind")
         .and_then(Value::as_str)
         .unwrap_or(if c == Component::Etcd {
