@@ -12,7 +12,7 @@
 //!   processes (the binaries' text) count once in all;
 //! - `operator_rss_mib`: the operator's resident memory.
 //!
-//! `TENANTS_BENCH_SIZES=1,5` changes the sizes.
+//! `TENANTS_BENCH_SIZES=1,5` changes the sizes, `TENANTS_BENCH_MODES=shared` the modes.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
@@ -162,7 +162,14 @@ async fn main() {
     );
     let op_pid = operator.0.id();
     let ncps: Api<NestedControlPlane> = Api::namespaced(client.clone(), "default");
+    let modes = std::env::var("TENANTS_BENCH_MODES").unwrap_or_else(|_| "own,shared".into());
     for shared in [false, true] {
+        if !modes
+            .split(',')
+            .any(|m| m.trim() == if shared { "shared" } else { "own" })
+        {
+            continue;
+        }
         let mode = if shared { "shared" } else { "own" };
         let prefix = if shared { "s" } else { "o" };
         if shared {
