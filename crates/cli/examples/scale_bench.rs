@@ -93,9 +93,9 @@ async fn http_get(addr: &str, path: &str) -> Option<String> {
     out.split_once("\r\n\r\n").map(|(_, b)| b.to_string())
 }
 
-/// Sum of a counter's samples by the value of `label`, over lines of `metric` whose labels
-/// contain every `filter`.
-fn by_label(text: &str, metric: &str, label: &str) -> BTreeMap<String, f64> {
+/// Sum of a counter's samples by the values of `labels` (joined by a space), over the lines of
+/// `metric`.
+fn by_label(text: &str, metric: &str, labels: &[&str]) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
     for line in text.lines() {
         let Some(rest) = line.strip_prefix(metric) else {
@@ -104,18 +104,23 @@ fn by_label(text: &str, metric: &str, label: &str) -> BTreeMap<String, f64> {
         let Some(rest) = rest.strip_prefix('{') else {
             continue;
         };
-        let Some((labels, value)) = rest.rsplit_once('}') else {
+        let Some((found, value)) = rest.rsplit_once('}') else {
             continue;
         };
         let Ok(v) = value.split_whitespace().next().unwrap_or("").parse::<f64>() else {
             continue;
         };
-        let key = labels
-            .split(',')
-            .find_map(|kv| kv.strip_prefix(&format!("{label}=\"")))
-            .map(|v| v.trim_end_matches('"').to_string())
-            .unwrap_or_default();
-        *out.entry(key).or_insert(0.0) += v;
+        let key: Vec<String> = labels
+            .iter()
+            .map(|label| {
+                found
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix(&format!("{label}=\"")))
+                    .map(|v| v.trim_end_matches('"').to_string())
+                    .unwrap_or_default()
+            })
+            .collect();
+        *out.entry(key.join(" ")).or_insert(0.0) += v;
     }
     out
 }
@@ -387,13 +392,10 @@ async fn main() -> anyhow::Result<()> {
         "objects_in_place_seconds={:.2}",
         started.elapsed().as_secs_f64()
     );
-    let during = by_label(
-        &http_get(&metrics_addr, "/metrics")
-            .await
-            .unwrap_or_default(),
-        "nestplane_api_requests_total",
-        "method",
-    );
+    let text = http_get(&metrics_addr, "/metrics")
+        .await
+        .unwrap_or_default();
+    let during = by_label(&text, "nestplane_api_requests_total", &["method"]);
     println!(
         "  operator requests until then: {}",
         during
@@ -401,6 +403,18 @@ async fn main() -> anyhow::Result<()> {
             .map(|(m, v)| format!("{m}={v}"))
             .collect::<Vec<_>>()
             .join(" ")
+    );
+    println!(
+        "  of which by resource: {}",
+        by_label(
+            &text,
+            "nestplane_api_requests_total",
+            &["method", "resource"]
+        )
+        .iter()
+        .map(|(m, v)| format!("{m}={v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
     );
     // What was busy meanwhile: CPU seconds of each process over the creation.
     let mut busy: Vec<String> = cpu_before
@@ -428,7 +442,7 @@ async fn main() -> anyhow::Result<()> {
                 .await
                 .unwrap_or_default(),
             "nestplane_api_requests_total",
-            "method",
+            &["method"],
         )
     };
     let apiserver = async || {

@@ -289,13 +289,16 @@ async fn write_status<K: ComponentKind>(
         &Patch::Merge(&patch),
     )
     .await?;
-    // An Event when the Ready condition changes (not on every pass).
+    // An Event when the Ready condition changes (not on every pass). A new component's first
+    // state is not a change: while it is only waiting (Normal), its status says so and no
+    // Event is made (a thousand new tenants would otherwise make thousands of them).
     let new_ready = (
         if out.ready { "True" } else { "False" }.to_string(),
         out.reason.to_string(),
     );
-    if old_ready.as_ref() != Some(&new_ready) {
-        let type_ = out.event.unwrap_or(EventType::Normal);
+    let type_ = out.event.unwrap_or(EventType::Normal);
+    let first_wait = old_ready.is_none() && !out.ready && type_ == EventType::Normal;
+    if old_ready.as_ref() != Some(&new_ready) && !first_wait {
         let note = if out.ready {
             format!("{} is ready", tenant::kind_of(K::COMPONENT))
         } else {
@@ -411,9 +414,16 @@ fn gate(ctx: &Context, t: &Tenant, c: Component, key: &str) -> Result<Gate, Erro
         .iter()
         .filter(|d| !t.ready(**d))
         .map(|d| {
+            if *d == Component::Etcd
+                && let Some(ds) = &t.ncp.spec.datastore_ref
+            {
+                return format!("the shared datastore {}", ds.name);
+            }
+            // Not referenced yet: its control plane is creating the default one (named so
+            // here too, so that the message does not change when the reference is written).
             let name = tenant::reference(&t.ncp, *d)
                 .and_then(|r| r.name.clone())
-                .unwrap_or_else(|| "(unreferenced)".into());
+                .unwrap_or_else(|| d.workload_name(&t.cluster()));
             format!("{} {}/{}", tenant::kind_of(*d), t.namespace(), name)
         })
         .collect();

@@ -34,6 +34,37 @@ struct FailureLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabel {
     method: String,
+    resource: String,
+}
+
+/// The resource (and subresource) a request to the API server is about, from its path:
+/// `/api/v1/namespaces/a/secrets/b` is `secrets`, `/apis/g/v1/namespaces/a/xs/b/status` is
+/// `xs/status`, `/api/v1/namespaces/a` is `namespaces`. Bounded by the kinds the operator
+/// uses, so it is safe as a metric label.
+pub fn request_resource(path: &str) -> String {
+    let parts: Vec<&str> = path
+        .split('?')
+        .next()
+        .unwrap_or("")
+        .split('/')
+        .filter(|p| !p.is_empty())
+        .collect();
+    // Skip the group and version: `api/v1` or `apis/<group>/<version>`.
+    let rest = match parts.first() {
+        Some(&"api") => parts.get(2..),
+        Some(&"apis") => parts.get(3..),
+        _ => None,
+    }
+    .unwrap_or(&[]);
+    let rest = match rest {
+        ["namespaces", _, more @ ..] if !more.is_empty() => more,
+        _ => rest,
+    };
+    match rest {
+        [] => "other".into(),
+        [resource] | [resource, _] => (*resource).to_string(),
+        [resource, _, sub, ..] => format!("{resource}/{sub}"),
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -88,7 +119,7 @@ impl Default for Metrics {
         );
         registry.register(
             "api_requests",
-            "Requests sent to the management cluster's API server, by HTTP method (POST, PUT, PATCH and DELETE are writes)",
+            "Requests sent to the management cluster's API server, by HTTP method (POST, PUT, PATCH and DELETE are writes) and resource",
             api_requests.clone(),
         );
         Metrics {
@@ -165,8 +196,8 @@ impl Metrics {
             .inc();
     }
 
-    /// `client`, counting every request it sends in `nestplane_api_requests_total{method}`
-    /// (watches count once, when they start).
+    /// `client`, counting every request it sends in
+    /// `nestplane_api_requests_total{method,resource}` (watches count once, when they start).
     pub fn counted(&self, client: kube::Client) -> kube::Client {
         let requests = self.api_requests.clone();
         let namespace = client.default_namespace().to_string();
@@ -174,6 +205,7 @@ impl Metrics {
             requests
                 .get_or_create(&RequestLabel {
                     method: req.method().as_str().to_string(),
+                    resource: request_resource(req.uri().path()),
                 })
                 .inc();
             let client = client.clone();
@@ -460,5 +492,29 @@ mod controller_tests {
             err.contains("etdc") && err.contains("controller-manager"),
             "{err}"
         );
+    }
+}
+
+#[cfg(test)]
+mod request_tests {
+    use super::request_resource;
+
+    #[test]
+    fn requests_are_labelled_by_resource_and_subresource() {
+        for (path, want) in [
+            ("/api/v1/namespaces/a/secrets/b", "secrets"),
+            ("/api/v1/namespaces/a/secrets?labelSelector=x", "secrets"),
+            ("/api/v1/namespaces/a", "namespaces"),
+            ("/api/v1/namespaces", "namespaces"),
+            ("/api/v1/nodes/n1/status", "nodes/status"),
+            (
+                "/apis/controlplane.cluster.x-k8s.io/v1alpha1/namespaces/a/nestedcontrolplanes/t0/status",
+                "nestedcontrolplanes/status",
+            ),
+            ("/apis/apps/v1/statefulsets?watch=true", "statefulsets"),
+            ("/version", "other"),
+        ] {
+            assert_eq!(request_resource(path), want, "{path}");
+        }
     }
 }

@@ -39,29 +39,51 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
     let mut binding = None;
     if problem.is_none() && !paused {
         if !ncp.finalizers().iter().any(|f| f == names::FINALIZER) {
-            api.patch(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(finalizer_patch(&ncp, true)),
-            )
-            .await?;
+            // Its own write first: the identity is fixed with it (see `finalizer_patch`).
+            tenant.ncp = api
+                .patch(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::Merge(finalizer_patch(&ncp, true)),
+                )
+                .await?;
         }
-        let mut changed = false;
+        // Default components are created first, then referenced; what the spec must gain
+        // (those references, the endpoint the provider owns) is written in one patch, and
+        // what was created or adopted is used as written, without reading it back.
+        let mut spec = serde_json::Map::new();
         if on_datastore {
             binding = Some(crate::datastore::bind(&ctx, &tenant).await?);
-        } else {
-            changed |= adopt::<nestplane_api::NestedEtcd>(&ctx, &tenant, &tenant.etcd).await?;
+        } else if let Some(e) = adopt(&ctx, &tenant, &tenant.etcd, &mut spec).await? {
+            tenant.etcd = Lookup::Found(e);
         }
-        changed |=
-            adopt::<nestplane_api::NestedAPIServer>(&ctx, &tenant, &tenant.apiserver).await?;
-        changed |= adopt::<nestplane_api::NestedControllerManager>(
-            &ctx,
-            &tenant,
-            &tenant.controller_manager,
-        )
-        .await?;
-        changed |=
-            adopt::<nestplane_api::NestedScheduler>(&ctx, &tenant, &tenant.scheduler).await?;
+        if let Some(a) = adopt(&ctx, &tenant, &tenant.apiserver, &mut spec).await? {
+            tenant.apiserver = Lookup::Found(a);
+        }
+        if let Some(c) = adopt(&ctx, &tenant, &tenant.controller_manager, &mut spec).await? {
+            tenant.controller_manager = Lookup::Found(c);
+        }
+        if let Some(s) = adopt(&ctx, &tenant, &tenant.scheduler, &mut spec).await? {
+            tenant.scheduler = Lookup::Found(s);
+        }
+        let want = ctx.runtime.endpoint(&ctx.client, &ncp).await?;
+        if let Some(want) = &want
+            && tenant.ncp.spec.control_plane_endpoint.as_ref() != Some(want)
+        {
+            spec.insert(
+                "controlPlaneEndpoint".into(),
+                serde_json::to_value(want).map_err(|e| Error::Internal(e.to_string()))?,
+            );
+        }
+        if !spec.is_empty() {
+            tenant.ncp = api
+                .patch(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::Merge(serde_json::json!({ "spec": spec })),
+                )
+                .await?;
+        }
 
         // An etcd run by someone else serves with a certificate from the tenant's etcd CA,
         // which must therefore exist before the API server does (a provisioner may also
@@ -78,19 +100,6 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             .ca(names::SecretPurpose::EtcdCa)
             .await?;
         }
-        // The provider owns the endpoint.
-        let want = ctx.runtime.endpoint(&ctx.client, &ncp).await?;
-        if let Some(want) = &want
-            && tenant.ncp.spec.control_plane_endpoint.as_ref() != Some(want)
-        {
-            api.patch(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(serde_json::json!({"spec": {"controlPlaneEndpoint": want}})),
-            )
-            .await?;
-            changed = true;
-        }
         // Seed 003: the endpoint is published as a ClusterEndpoint as soon as it is known.
         if let Some(endpoint) = want
             .as_ref()
@@ -98,11 +107,6 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             .filter(|e| !e.host.is_empty())
         {
             crate::endpoint::publish(&ctx, &ncp, &tenant.cluster(), endpoint).await?;
-        }
-        if changed {
-            let fresh = api.get(&name).await?;
-            // Just written: read past the caches.
-            tenant = Tenant::load(&ctx.client, &Default::default(), fresh).await?;
         }
         if let Some(crate::datastore::Binding::Problem(reason, msg)) = &binding {
             ctx.event(ncp.object_ref(&()), EventType::Warning, reason, msg)
@@ -179,8 +183,12 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         let patch = serde_json::json!({ "status": body });
         api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
             .await?;
+        // An Event when Available changes; a new control plane's first state, while it is
+        // only on its way (no problem), is in its status alone (see the components' Events).
+        let first_wait = before.is_none() && problem.is_none();
         if let Some(after) = after
             && before != Some((after.status.clone(), after.reason.clone()))
+            && (after.status == "True" || !first_wait)
         {
             let (type_, note) = if after.status == "True" {
                 (
@@ -294,9 +302,15 @@ fn lookup_problems(t: &Tenant) -> Vec<(Component, String)> {
     out
 }
 
-/// Create a default component when unreferenced; take controller ownership of a referenced
-/// one. Returns whether anything changed.
-async fn adopt<K: ComponentKind>(ctx: &Context, t: &Tenant, l: &Lookup<K>) -> Result<bool, Error> {
+/// Create a default component when unreferenced (its reference goes into `spec`, for the
+/// control plane's one patch); take controller ownership of a referenced one. Returns the
+/// component as created or changed, `None` when nothing changed.
+async fn adopt<K: ComponentKind>(
+    ctx: &Context,
+    t: &Tenant,
+    l: &Lookup<K>,
+    spec: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<Option<K>, Error> {
     let ns = t.namespace();
     let cluster = t.cluster();
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &ns);
@@ -308,29 +322,25 @@ async fn adopt<K: ComponentKind>(ctx: &Context, t: &Tenant, l: &Lookup<K>) -> Re
             obj.meta_mut().owner_references = Some(vec![owner]);
             obj.meta_mut().labels =
                 Some([(names::CLUSTER_NAME_LABEL.to_string(), cluster.clone())].into());
-            match api.create(&PostParams::default(), &obj).await {
-                Ok(_) => {}
-                Err(kube::Error::Api(e)) if e.code == 409 => {}
+            let made = match api.create(&PostParams::default(), &obj).await {
+                Ok(made) => made,
+                // Made by an earlier pass whose reference did not get written.
+                Err(kube::Error::Api(e)) if e.code == 409 => api.get(&name).await?,
                 Err(e) => return Err(e.into()),
-            }
-            let ncps: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &ns);
-            let reference = serde_json::json!({
-                "apiVersion": K::api_version(&()),
-                "kind": K::kind(&()),
-                "name": name,
-                "namespace": ns,
-            });
-            let field = tenant::reference_field(K::COMPONENT);
-            ncps.patch(
-                &t.ncp.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(serde_json::json!({"spec": {field: reference}})),
-            )
-            .await?;
-            Ok(true)
+            };
+            spec.insert(
+                tenant::reference_field(K::COMPONENT).into(),
+                serde_json::json!({
+                    "apiVersion": K::api_version(&()),
+                    "kind": K::kind(&()),
+                    "name": name,
+                    "namespace": ns,
+                }),
+            );
+            Ok(Some(made))
         }
         Lookup::Found(k) => match tenant::controller_of(k) {
-            Some(r) if r.uid == owner.uid => Ok(false),
+            Some(r) if r.uid == owner.uid => Ok(None),
             Some(r) => {
                 ctx.event(
                     t.ncp.object_ref(&()),
@@ -344,27 +354,28 @@ async fn adopt<K: ComponentKind>(ctx: &Context, t: &Tenant, l: &Lookup<K>) -> Re
                     ),
                 )
                 .await;
-                Ok(false)
+                Ok(None)
             }
             None => {
                 let mut refs = k.meta().owner_references.clone().unwrap_or_default();
                 refs.push(owner);
                 let mut labels = k.meta().labels.clone().unwrap_or_default();
                 labels.insert(names::CLUSTER_NAME_LABEL.to_string(), cluster.clone());
-                api.patch(
-                    &k.name_any(),
-                    &PatchParams::default(),
-                    &Patch::Merge(serde_json::json!({"metadata": {
-                        "ownerReferences": refs,
-                        "labels": labels,
-                        "resourceVersion": k.resource_version(),
-                    }})),
-                )
-                .await?;
-                Ok(true)
+                let adopted = api
+                    .patch(
+                        &k.name_any(),
+                        &PatchParams::default(),
+                        &Patch::Merge(serde_json::json!({"metadata": {
+                            "ownerReferences": refs,
+                            "labels": labels,
+                            "resourceVersion": k.resource_version(),
+                        }})),
+                    )
+                    .await?;
+                Ok(Some(adopted))
             }
         },
-        Lookup::NotFound(_) | Lookup::OtherNamespace(_) => Ok(false),
+        Lookup::NotFound(_) | Lookup::OtherNamespace(_) => Ok(None),
     }
 }
 

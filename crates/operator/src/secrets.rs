@@ -68,6 +68,16 @@ pub struct ClusterSecrets {
     written: std::sync::Arc<std::sync::Mutex<BTreeMap<String, Secret>>>,
 }
 
+/// What is known of a secret before asking the API server.
+enum Known {
+    /// This pass wrote it, or the cache holds it.
+    Present(Secret),
+    /// The cache (of the secrets nestplane manages) does not hold it.
+    Absent,
+    /// There is no cache to ask.
+    Unknown,
+}
+
 /// A leaf certificate to keep current.
 #[derive(Clone, Debug)]
 pub struct Leaf {
@@ -173,6 +183,16 @@ impl ClusterSecrets {
     }
 
     async fn get(&self, purpose: SecretPurpose) -> Result<Option<Secret>, SecretError> {
+        match self.known(purpose) {
+            Known::Present(s) => Ok(Some(s)),
+            Known::Absent | Known::Unknown => {
+                self.get_fresh(&purpose.secret_name(&self.cluster)).await
+            }
+        }
+    }
+
+    /// What this pass wrote or the cache holds, without asking the API server.
+    fn known(&self, purpose: SecretPurpose) -> Known {
         let name = purpose.secret_name(&self.cluster);
         if let Some(s) = self
             .written
@@ -180,20 +200,50 @@ impl ClusterSecrets {
             .unwrap_or_else(|e| e.into_inner())
             .get(&name)
         {
-            return Ok(Some(s.clone()));
+            return Known::Present(s.clone());
         }
         let ns = self.api.namespace().unwrap_or_default().to_string();
-        if let Some(hit) = self
-            .cache
-            .as_ref()
-            .and_then(|c| c.get(&kube::runtime::reflector::ObjectRef::new(&name).within(&ns)))
-        {
-            return Ok(Some((*hit).clone()));
+        match &self.cache {
+            Some(c) => match c.get(&kube::runtime::reflector::ObjectRef::new(&name).within(&ns)) {
+                Some(hit) => Known::Present((*hit).clone()),
+                None => Known::Absent,
+            },
+            None => Known::Unknown,
         }
-        self.api
-            .get_opt(&name)
-            .await
-            .map_err(|source| SecretError::Kube { name, source })
+    }
+
+    /// The secret of `purpose`, and whether to create it rather than apply it: one the cache
+    /// does not know is not read first (see [`ClusterSecrets::put`]).
+    async fn existing(
+        &self,
+        purpose: SecretPurpose,
+    ) -> Result<(Option<Secret>, bool), SecretError> {
+        match self.known(purpose) {
+            Known::Present(s) => Ok((Some(s), false)),
+            Known::Absent => Ok((None, true)),
+            Known::Unknown => Ok((
+                self.get_fresh(&purpose.secret_name(&self.cluster)).await?,
+                false,
+            )),
+        }
+    }
+
+    /// Write a certificate nestplane issues (a leaf, a kubeconfig): applied, or, when
+    /// `create`, created. A create is refused when the secret exists after all (the cache is
+    /// behind, or someone else made it): what is there is returned, to be judged again.
+    async fn put(&self, secret: &Secret, create: bool) -> Result<Option<Secret>, SecretError> {
+        if !create {
+            return self.apply(secret).await.map(|_| None);
+        }
+        let name = secret.metadata.name.clone().unwrap_or_default();
+        match self.api.create(&PostParams::default(), secret).await {
+            Ok(created) => {
+                self.remember(created);
+                Ok(None)
+            }
+            Err(kube::Error::Api(e)) if e.code == 409 => self.get_fresh(&name).await,
+            Err(source) => Err(SecretError::Kube { name, source }),
+        }
     }
 
     async fn apply(&self, secret: &Secret) -> Result<(), SecretError> {
@@ -314,28 +364,25 @@ impl ClusterSecrets {
 
     /// Keep a leaf certificate current; returns it.
     pub async fn leaf(&self, leaf: &Leaf, ca: &CertKey) -> Result<CertKey, SecretError> {
-        let now = time::OffsetDateTime::now_utc();
         let want_hash = ca_hash(&ca.cert_pem);
-        if let Some(existing) = self.get(leaf.purpose).await?
-            && let (Some(cert_pem), Some(key_pem)) = (
-                text(&existing, names::TLS_CRT),
-                text(&existing, names::TLS_KEY),
-            )
-        {
-            let same_ca = existing
+        let current = |s: &Secret| -> Option<CertKey> {
+            let (cert_pem, key_pem) = (text(s, names::TLS_CRT)?, text(s, names::TLS_KEY)?);
+            let same_ca = s
                 .metadata
                 .annotations
                 .as_ref()
                 .and_then(|a| a.get(CA_HASH_ANNOTATION))
                 == Some(&want_hash);
-            if same_ca
+            (same_ca
                 && !pki::needs_renewal(&cert_pem, self.clock.now())
-                && sans_match(&cert_pem, &leaf.spec)
-            {
-                return Ok(CertKey { cert_pem, key_pem });
-            }
+                && sans_match(&cert_pem, &leaf.spec))
+            .then_some(CertKey { cert_pem, key_pem })
+        };
+        let (existing, create) = self.existing(leaf.purpose).await?;
+        if let Some(ck) = existing.as_ref().and_then(current) {
+            return Ok(ck);
         }
-        let ck = pki::issue(ca, &leaf.spec, now)?;
+        let ck = pki::issue(ca, &leaf.spec, time::OffsetDateTime::now_utc())?;
         let secret = self.secret(
             leaf.purpose,
             BTreeMap::from([
@@ -343,9 +390,14 @@ impl ClusterSecrets {
                 (names::TLS_KEY.to_string(), ck.key_pem.clone().into_bytes()),
                 (names::CA_CRT.to_string(), ca.cert_pem.clone().into_bytes()),
             ]),
-            BTreeMap::from([(CA_HASH_ANNOTATION.to_string(), want_hash)]),
+            BTreeMap::from([(CA_HASH_ANNOTATION.to_string(), want_hash.clone())]),
         );
-        self.apply(&secret).await?;
+        if let Some(theirs) = self.put(&secret, create).await? {
+            if let Some(ck) = current(&theirs) {
+                return Ok(ck);
+            }
+            self.apply(&secret).await?;
+        }
         tracing::info!(secret = %leaf.purpose.secret_name(&self.cluster), "issued certificate");
         Ok(ck)
     }
@@ -357,19 +409,18 @@ impl ClusterSecrets {
         spec: &KubeconfigSpec,
         ca: &CertKey,
     ) -> Result<String, SecretError> {
-        let now = time::OffsetDateTime::now_utc();
         let want_hash = ca_hash(&ca.cert_pem);
-        if let Some(existing) = self.get(spec.purpose).await? {
-            let ann = existing.metadata.annotations.clone().unwrap_or_default();
-            if let (Some(value), Some(cert_pem)) = (
-                text(&existing, names::KUBECONFIG_KEY),
-                text(&existing, names::TLS_CRT),
-            ) && ann.get(CA_HASH_ANNOTATION) == Some(&want_hash)
+        let current = |s: &Secret| -> Option<String> {
+            let ann = s.metadata.annotations.as_ref()?;
+            let (value, cert_pem) = (text(s, names::KUBECONFIG_KEY)?, text(s, names::TLS_CRT)?);
+            (ann.get(CA_HASH_ANNOTATION) == Some(&want_hash)
                 && ann.get(SERVER_ANNOTATION) == Some(&spec.server)
-                && !pki::needs_renewal(&cert_pem, self.clock.now())
-            {
-                return Ok(value);
-            }
+                && !pki::needs_renewal(&cert_pem, self.clock.now()))
+            .then_some(value)
+        };
+        let (existing, create) = self.existing(spec.purpose).await?;
+        if let Some(value) = existing.as_ref().and_then(current) {
+            return Ok(value);
         }
         let client = pki::issue(
             ca,
@@ -379,7 +430,7 @@ impl ClusterSecrets {
                 usage: Usage::Client,
                 ..LeafSpec::default()
             },
-            now,
+            time::OffsetDateTime::now_utc(),
         )?;
         let value = pki::kubeconfig(
             &self.cluster,
@@ -400,11 +451,16 @@ impl ClusterSecrets {
                 (names::TLS_CRT.to_string(), client.cert_pem.into_bytes()),
             ]),
             BTreeMap::from([
-                (CA_HASH_ANNOTATION.to_string(), want_hash),
+                (CA_HASH_ANNOTATION.to_string(), want_hash.clone()),
                 (SERVER_ANNOTATION.to_string(), spec.server.clone()),
             ]),
         );
-        self.apply(&secret).await?;
+        if let Some(theirs) = self.put(&secret, create).await? {
+            if let Some(value) = current(&theirs) {
+                return Ok(value);
+            }
+            self.apply(&secret).await?;
+        }
         tracing::info!(secret = %spec.purpose.secret_name(&self.cluster), "issued kubeconfig");
         Ok(value)
     }
