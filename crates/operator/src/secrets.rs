@@ -71,7 +71,7 @@ pub struct ClusterSecrets {
 /// What is known of a secret before asking the API server.
 enum Known {
     /// This pass wrote it, or the cache holds it.
-    Present(Secret),
+    Present(Box<Secret>),
     /// The cache (of the secrets nestplane manages) does not hold it.
     Absent,
     /// There is no cache to ask.
@@ -184,7 +184,7 @@ impl ClusterSecrets {
 
     async fn get(&self, purpose: SecretPurpose) -> Result<Option<Secret>, SecretError> {
         match self.known(purpose) {
-            Known::Present(s) => Ok(Some(s)),
+            Known::Present(s) => Ok(Some(*s)),
             Known::Absent | Known::Unknown => {
                 self.get_fresh(&purpose.secret_name(&self.cluster)).await
             }
@@ -200,12 +200,12 @@ impl ClusterSecrets {
             .unwrap_or_else(|e| e.into_inner())
             .get(&name)
         {
-            return Known::Present(s.clone());
+            return Known::Present(Box::new(s.clone()));
         }
         let ns = self.api.namespace().unwrap_or_default().to_string();
         match &self.cache {
             Some(c) => match c.get(&kube::runtime::reflector::ObjectRef::new(&name).within(&ns)) {
-                Some(hit) => Known::Present((*hit).clone()),
+                Some(hit) => Known::Present(Box::new((*hit).clone())),
                 None => Known::Absent,
             },
             None => Known::Unknown,
@@ -219,7 +219,7 @@ impl ClusterSecrets {
         purpose: SecretPurpose,
     ) -> Result<(Option<Secret>, bool), SecretError> {
         match self.known(purpose) {
-            Known::Present(s) => Ok((Some(s), false)),
+            Known::Present(s) => Ok((Some(*s), false)),
             Known::Absent => Ok((None, true)),
             Known::Unknown => Ok((
                 self.get_fresh(&purpose.secret_name(&self.cluster)).await?,
