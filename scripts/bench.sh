@@ -14,7 +14,7 @@
 #  6. Start-up overhead: the same four components started by hand (etcd -> API server ->
 #     controller-manager + scheduler, same binaries, flags and certificates) against a tenant
 #     through nestplane, alternately in one run; bare_seconds, nestplane_seconds and their ratio
-#     (crates/cli/examples/startup_bench.rs; runs: BENCH_STARTUP_RUNS, default 5).
+#     (crates/cli/examples/startup_bench.rs; runs: BENCH_STARTUP_RUNS, default 11).
 #  7. One operator, many control planes: 1,000 NestedControlPlanes in the kubernetes runtime
 #     against a local management plane without nodes; time until every one has its objects,
 #     the operator's peak memory, and the writes of 60 s of steady state afterwards
@@ -47,6 +47,6 @@ target/release/examples/dns_bench | sed 's/^/  /'
 echo "memory per tenant (process runtime; own etcd, then one shared datastore)"
 target/release/examples/tenants_bench | sed 's/^/  /'
 echo "start-up overhead (by hand against nestplane, alternately)"
-target/release/examples/startup_bench "${BENCH_STARTUP_RUNS:-5}" | sed 's/^/  /'
+target/release/examples/startup_bench "${BENCH_STARTUP_RUNS:-11}" | sed 's/^/  /'
 echo "one operator, many control planes"
 target/release/examples/scale_bench "${BENCH_SCALE_TENANTS:-1000}" 60 | sed 's/^/  /'

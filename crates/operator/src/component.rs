@@ -66,6 +66,7 @@ impl Outcome {
 /// Reconcile one component object.
 pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started(tenant::kind_of(K::COMPONENT));
+    let obj = ctx.written.latest(obj);
     let ns = obj.namespace().unwrap_or_default();
     // Handed to an out-of-tree controller: its status is that controller's to write, and
     // the control plane reads it from there (seed 000's ordering through status).
@@ -78,12 +79,23 @@ pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Resu
             let Some(ncp) = ctx.caches.ncp(&ctx.client, &ns, &owner.name).await? else {
                 return Ok(Action::await_change());
             };
+            let ncp = ctx.written.current(ncp);
             // Another operator's control plane (its watch filter): not a single write from
             // here.
             if ncp.metadata.deletion_timestamp.is_some() || !ctx.selects(&ncp) {
                 return Ok(Action::await_change());
             }
             let mut tenant = Tenant::load(&ctx.client, &ctx.caches, ncp).await?;
+            // Made by its control plane a moment ago, which references it in its next
+            // write: it is this tenant's component already (its first status is then the
+            // one it keeps, not "no owner yet" first).
+            let cluster = tenant.cluster();
+            let own = K::lookup_mut(&mut tenant);
+            if matches!(own, tenant::Lookup::Unreferenced)
+                && obj.name_any() == K::COMPONENT.workload_name(&cluster)
+            {
+                *own = tenant::Lookup::Found((*obj).clone());
+            }
             if !ctx.runs_here(&tenant, Component::Etcd) {
                 tenant.external_etcd = Some(tenant.etcd_status_urls());
             }
@@ -283,12 +295,14 @@ async fn write_status<K: ComponentKind>(
     // empty message) into nulls, which the schema rightly refuses.
     let patch = serde_json::json!({ "status": body });
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    api.patch_status(
-        &obj.name_any(),
-        &PatchParams::default(),
-        &Patch::Merge(&patch),
-    )
-    .await?;
+    let written = api
+        .patch_status(
+            &obj.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await?;
+    ctx.written.remember(obj, written);
     // An Event when the Ready condition changes (not on every pass). A new component's first
     // state is not a change: while it is only waiting (Normal), its status says so and no
     // Event is made (a thousand new tenants would otherwise make thousands of them).

@@ -177,16 +177,6 @@ impl Metrics {
             .set(i64::from(ready));
     }
 
-    /// A tenant's readiness as last recorded.
-    pub fn tenant_ready(&self, namespace: &str, cluster: &str) -> Option<bool> {
-        self.tenant_ready
-            .get(&TenantLabel {
-                namespace: namespace.into(),
-                cluster: cluster.into(),
-            })
-            .map(|g| g.get() == 1)
-    }
-
     /// Count a failed watch of a controller.
     pub fn watch_failed(&self, controller: &str) {
         self.watch_failures
@@ -303,6 +293,8 @@ pub struct Context {
     pub clock: crate::clock::Clock,
     /// The watches' caches, read instead of the API server.
     pub caches: crate::tenant::Caches,
+    /// What this operator wrote, while the caches are behind (see `written`).
+    pub written: crate::written::Written,
     /// Which component controllers run here.
     pub controllers: Controllers,
     /// Per-cluster retries of PostCreateConfigs.
@@ -420,6 +412,7 @@ impl Context {
             watch_filter: None,
             clock: Default::default(),
             caches: Default::default(),
+            written: Default::default(),
             controllers: Controllers::default(),
             postcreate_retries: Default::default(),
             node_settings: None,

@@ -21,16 +21,19 @@ pub mod process;
 pub mod runtime;
 pub mod secrets;
 pub mod server;
+pub mod shared;
 pub mod status;
 pub mod tenant;
 pub mod workloads;
+pub mod written;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::core::v1::{Secret, Service};
 use kube::ResourceExt;
 use kube::api::Api;
 use kube::runtime::WatchStreamExt;
@@ -41,6 +44,7 @@ use nestplane_api::{
     NestedAPIServer, NestedControlPlane, NestedControllerManager, NestedEtcd, NestedScheduler,
 };
 use nestplane_runtime::process::ProcessRuntime;
+use shared::Shared;
 use tokio_util::sync::CancellationToken;
 
 pub use context::{Context, Controllers, Error, KubernetesSettings, Metrics, Mode};
@@ -101,122 +105,23 @@ fn controller_config() -> kube::runtime::controller::Config {
     kube::runtime::controller::Config::default().concurrency(CONCURRENCY)
 }
 
-/// A watch cache of `K` filling `slot`, until `shutdown`; a failed watch is logged, counted
-/// and fails `/readyz`, and is retried with backoff.
-fn cache<K>(
-    ctx: &Arc<Context>,
-    kind: &'static str,
-    slot: &std::sync::OnceLock<Store<K>>,
-    api: Api<K>,
-    config: watcher::Config,
-    slim: fn(&mut K),
-    shutdown: &CancellationToken,
-) -> impl std::future::Future<Output = ()> + use<K>
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
-{
-    let (reader, writer) = kube::runtime::reflector::store();
-    let _ = slot.set(reader);
-    let ctx = ctx.clone();
-    kube::runtime::reflector(
-        writer,
-        watcher(api, config)
-            .default_backoff()
-            .modify(move |o: &mut K| {
-                // What a pass reads is the rollout and the markers (see `applied`): the field
-                // managers are the largest part of an applied object and are never read.
-                o.meta_mut().managed_fields = None;
-                slim(o);
-            }),
-    )
-    .take_until(shutdown.clone().cancelled_owned())
-    .for_each(move |r| {
-        if let Err(e) = r {
-            tracing::error!(error = %e, kind, "watch failed");
-            ctx.metrics.watch_failed(kind);
-            ctx.health.watch_failed(kind, e.to_string());
-        }
-        std::future::ready(())
-    })
-}
-
-/// [`ncp::reconcile`], looking again soon at a control plane that is not Ready yet.
-///
-/// A component's change reaches its control plane through a watch of its own, which may
-/// deliver the event before the component controller's cache (which the pass reads) has the
-/// change: the pass then computes the status from the older component. While the tenant is
-/// not Ready, a look after [`pacing`]'s starting delay (fast at first where readiness is
-/// probed, backed off where it is watched) bounds what that costs; a Ready tenant is looked
-/// at as `ncp::reconcile` says.
-async fn reconcile_ncp(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let action = ncp::reconcile(ncp.clone(), ctx.clone()).await?;
-    let key = format!("ready/{}", context::object_key(ncp.as_ref()));
-    let ready = ctx
-        .metrics
-        .tenant_ready(&ncp.namespace().unwrap_or_default(), &ncp.name_any());
-    if ready != Some(false) || ncp.metadata.deletion_timestamp.is_some() {
-        ctx.pacing.forget(&key);
-        return Ok(action);
-    }
-    // Only the periodic look is shortened: a paused or invalid control plane still waits for
-    // a change.
-    if action != Action::requeue(ncp::RESYNC) {
-        return Ok(action);
-    }
-    Ok(Action::requeue(if ctx.runtime.readiness_is_watched() {
-        ctx.pacing.starting(&key)
-    } else {
-        ctx.pacing.waiting(&key)
-    }))
-}
-
 /// A dependency's change reaches the components of its control plane that wait for it at
 /// once, rather than through the control plane's status (one write and one pass fewer on the
 /// way from "etcd is Ready" to "the API server starts").
 fn dependents<D, K>(
     ncps: &Store<NestedControlPlane>,
-) -> impl Fn(D) -> Option<ObjectRef<K>> + Send + Sync + 'static
+) -> impl Fn(Arc<D>) -> Option<ObjectRef<K>> + Send + Sync + 'static
 where
     D: tenant::ComponentKind,
     K: tenant::ComponentKind,
 {
     let ncps = ncps.clone();
-    move |d: D| {
+    move |d: Arc<D>| {
         let ns = d.namespace()?;
-        let owner = tenant::controller_of(&d)?;
+        let owner = tenant::controller_of(d.as_ref())?;
         let ncp = ncps.get(&ObjectRef::new(&owner.name).within(&ns))?;
         let name = tenant::reference(&ncp, K::COMPONENT)?.name.clone()?;
         Some(ObjectRef::new(&name).within(&ns))
-    }
-}
-
-/// The component controller of `K`, also watching what `K` waits for (seed 000's order).
-fn with_dependencies<K: tenant::ComponentKind>(
-    ctl: Controller<K>,
-    client: &kube::Client,
-    ns: &Option<String>,
-    ncps: &Store<NestedControlPlane>,
-) -> Controller<K> {
-    use nestplane_api::names::Component;
-    let wc = watcher::Config::default;
-    match K::COMPONENT {
-        Component::Etcd => ctl,
-        Component::ApiServer => ctl.watches(
-            api::<NestedEtcd>(client, ns),
-            wc(),
-            dependents::<NestedEtcd, K>(ncps),
-        ),
-        Component::ControllerManager | Component::Scheduler => ctl.watches(
-            api::<NestedAPIServer>(client, ns),
-            wc(),
-            dependents::<NestedAPIServer, K>(ncps),
-        ),
     }
 }
 
@@ -313,20 +218,54 @@ pub async fn run_with(
         ncp_watch = ncp_watch.labels(&format!("{}={f}", context::WATCH_FILTER_LABEL));
     }
     let wc = watcher::Config::default;
+    let workloads = matches!(config.mode, Mode::Kubernetes(_));
+    // nestplane's own objects (secrets, workloads, Services) carry this label.
+    let managed = || {
+        wc().labels(&format!(
+            "{}={}",
+            nestplane_api::names::MANAGED_BY_LABEL,
+            nestplane_api::names::MANAGED_BY
+        ))
+    };
+    // One watch and one cache per kind, whatever number of controllers follow it (see
+    // `shared`). A subscription must be consumed: only running controllers subscribe.
+    let mut ncps_w = Shared::<NestedControlPlane>::new("NestedControlPlane");
+    let mut etcds_w = Shared::<NestedEtcd>::new("NestedEtcd");
+    let mut apiservers_w = Shared::<NestedAPIServer>::new("NestedAPIServer");
+    let mut cms_w = Shared::<NestedControllerManager>::new("NestedControllerManager");
+    let mut schedulers_w = Shared::<NestedScheduler>::new("NestedScheduler");
+    let mut datastores_w = Shared::<nestplane_api::NestedDatastore>::new("NestedDatastore");
+    // nestplane's own secrets: a pass reads certificates from here.
+    let secrets_w = Shared::<Secret>::new("Secret");
+    // The kubernetes runtime's workloads and Services: a pass that would apply the same
+    // object again reads it from here instead (see `applied`).
+    let mut statefulsets_w = Shared::<StatefulSet>::new("StatefulSet");
+    let mut deployments_w = Shared::<Deployment>::new("Deployment");
+    let services_w = Shared::<Service>::new("Service");
+    let ncps = ncps_w.store_into(&ctx.caches.ncps);
+    etcds_w.store_into(&ctx.caches.etcds);
+    apiservers_w.store_into(&ctx.caches.apiservers);
+    cms_w.store_into(&ctx.caches.controller_managers);
+    schedulers_w.store_into(&ctx.caches.schedulers);
+    datastores_w.store_into(&ctx.caches.datastores);
+    secrets_w.store_into(&ctx.caches.secrets);
+    if workloads {
+        statefulsets_w.store_into(&ctx.applied.statefulsets);
+        deployments_w.store_into(&ctx.applied.deployments);
+        services_w.store_into(&ctx.applied.services);
+    }
+
     // Debounced: the events of one control plane's creation (its own patches, four
-    // components, their first status) come in a burst and make one pass; and that pass reads
-    // the components' caches after they had time to take the change that triggered it.
-    let ncp_ctl = Controller::new(api::<NestedControlPlane>(&client, ns), ncp_watch)
+    // components, their first status) come in a burst and make one pass.
+    let ncp_ctl = Controller::for_shared_stream(ncps_w.subscribe(), ncps.clone())
         .with_config(controller_config().debounce(NCP_DEBOUNCE));
-    let ncps = ncp_ctl.store();
-    let _ = ctx.caches.ncps.set(ncps.clone());
     // A component change reaches every control plane that references it, owned or not (so
     // creating a component that a reference was waiting for heals the control plane).
     fn referencing<K: tenant::ComponentKind>(
         ncps: &Store<NestedControlPlane>,
-    ) -> impl Fn(K) -> Vec<ObjectRef<NestedControlPlane>> + Send + Sync + 'static {
+    ) -> impl Fn(Arc<K>) -> Vec<ObjectRef<NestedControlPlane>> + Send + Sync + 'static {
         let ncps = ncps.clone();
-        move |component: K| {
+        move |component: Arc<K>| {
             let (Some(cns), cname) = (component.namespace(), component.name_any()) else {
                 return Vec::new();
             };
@@ -346,11 +285,9 @@ pub async fn run_with(
     }
     // Shared datastores: their etcd's status and their tenants bring them back; a datastore's
     // change brings back the control planes that use it.
-    let ds_ctl = Controller::new(api::<nestplane_api::NestedDatastore>(&client, ns), wc());
-    let _ = ctx.caches.datastores.set(ds_ctl.store());
-    let ds_ctl = ds_ctl
-        .owns(api::<NestedEtcd>(&client, ns), wc())
-        .watches(api::<NestedControlPlane>(&client, ns), wc(), |ncp| {
+    let ds_ctl = Controller::for_shared_stream(datastores_w.subscribe(), datastores_w.store())
+        .owns_shared_stream(etcds_w.subscribe())
+        .watches_shared_stream(ncps_w.subscribe(), |ncp: Arc<NestedControlPlane>| {
             let (ns, name) = datastore::referenced(&ncp)?;
             Some(ObjectRef::new(&name).within(&ns))
         })
@@ -359,7 +296,7 @@ pub async fn run_with(
         .for_each(report("NestedDatastore", &ctx));
     let users_of = {
         let ncps = ncps.clone();
-        move |ds: nestplane_api::NestedDatastore| {
+        move |ds: Arc<nestplane_api::NestedDatastore>| {
             let key = (ds.namespace().unwrap_or_default(), ds.name_any());
             ncps.state()
                 .iter()
@@ -369,42 +306,27 @@ pub async fn run_with(
         }
     };
     let ncp_ctl = ncp_ctl
-        .watches(api::<NestedEtcd>(&client, ns), wc(), referencing(&ncps))
-        .watches(
-            api::<nestplane_api::NestedDatastore>(&client, ns),
-            wc(),
-            users_of,
-        )
-        .watches(
-            api::<NestedAPIServer>(&client, ns),
-            wc(),
-            referencing(&ncps),
-        )
-        .watches(
-            api::<NestedControllerManager>(&client, ns),
-            wc(),
-            referencing(&ncps),
-        )
-        .watches(
-            api::<NestedScheduler>(&client, ns),
-            wc(),
-            referencing(&ncps),
-        )
+        .watches_shared_stream(etcds_w.subscribe(), referencing(&ncps))
+        .watches_shared_stream(datastores_w.subscribe(), users_of)
+        .watches_shared_stream(apiservers_w.subscribe(), referencing(&ncps))
+        .watches_shared_stream(cms_w.subscribe(), referencing(&ncps))
+        .watches_shared_stream(schedulers_w.subscribe(), referencing(&ncps))
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-        .run(reconcile_ncp, error_policy, ctx.clone())
+        .run(ncp::reconcile, error_policy, ctx.clone())
         .for_each(report("NestedControlPlane", &ctx));
 
     // A change of the control plane (version, replicas, pause) reaches its components.
-    fn refs<K: tenant::ComponentKind>(ncp: NestedControlPlane) -> Option<ObjectRef<K>> {
-        let ns = kube::ResourceExt::namespace(&ncp)?;
+    fn refs<K: tenant::ComponentKind>(ncp: Arc<NestedControlPlane>) -> Option<ObjectRef<K>> {
+        let ns = kube::ResourceExt::namespace(ncp.as_ref())?;
         let name = tenant::reference(&ncp, K::COMPONENT)?.name.clone()?;
         Some(ObjectRef::new(&name).within(&ns))
     }
-    let workloads = matches!(config.mode, Mode::Kubernetes(_));
     // A kind whose controller does not run here (`--controllers`) is someone else's: its
-    // objects are only read (through a GET, there being no cache of them).
+    // objects are only read, from the cache. A component controller also watches what it
+    // waits for (seed 000's order), and in the kubernetes runtime its workload's rollout:
+    // etcd is a StatefulSet, the others are Deployments.
     macro_rules! component_controller {
-        ($k:ty) => {{
+        ($k:ty, $own:ident, $workload:ident $(, $dep:ty, $dep_w:ident)?) => {{
             let kind = <$k as kube::Resource>::kind(&()).to_string();
             let enabled = ctx
                 .controllers
@@ -412,111 +334,52 @@ pub async fn run_with(
             if !enabled {
                 tracing::info!(%kind, "controller not run by this operator (--controllers)");
             }
-            enabled.then(|| component_controller!(@run $k, kind))
-        }};
-        (@run $k:ty, $kind:expr) => {{
-            let ctl = Controller::new(api::<$k>(&client, ns), wc()).with_config(controller_config());
-            let _ = <$k as tenant::ComponentKind>::cache_slot(&ctx.caches).set(ctl.store());
-            let ctl = ctl.watches(api::<NestedControlPlane>(&client, ns), wc(), refs::<$k>);
-            let ctl = with_dependencies(ctl, &client, ns, &ncps);
-            // In the kubernetes runtime a workload's rollout reaches its component: etcd is
-            // a StatefulSet, the others are Deployments.
-            let etcd = <$k as tenant::ComponentKind>::COMPONENT == nestplane_api::names::Component::Etcd;
-            let ctl = match (workloads, etcd) {
-                (true, true) => ctl.owns(api::<StatefulSet>(&client, ns), wc()),
-                (true, false) => ctl.owns(api::<Deployment>(&client, ns), wc()),
-                (false, _) => ctl,
-            };
-            ctl.graceful_shutdown_on(shutdown.clone().cancelled_owned())
-                .run(component::reconcile::<$k>, error_policy, ctx.clone())
-                .for_each(report($kind, &ctx))
+            enabled.then(|| {
+                let ctl = Controller::for_shared_stream($own.subscribe(), $own.store())
+                    .with_config(controller_config())
+                    .watches_shared_stream(ncps_w.subscribe(), refs::<$k>);
+                $(let ctl = ctl.watches_shared_stream(
+                    $dep_w.subscribe(),
+                    dependents::<$dep, $k>(&ncps),
+                );)?
+                let ctl = if workloads {
+                    ctl.owns_shared_stream($workload.subscribe())
+                } else {
+                    ctl
+                };
+                ctl.graceful_shutdown_on(shutdown.clone().cancelled_owned())
+                    .run(component::reconcile::<$k>, error_policy, ctx.clone())
+                    .for_each(report(kind, &ctx))
+            })
         }};
     }
+    let etcd_ctl = component_controller!(NestedEtcd, etcds_w, statefulsets_w);
+    let apiserver_ctl = component_controller!(
+        NestedAPIServer,
+        apiservers_w,
+        deployments_w,
+        NestedEtcd,
+        etcds_w
+    );
+    let cm_ctl = component_controller!(
+        NestedControllerManager,
+        cms_w,
+        deployments_w,
+        NestedAPIServer,
+        apiservers_w
+    );
+    let scheduler_ctl = component_controller!(
+        NestedScheduler,
+        schedulers_w,
+        deployments_w,
+        NestedAPIServer,
+        apiservers_w
+    );
     async fn maybe(f: Option<impl std::future::Future<Output = ()>>) {
         if let Some(f) = f {
             f.await
         }
     }
-    // nestplane's own secrets, cached: a pass reads certificates from here.
-    let (secret_reader, secret_writer) = kube::runtime::reflector::store();
-    let _ = ctx.caches.secrets.set(secret_reader);
-    // With backoff: a watch that fails at once (the API server gone) must not spin.
-    let secret_watch = kube::runtime::reflector(
-        secret_writer,
-        watcher(
-            api::<k8s_openapi::api::core::v1::Secret>(&client, ns),
-            wc().labels(&format!(
-                "{}={}",
-                nestplane_api::names::MANAGED_BY_LABEL,
-                nestplane_api::names::MANAGED_BY
-            )),
-        )
-        .default_backoff()
-        .modify(|s: &mut k8s_openapi::api::core::v1::Secret| s.metadata.managed_fields = None),
-    )
-    .take_until(shutdown.clone().cancelled_owned())
-    .for_each({
-        let ctx = ctx.clone();
-        move |r| {
-            if let Err(e) = r {
-                tracing::error!(error = %e, "secret watch failed");
-                ctx.metrics.watch_failed("Secret");
-                ctx.health.watch_failed("Secret", e.to_string());
-            }
-            std::future::ready(())
-        }
-    });
-    // The kubernetes runtime's workloads and Services, cached: a pass that would apply the
-    // same object again reads it from here instead (see `applied`).
-    let managed = || {
-        wc().labels(&format!(
-            "{}={}",
-            nestplane_api::names::MANAGED_BY_LABEL,
-            nestplane_api::names::MANAGED_BY
-        ))
-    };
-    let applied_watch = workloads.then(|| {
-        futures::future::join3(
-            cache(
-                &ctx,
-                "StatefulSet",
-                &ctx.applied.statefulsets,
-                api::<StatefulSet>(&client, ns),
-                managed(),
-                |s| {
-                    // Nor is the pod template (the rollout is in the status).
-                    if let Some(spec) = s.spec.as_mut() {
-                        spec.template = Default::default();
-                        spec.volume_claim_templates = None;
-                    }
-                },
-                &shutdown,
-            ),
-            cache(
-                &ctx,
-                "Deployment",
-                &ctx.applied.deployments,
-                api::<Deployment>(&client, ns),
-                managed(),
-                |d| {
-                    if let Some(spec) = d.spec.as_mut() {
-                        spec.template = Default::default();
-                    }
-                },
-                &shutdown,
-            ),
-            cache(
-                &ctx,
-                "Service",
-                &ctx.applied.services,
-                api::<k8s_openapi::api::core::v1::Service>(&client, ns),
-                managed(),
-                |_| {},
-                &shutdown,
-            ),
-        )
-        .map(|_| ())
-    });
     // PostCreateConfigs: looked at again when a control plane in their namespace changes
     // (initialized, labelled), when a Secret they use or a kubeconfig appears or changes, and
     // when a Cluster changes (where the kind is served; a watch that cannot start is only
@@ -526,7 +389,7 @@ pub async fn run_with(
     let secret_trigger = {
         let pccs = pccs.clone();
         watcher(
-            api::<kube::core::PartialObjectMeta<k8s_openapi::api::core::v1::Secret>>(&client, ns),
+            api::<kube::core::PartialObjectMeta<Secret>>(&client, ns),
             wc(),
         )
         .default_backoff()
@@ -557,7 +420,7 @@ pub async fn run_with(
             .filter_map(|r| std::future::ready(r.ok().map(|_| ())))
     };
     let pcc_ctl = pcc_ctl
-        .watches(api::<NestedControlPlane>(&client, ns), wc(), move |ncp| {
+        .watches_shared_stream(ncps_w.subscribe(), move |ncp: Arc<NestedControlPlane>| {
             postcreate::in_namespace(&pccs, ncp.namespace())
         })
         .reconcile_all_on(secret_trigger)
@@ -570,18 +433,29 @@ pub async fn run_with(
     let hc_ctl = Controller::new(api::<nestplane_api::HostedCluster>(&client, ns), wc());
     let pool_ctl = Controller::new(api::<nestplane_api::NodePool>(&client, ns), wc());
     let pools = pool_ctl.store();
-    let hc_ctl = hc_ctl
-        .watches(
+    fn hosted_cluster_of(
+        ncp: &NestedControlPlane,
+    ) -> Option<ObjectRef<nestplane_api::HostedCluster>> {
+        let v = ncp
+            .annotations()
+            .get(hosted::cluster::HOSTED_CLUSTER_ANNOTATION)?;
+        let (ns, name) = v.split_once('/')?;
+        Some(ObjectRef::new(name).within(ns))
+    }
+    // The shared watch sees what this operator selects; a HostedCluster's control plane may
+    // be in another namespace or (made before the filter) unlabelled: then it watches its own.
+    let hc_ctl = if ns.is_none() && config.watch_filter.is_none() {
+        hc_ctl.watches_shared_stream(ncps_w.subscribe(), |ncp: Arc<NestedControlPlane>| {
+            hosted_cluster_of(&ncp)
+        })
+    } else {
+        hc_ctl.watches(
             Api::<NestedControlPlane>::all(client.clone()),
             wc(),
-            |ncp| {
-                let v = ncp
-                    .annotations()
-                    .get(hosted::cluster::HOSTED_CLUSTER_ANNOTATION)?;
-                let (ns, name) = v.split_once('/')?;
-                Some(ObjectRef::new(name).within(ns))
-            },
+            |ncp| hosted_cluster_of(&ncp),
         )
+    };
+    let hc_ctl = hc_ctl
         .watches(api::<nestplane_api::NodePool>(&client, ns), wc(), |p| {
             Some(ObjectRef::new(&p.spec.cluster_name).within(&p.namespace()?))
         })
@@ -605,19 +479,60 @@ pub async fn run_with(
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(hosted::pool::reconcile, error_policy, ctx.clone())
         .for_each(report("NodePool", &ctx));
+    // Every subscription is made: the watches can start.
+    let watches = async {
+        tokio::join!(
+            ncps_w.run(&ctx, api(&client, ns), ncp_watch, shared::whole, &shutdown),
+            etcds_w.run(&ctx, api(&client, ns), wc(), shared::whole, &shutdown),
+            apiservers_w.run(&ctx, api(&client, ns), wc(), shared::whole, &shutdown),
+            cms_w.run(&ctx, api(&client, ns), wc(), shared::whole, &shutdown),
+            schedulers_w.run(&ctx, api(&client, ns), wc(), shared::whole, &shutdown),
+            datastores_w.run(&ctx, api(&client, ns), wc(), shared::whole, &shutdown),
+            secrets_w.run(&ctx, api(&client, ns), managed(), shared::whole, &shutdown),
+        );
+    };
+    let workload_watches = workloads.then_some(async {
+        tokio::join!(
+            statefulsets_w.run(
+                &ctx,
+                api(&client, ns),
+                managed(),
+                |s| {
+                    // Nor is the pod template read (the rollout is in the status).
+                    if let Some(spec) = s.spec.as_mut() {
+                        spec.template = Default::default();
+                        spec.volume_claim_templates = None;
+                    }
+                },
+                &shutdown,
+            ),
+            deployments_w.run(
+                &ctx,
+                api(&client, ns),
+                managed(),
+                |d| {
+                    if let Some(spec) = d.spec.as_mut() {
+                        spec.template = Default::default();
+                    }
+                },
+                &shutdown,
+            ),
+            services_w.run(&ctx, api(&client, ns), managed(), shared::whole, &shutdown),
+        );
+    });
     let controllers = async {
         tokio::join!(
-            secret_watch,
-            maybe(applied_watch),
+            watches,
+            maybe(workload_watches),
             ncp_ctl,
             ds_ctl,
             pcc_ctl,
             hc_ctl,
             pool_ctl,
-            maybe(component_controller!(NestedEtcd)),
-            maybe(component_controller!(NestedAPIServer)),
-            maybe(component_controller!(NestedControllerManager)),
-            maybe(component_controller!(NestedScheduler)),
+            maybe(etcd_ctl),
+            maybe(apiserver_ctl),
+            maybe(cm_ctl),
+            maybe(scheduler_ctl),
         )
     };
     // Reconciles in flight get a grace period to finish; a controller whose watch keeps

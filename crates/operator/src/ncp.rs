@@ -23,6 +23,7 @@ pub const RESYNC: Duration = Duration::from_secs(60);
 /// Reconcile one control plane.
 pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started("NestedControlPlane");
+    let ncp = ctx.written.latest(ncp);
     let ns = ncp.namespace().unwrap_or_default();
     let name = ncp.name_any();
     let api: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &ns);
@@ -40,13 +41,15 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
     if problem.is_none() && !paused {
         if !ncp.finalizers().iter().any(|f| f == names::FINALIZER) {
             // Its own write first: the identity is fixed with it (see `finalizer_patch`).
-            tenant.ncp = api
+            let written = api
                 .patch(
                     &name,
                     &PatchParams::default(),
                     &Patch::Merge(finalizer_patch(&ncp, true)),
                 )
                 .await?;
+            ctx.written.remember(&tenant.ncp, written.clone());
+            tenant.ncp = written;
         }
         // Default components are created first, then referenced; what the spec must gain
         // (those references, the endpoint the provider owns) is written in one patch, and
@@ -76,13 +79,15 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             );
         }
         if !spec.is_empty() {
-            tenant.ncp = api
+            let written = api
                 .patch(
                     &name,
                     &PatchParams::default(),
                     &Patch::Merge(serde_json::json!({ "spec": spec })),
                 )
                 .await?;
+            ctx.written.remember(&tenant.ncp, written.clone());
+            tenant.ncp = written;
         }
 
         // An etcd run by someone else serves with a certificate from the tenant's etcd CA,
@@ -181,8 +186,10 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             }
         }
         let patch = serde_json::json!({ "status": body });
-        api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        let written = api
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
             .await?;
+        ctx.written.remember(&tenant.ncp, written);
         // An Event when Available changes; a new control plane's first state, while it is
         // only on its way (no problem), is in its status alone (see the components' Events).
         let first_wait = before.is_none() && problem.is_none();

@@ -39,6 +39,8 @@ pub trait ComponentKind:
     fn with_defaults(name: &str, namespace: &str) -> Self;
     /// Where this kind's watch cache is kept.
     fn cache_slot(c: &Caches) -> &OnceLock<Store<Self>>;
+    /// Where a tenant holds this kind's component.
+    fn lookup_mut(t: &mut Tenant) -> &mut Lookup<Self>;
     /// This kind's watch cache, once its controller runs.
     fn cache(c: &Caches) -> Option<&Store<Self>> {
         Self::cache_slot(c).get()
@@ -88,7 +90,7 @@ impl Caches {
 }
 
 macro_rules! component_kind {
-    ($ty:ty, $spec:ident, $c:expr, $status:expr, $cache:expr) => {
+    ($ty:ty, $spec:ident, $c:expr, $status:expr, $cache:expr, $lookup:expr) => {
         impl ComponentKind for $ty {
             const COMPONENT: Component = $c;
             fn component_spec(&self) -> &NestedComponentSpec {
@@ -107,6 +109,10 @@ macro_rules! component_kind {
                 let f: fn(&Caches) -> &OnceLock<Store<Self>> = $cache;
                 f(c)
             }
+            fn lookup_mut(t: &mut Tenant) -> &mut Lookup<Self> {
+                let f: fn(&mut Tenant) -> &mut Lookup<Self> = $lookup;
+                f(t)
+            }
         }
     };
 }
@@ -116,28 +122,32 @@ component_kind!(
     NestedEtcdSpec,
     Component::Etcd,
     |o| o.status.as_ref().map(|s| &s.common),
-    |c| &c.etcds
+    |c| &c.etcds,
+    |t| &mut t.etcd
 );
 component_kind!(
     NestedAPIServer,
     NestedAPIServerSpec,
     Component::ApiServer,
     |o| o.status.as_ref().map(|s| &s.common),
-    |c| &c.apiservers
+    |c| &c.apiservers,
+    |t| &mut t.apiserver
 );
 component_kind!(
     NestedControllerManager,
     NestedControllerManagerSpec,
     Component::ControllerManager,
     |o| o.status.as_ref(),
-    |c| &c.controller_managers
+    |c| &c.controller_managers,
+    |t| &mut t.controller_manager
 );
 component_kind!(
     NestedScheduler,
     NestedSchedulerSpec,
     Component::Scheduler,
     |o| o.status.as_ref(),
-    |c| &c.schedulers
+    |c| &c.schedulers,
+    |t| &mut t.scheduler
 );
 
 /// The reference field of the control plane that points at a component.
