@@ -31,7 +31,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{Secret, Service};
 use kube::ResourceExt;
@@ -293,7 +293,8 @@ pub async fn run_with(
         })
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(datastore::reconcile, error_policy, ctx.clone())
-        .for_each(report("NestedDatastore", &ctx));
+        .for_each(report("NestedDatastore", &ctx))
+        .boxed();
     let users_of = {
         let ncps = ncps.clone();
         move |ds: Arc<nestplane_api::NestedDatastore>| {
@@ -313,7 +314,8 @@ pub async fn run_with(
         .watches_shared_stream(schedulers_w.subscribe(), referencing(&ncps))
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(ncp::reconcile, error_policy, ctx.clone())
-        .for_each(report("NestedControlPlane", &ctx));
+        .for_each(report("NestedControlPlane", &ctx))
+        .boxed();
 
     // A change of the control plane (version, replicas, pause) reaches its components.
     fn refs<K: tenant::ComponentKind>(ncp: Arc<NestedControlPlane>) -> Option<ObjectRef<K>> {
@@ -350,6 +352,7 @@ pub async fn run_with(
                 ctl.graceful_shutdown_on(shutdown.clone().cancelled_owned())
                     .run(component::reconcile::<$k>, error_policy, ctx.clone())
                     .for_each(report(kind, &ctx))
+        .boxed()
             })
         }};
     }
@@ -427,7 +430,8 @@ pub async fn run_with(
         .reconcile_all_on(cluster_trigger)
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(postcreate::reconcile, error_policy, ctx.clone())
-        .for_each(report("PostCreateConfig", &ctx));
+        .for_each(report("PostCreateConfig", &ctx))
+        .boxed();
     // HostedClusters: their control plane (by annotation, across namespaces) and their
     // NodePools bring them back; NodePools follow their HostedCluster.
     let hc_ctl = Controller::new(api::<nestplane_api::HostedCluster>(&client, ns), wc());
@@ -461,7 +465,8 @@ pub async fn run_with(
         })
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(hosted::cluster::reconcile, error_policy, ctx.clone())
-        .for_each(report("HostedCluster", &ctx));
+        .for_each(report("HostedCluster", &ctx))
+        .boxed();
     let pool_ctl = pool_ctl
         .watches(
             api::<nestplane_api::HostedCluster>(&client, ns),
@@ -478,7 +483,8 @@ pub async fn run_with(
         )
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(hosted::pool::reconcile, error_policy, ctx.clone())
-        .for_each(report("NodePool", &ctx));
+        .for_each(report("NodePool", &ctx))
+        .boxed();
     // Every subscription is made: the watches can start.
     let watches = async {
         tokio::join!(

@@ -17,7 +17,7 @@
 use std::sync::{Arc, OnceLock};
 
 use futures::channel::mpsc;
-use futures::{SinkExt, Stream, StreamExt};
+use futures::{FutureExt, SinkExt, Stream, StreamExt};
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -90,7 +90,7 @@ where
         config: watcher::Config,
         slim: fn(&mut K),
         shutdown: &CancellationToken,
-    ) -> impl std::future::Future<Output = ()> + Send + use<K> {
+    ) -> futures::future::BoxFuture<'static, ()> {
         let Shared {
             kind,
             writer,
@@ -133,6 +133,8 @@ where
                 }
             }
         }
+        // On the heap: a watch's state is large, and the operator joins many of them.
+        .boxed()
     }
 }
 
