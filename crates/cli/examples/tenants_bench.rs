@@ -10,7 +10,9 @@
 //!   datastore, the datastore's etcd is divided among them (`datastore_rss_mib` is its whole);
 //! - `tenant_pss_mib`: the same as proportional set size, where pages shared between
 //!   processes (the binaries' text) count once in all;
-//! - `operator_rss_mib`: the operator's resident memory.
+//! - `operator_rss_mib`: the operator's resident memory;
+//! - `tenant_pss_mib by program`: what the tenant's PSS is made of (the datastore's etcd not
+//!   included).
 //!
 //! `TENANTS_BENCH_SIZES=1,5` changes the sizes, `TENANTS_BENCH_MODES=shared` the modes.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -63,6 +65,16 @@ fn memory_kib(state: &Path, names: &[String]) -> (u64, u64) {
         .flat_map(|t| tenant_pids(state, t))
         .map(|p| (rss_kib(p), pss_kib(p)))
         .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+}
+
+/// PSS of the named tenants' processes by program (`/proc/<pid>/comm`).
+fn pss_by_program(state: &Path, names: &[String]) -> std::collections::BTreeMap<String, u64> {
+    let mut out = std::collections::BTreeMap::new();
+    for p in names.iter().flat_map(|t| tenant_pids(state, t)) {
+        let comm = std::fs::read_to_string(format!("/proc/{p}/comm")).unwrap_or_default();
+        *out.entry(comm.trim().to_string()).or_insert(0) += pss_kib(p);
+    }
+    out
 }
 
 fn mib(kib: u64) -> f64 {
@@ -222,6 +234,12 @@ async fn main() {
                 mib(ds_rss),
                 mib(rss_kib(op_pid)),
             );
+            // What the per-tenant figure is made of.
+            let parts: Vec<String> = pss_by_program(state.path(), &names)
+                .iter()
+                .map(|(program, kib)| format!("{program}={:.1}", per(*kib)))
+                .collect();
+            println!("  tenant_pss_mib by program: {}", parts.join(" "));
         }
         // Make room for the next mode.
         for name in &names {
