@@ -29,6 +29,9 @@ pub mod reasons {
     pub const PROVISIONING: &str = "Provisioning";
     /// The spec cannot be acted on.
     pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// A certificate or kubeconfig secret held content nestplane did not issue (it was
+    /// edited); it was reissued and the edited content never used (an Event's reason).
+    pub const SECRET_REISSUED: &str = "SecretReissued";
     /// The requested version is not available (no binaries, unsupported).
     pub const VERSION_UNAVAILABLE: &str = "VersionUnavailable";
     /// A referenced object does not exist.

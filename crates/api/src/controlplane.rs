@@ -464,4 +464,9 @@ pub struct NestedControlPlaneStatus {
     /// The shared datastore the tenant's data is in, once its user and role exist there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub datastore: Option<crate::datastore::TenantDatastoreStatus>,
+    /// The name this tenant's secrets, workloads, processes and data directory are named
+    /// after, recorded when it was first provisioned. It never changes afterwards: a later
+    /// edit of the `nestplane.io/cluster-name` annotation is refused (`InvalidSpec`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_name: Option<String>,
 }

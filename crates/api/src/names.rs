@@ -47,6 +47,35 @@ pub const DEFAULT_KUBERNETES_VERSION: &str = "v1.20.2";
 /// 63-character DNS label.
 pub const MAX_CLUSTER_NAME_LEN: usize = 63 - "-controller-manager-kubeconfig".len();
 
+/// Why `value` is not an RFC 1123 DNS label of at most `max` characters (lowercase letters,
+/// digits and `-`, starting and ending with a letter or digit), or `None` when it is one.
+/// Every name that becomes a path, a label or an object name passes this first: a label has
+/// no `/`, no `.` and cannot be absolute, so it can never lead out of a directory. Pure.
+pub fn dns_label_problem(value: &str, max: usize) -> Option<String> {
+    if value.is_empty() {
+        return Some("it is empty".into());
+    }
+    if value.len() > max {
+        return Some(format!(
+            "{value:?} has {} characters; at most {max} are allowed",
+            value.len()
+        ));
+    }
+    let ok_chars = value
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    let ok_ends = value
+        .bytes()
+        .next()
+        .zip(value.bytes().last())
+        .is_some_and(|(a, z)| a.is_ascii_alphanumeric() && z.is_ascii_alphanumeric());
+    (!ok_chars || !ok_ends).then(|| {
+        format!(
+            "{value:?} is not a DNS label (lowercase letters, digits and '-', starting and ending with a letter or digit)"
+        )
+    })
+}
+
 /// Every secret nestplane creates for a cluster.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum SecretPurpose {
@@ -224,4 +253,36 @@ pub mod ports {
     pub const CONTROLLER_MANAGER: i32 = 10257;
     /// kube-scheduler secure port.
     pub const SCHEDULER: i32 = 10259;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_that_could_lead_out_of_a_directory_are_not_labels() {
+        for bad in [
+            "",
+            "/tmp/scratch",
+            "..",
+            "../other",
+            "a/b",
+            "a.b",
+            "-a",
+            "a-",
+            "A",
+            "a b",
+            "a\0b",
+        ] {
+            assert!(dns_label_problem(bad, 63).is_some(), "{bad:?} passed");
+        }
+        for good in ["a", "demo", "team-prod", "x1", "1x"] {
+            assert_eq!(dns_label_problem(good, 63), None, "{good:?}");
+        }
+        assert!(dns_label_problem(&"a".repeat(34), MAX_CLUSTER_NAME_LEN).is_some());
+        assert_eq!(
+            dns_label_problem(&"a".repeat(MAX_CLUSTER_NAME_LEN), MAX_CLUSTER_NAME_LEN),
+            None
+        );
+    }
 }

@@ -255,7 +255,7 @@ async fn main() -> anyhow::Result<()> {
             procs.push((c, capture(pid)));
         }
         let etcd_data = PathBuf::from(flag(&procs[0].1.args, "data-dir").expect("etcd --data-dir"));
-        let tenant_dir = operator.runtime().tenant_dir(&key);
+        let tenant_dir = operator.runtime().tenant_dir(&key)?;
         let copy = work.path().join(format!("bare-{run}"));
         copy_dir(&tenant_dir, &copy, std::slice::from_ref(&etcd_data));
         let ca = secrets.get(&format!("{name}-ca")).await?;

@@ -347,6 +347,7 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<O
         Gate::Proceed { version, patches } => (version, patches),
         Gate::Stop(out) => return Ok(*out),
     };
+    let replaced = std::sync::Mutex::new(Vec::new());
     let seen = ctx
         .runtime
         .run(Pass {
@@ -357,8 +358,19 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<O
             component: c,
             version,
             patches: &patches,
+            replaced: &replaced,
         })
-        .await?;
+        .await;
+    for note in replaced.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        ctx.event(
+            kube::Resource::object_ref(&t.ncp, &()),
+            EventType::Warning,
+            reasons::SECRET_REISSUED,
+            &note,
+        )
+        .await;
+    }
+    let seen = seen?;
     Ok(judge(ctx, t, c, key, version, seen))
 }
 

@@ -163,6 +163,20 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         now: k8s_openapi::jiff::Timestamp::now(),
     });
     let mut new_status = new_status;
+    // The name is recorded once the finalizer holds it, and never changes afterwards.
+    new_status.cluster_name = ncp
+        .status
+        .as_ref()
+        .and_then(|s| s.cluster_name.clone())
+        .or_else(|| {
+            (tenant
+                .ncp
+                .finalizers()
+                .iter()
+                .any(|f| f == names::FINALIZER)
+                && tenant.name_problem().is_none())
+            .then(|| tenant.cluster())
+        });
     // Once bound, a tenant stays bound to its datastore (its data is there) until deleted.
     new_status.datastore = match &binding {
         Some(crate::datastore::Binding::Bound(b)) => Some(b.clone()),
@@ -396,6 +410,17 @@ async fn cleanup(
     let ns = ncp.namespace().unwrap_or_default();
     let name = tenant::cluster_name(ncp);
     if !ncp.finalizers().iter().any(|f| f == names::FINALIZER) {
+        return Ok(Action::await_change());
+    }
+    if let Some(p) = names::dns_label_problem(&name, names::MAX_CLUSTER_NAME_LEN) {
+        // Nothing is ever made under a name that is no DNS label: nothing to remove.
+        tracing::warn!(namespace = %ns, problem = %p, "control plane deleted; its name was never used");
+        api.patch(
+            &ncp.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(finalizer_patch(ncp, false)),
+        )
+        .await?;
         return Ok(Action::await_change());
     }
     ctx.runtime.remove(&ctx.client, ncp).await?;

@@ -40,6 +40,8 @@ pub struct Pass<'a> {
     pub version: KubeVersion,
     /// Its `spec.patches` (already judged acceptable by [`Runtime::patch_policy`]).
     pub patches: &'a [Value],
+    /// Where [`Pass::issue`] notes secrets it found edited and reissued (for Events).
+    pub replaced: &'a std::sync::Mutex<Vec<String>>,
 }
 
 impl Pass<'_> {
@@ -68,8 +70,12 @@ impl Pass<'_> {
             .as_ref()
             .map(|e| (e.host.as_str(), e.port));
         let plan = nestplane_render::certificates::plan(self.component, input, hosts, endpoint);
-        let health_ca = secrets.issue(&plan).await?;
-        Ok((secrets, health_ca))
+        let health_ca = secrets.issue(&plan).await;
+        self.replaced
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(secrets.take_replaced());
+        Ok((secrets, health_ca?))
     }
 }
 

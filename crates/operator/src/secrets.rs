@@ -66,6 +66,8 @@ pub struct ClusterSecrets {
     cache: Option<kube::runtime::reflector::Store<Secret>>,
     /// What this pass wrote: read before the cache, which may not have seen it yet.
     written: std::sync::Arc<std::sync::Mutex<BTreeMap<String, Secret>>>,
+    /// Secrets found holding what nestplane did not issue, and reissued (for Events).
+    replaced: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 /// What is known of a secret before asking the API server.
@@ -130,6 +132,7 @@ impl ClusterSecrets {
             clock,
             cache: None,
             written: Default::default(),
+            replaced: Default::default(),
         }
     }
 
@@ -137,6 +140,23 @@ impl ClusterSecrets {
     pub fn with_cache(mut self, cache: Option<kube::runtime::reflector::Store<Secret>>) -> Self {
         self.cache = cache;
         self
+    }
+
+    /// The secrets this pass found holding a certificate or kubeconfig that nestplane did not
+    /// issue (edited by someone), each reissued; a sentence per secret, for an Event.
+    pub fn take_replaced(&self) -> Vec<String> {
+        std::mem::take(&mut *self.replaced.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn note_replaced(&self, purpose: SecretPurpose, what: &str) {
+        let name = purpose.secret_name(&self.cluster);
+        tracing::warn!(secret = %name, "reissuing a {what} nestplane did not issue");
+        self.replaced
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(format!(
+                "secret {name} held a {what} nestplane did not issue (it was edited); it is reissued and the edited content is never used"
+            ));
     }
 
     fn remember(&self, s: Secret) {
@@ -365,22 +385,37 @@ impl ClusterSecrets {
     /// Keep a leaf certificate current; returns it.
     pub async fn leaf(&self, leaf: &Leaf, ca: &CertKey) -> Result<CertKey, SecretError> {
         let want_hash = ca_hash(&ca.cert_pem);
-        let current = |s: &Secret| -> Option<CertKey> {
-            let (cert_pem, key_pem) = (text(s, names::TLS_CRT)?, text(s, names::TLS_KEY)?);
-            let same_ca = s
-                .metadata
+        let same_ca = |s: &Secret| {
+            s.metadata
                 .annotations
                 .as_ref()
                 .and_then(|a| a.get(CA_HASH_ANNOTATION))
-                == Some(&want_hash);
-            (same_ca
-                && !pki::needs_renewal(&cert_pem, self.clock.now())
-                && sans_match(&cert_pem, &leaf.spec))
+                == Some(&want_hash)
+        };
+        // What nestplane issued: signed by the CA, with the key that belongs to it.
+        let genuine = |s: &Secret| -> Option<CertKey> {
+            let (cert_pem, key_pem) = (text(s, names::TLS_CRT)?, text(s, names::TLS_KEY)?);
+            (pki::verify_signed_by(&cert_pem, &ca.cert_pem).ok()?
+                && pki::key_matches(&cert_pem, &key_pem).ok()?
+                && text(s, names::CA_CRT).as_deref() == Some(ca.cert_pem.as_str()))
             .then_some(CertKey { cert_pem, key_pem })
+        };
+        let current = |s: &Secret| -> Option<CertKey> {
+            genuine(s).filter(|ck| {
+                same_ca(s)
+                    && !pki::needs_renewal(&ck.cert_pem, self.clock.now())
+                    && sans_match(&ck.cert_pem, &leaf.spec)
+            })
         };
         let (existing, create) = self.existing(leaf.purpose).await?;
         if let Some(ck) = existing.as_ref().and_then(current) {
             return Ok(ck);
+        }
+        if existing
+            .as_ref()
+            .is_some_and(|s| same_ca(s) && genuine(s).is_none())
+        {
+            self.note_replaced(leaf.purpose, "certificate");
         }
         let ck = pki::issue(ca, &leaf.spec, time::OffsetDateTime::now_utc())?;
         let secret = self.secret(
@@ -410,17 +445,41 @@ impl ClusterSecrets {
         ca: &CertKey,
     ) -> Result<String, SecretError> {
         let want_hash = ca_hash(&ca.cert_pem);
+        let annotated = |s: &Secret| {
+            s.metadata.annotations.as_ref().is_some_and(|ann| {
+                ann.get(CA_HASH_ANNOTATION) == Some(&want_hash)
+                    && ann.get(SERVER_ANNOTATION) == Some(&spec.server)
+            })
+        };
+        // `value` is exactly what nestplane writes for this spec, with a client certificate
+        // from the CA (so no `exec`, no files, no other server), and `tls.crt` is its
+        // certificate. Anything else (an edit) is reissued, never handed to a process.
+        let genuine = |s: &Secret| -> Option<String> {
+            let value = text(s, names::KUBECONFIG_KEY)?;
+            let issued = pki::Issued {
+                cluster: &self.cluster,
+                server: &spec.server,
+                ca_pem: &ca.cert_pem,
+                user: &spec.user,
+                groups: &spec.groups,
+            };
+            let client = pki::verify_issued_kubeconfig(&value, &issued)?;
+            (text(s, names::TLS_CRT).as_deref() == Some(client.cert_pem.as_str())).then_some(value)
+        };
         let current = |s: &Secret| -> Option<String> {
-            let ann = s.metadata.annotations.as_ref()?;
-            let (value, cert_pem) = (text(s, names::KUBECONFIG_KEY)?, text(s, names::TLS_CRT)?);
-            (ann.get(CA_HASH_ANNOTATION) == Some(&want_hash)
-                && ann.get(SERVER_ANNOTATION) == Some(&spec.server)
-                && !pki::needs_renewal(&cert_pem, self.clock.now()))
-            .then_some(value)
+            let value = genuine(s)?;
+            let cert_pem = text(s, names::TLS_CRT)?;
+            (annotated(s) && !pki::needs_renewal(&cert_pem, self.clock.now())).then_some(value)
         };
         let (existing, create) = self.existing(spec.purpose).await?;
         if let Some(value) = existing.as_ref().and_then(current) {
             return Ok(value);
+        }
+        if existing
+            .as_ref()
+            .is_some_and(|s| annotated(s) && genuine(s).is_none())
+        {
+            self.note_replaced(spec.purpose, "kubeconfig");
         }
         let client = pki::issue(
             ca,
@@ -522,12 +581,21 @@ impl ClusterSecrets {
         for p in purposes {
             let name = p.secret_name(&self.cluster);
             if let Some(s) = self.get(*p).await? {
-                let data = s
+                let data: BTreeMap<String, Vec<u8>> = s
                     .data
                     .unwrap_or_default()
                     .into_iter()
                     .map(|(k, v)| (k, v.0))
                     .collect();
+                // What a process or pod is handed never runs or reads anything of its own.
+                if let Some(value) = data.get(names::KUBECONFIG_KEY) {
+                    pki::check_kubeconfig(&String::from_utf8_lossy(value)).map_err(|reason| {
+                        SecretError::Invalid {
+                            name: name.clone(),
+                            reason,
+                        }
+                    })?;
+                }
                 out.insert(name, data);
             }
         }

@@ -277,15 +277,52 @@ pub fn owning_cluster(ncp: &NestedControlPlane) -> Option<String> {
 }
 
 /// The name a tenant's objects (secrets `<name>-kubeconfig`, `<name>-ca`, …, workloads,
-/// processes) are named after: the one recorded when it was first provisioned, else the
-/// owning Cluster's, else the control plane's own. Pure.
+/// processes) are named after: the one recorded in its status when it was first provisioned
+/// (it never changes afterwards), else its annotation (written with the finalizer), else the
+/// owning Cluster's, else the control plane's own. Not validated: see [`name_problem`]. Pure.
 pub fn cluster_name(ncp: &NestedControlPlane) -> String {
-    ncp.annotations()
-        .get(names::CLUSTER_IDENTITY_ANNOTATION)
+    ncp.status
+        .as_ref()
+        .and_then(|s| s.cluster_name.clone())
         .filter(|v| !v.is_empty())
-        .cloned()
+        .or_else(|| {
+            ncp.annotations()
+                .get(names::CLUSTER_IDENTITY_ANNOTATION)
+                .filter(|v| !v.is_empty())
+                .cloned()
+        })
         .or_else(|| owning_cluster(ncp))
         .unwrap_or_else(|| ncp.name_any())
+}
+
+/// Why `ncp`'s cluster name cannot be used, or `None`: it must be a DNS label short enough for
+/// every derived name (it becomes object names, labels and a directory), and once recorded in
+/// the status, the annotation may not name another. Pure.
+pub fn name_problem(ncp: &NestedControlPlane) -> Option<String> {
+    let name = cluster_name(ncp);
+    if let Some(p) = names::dns_label_problem(&name, names::MAX_CLUSTER_NAME_LEN) {
+        return Some(if name.len() > names::MAX_CLUSTER_NAME_LEN {
+            format!(
+                "the control plane name {name:?} has {} characters; at most {} fit in derived names such as {name}-controller-manager-kubeconfig (63-character DNS labels)",
+                name.len(),
+                names::MAX_CLUSTER_NAME_LEN
+            )
+        } else {
+            format!("the cluster name: {p}")
+        });
+    }
+    let recorded = ncp.status.as_ref().and_then(|s| s.cluster_name.as_deref());
+    let annotated = ncp
+        .annotations()
+        .get(names::CLUSTER_IDENTITY_ANNOTATION)
+        .map(String::as_str);
+    match (recorded, annotated) {
+        (Some(r), Some(a)) if r != a => Some(format!(
+            "annotation {} is {a:?}, but this control plane was provisioned as {r:?} and its name is fixed; set the annotation back to {r:?}",
+            names::CLUSTER_IDENTITY_ANNOTATION
+        )),
+        _ => None,
+    }
 }
 
 /// Whether the owning Cluster says `spec.paused` (a Cluster that does not exist, or a
@@ -602,16 +639,9 @@ impl Tenant {
         })
     }
 
-    /// Validate the cluster name: every derived name must be a valid DNS label.
+    /// Validate the cluster name (see [`name_problem`]).
     pub fn name_problem(&self) -> Option<String> {
-        let name = self.cluster();
-        (name.len() > names::MAX_CLUSTER_NAME_LEN).then(|| {
-            format!(
-                "the control plane name {name:?} has {} characters; at most {} fit in derived names such as {name}-controller-manager-kubeconfig (63-character DNS labels)",
-                name.len(),
-                names::MAX_CLUSTER_NAME_LEN
-            )
-        })
+        name_problem(&self.ncp)
     }
 
     /// The render input for this tenant on `network`.
@@ -693,5 +723,30 @@ mod tests {
             "annotations": {"nestplane.io/cluster-name": "foo-control-plane"},
             "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta1", "kind": "Cluster", "name": "foo", "uid": "u"}]}));
         assert_eq!(cluster_name(&late), "foo-control-plane");
+    }
+
+    #[test]
+    fn a_name_that_is_no_dns_label_or_moved_after_provisioning_is_a_problem() {
+        for bad in ["/tmp/scratch", "../other", "a/b", "A"] {
+            let hostile = ncp(serde_json::json!({"name": "x",
+                "annotations": {"nestplane.io/cluster-name": bad}}));
+            assert!(name_problem(&hostile).is_some(), "{bad:?} accepted");
+        }
+        let mut moved = ncp(serde_json::json!({"name": "x",
+            "annotations": {"nestplane.io/cluster-name": "other"}}));
+        moved.status = Some(nestplane_api::NestedControlPlaneStatus {
+            cluster_name: Some("x".into()),
+            ..Default::default()
+        });
+        // The recorded name is used, and the edit is reported.
+        assert_eq!(cluster_name(&moved), "x");
+        let p = name_problem(&moved).expect("a moved name is refused");
+        assert!(
+            p.contains("\"other\"") && p.contains("set the annotation back to \"x\""),
+            "{p}"
+        );
+        let fine = ncp(serde_json::json!({"name": "x",
+            "annotations": {"nestplane.io/cluster-name": "x"}}));
+        assert_eq!(name_problem(&fine), None);
     }
 }

@@ -482,5 +482,8 @@ pub fn kubeconfig(
     serde_norway::to_string(&kc).map_err(|e| PkiError::Kubeconfig(e.to_string()))
 }
 
+mod kubeconfig_check;
+pub use kubeconfig_check::{Issued, check_kubeconfig, kubeconfig_client, verify_issued_kubeconfig};
+
 #[cfg(test)]
 mod tests;

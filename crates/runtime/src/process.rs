@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Container, PodTemplateSpec};
-use nestplane_api::names::Component;
+use nestplane_api::names::{self, Component};
 use nestplane_render::Rendered;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
@@ -93,6 +93,10 @@ impl std::fmt::Display for TenantKey {
         write!(f, "{}/{}", self.namespace, self.cluster)
     }
 }
+
+/// The file in a tenant's directory naming the tenant it was made for (see
+/// [`ProcessRuntime::remove`]).
+pub const TENANT_MARKER: &str = ".nestplane-tenant";
 
 /// Secret contents by secret name, then key.
 pub type SecretData = BTreeMap<String, BTreeMap<String, Vec<u8>>>;
@@ -202,12 +206,30 @@ impl ProcessRuntime {
         Ok(())
     }
 
-    /// The directory of a tenant.
-    pub fn tenant_dir(&self, key: &TenantKey) -> PathBuf {
-        self.state_dir
-            .join("tenants")
-            .join(&key.namespace)
-            .join(&key.cluster)
+    /// The directory of a tenant: `<state>/tenants/<namespace>/<cluster>`, both DNS labels
+    /// (so never absolute, never `..`), joined with [`safe_join`]; any other key is refused.
+    pub fn tenant_dir(&self, key: &TenantKey) -> Result<PathBuf, RuntimeError> {
+        for (what, label) in [("namespace", &key.namespace), ("cluster", &key.cluster)] {
+            if let Some(p) = names::dns_label_problem(label, 63) {
+                return Err(RuntimeError::Unsupported {
+                    component: key.to_string(),
+                    reason: format!("the {what} name {p}; it cannot name a directory"),
+                });
+            }
+        }
+        safe_join(&self.state_dir.join("tenants"), &key.namespace)
+            .and_then(|ns| safe_join(&ns, &key.cluster))
+    }
+
+    /// Mark `dir` as the directory of `key`, made by nestplane: [`ProcessRuntime::remove`]
+    /// deletes only a directory that carries this marker naming the same tenant.
+    fn mark(dir: &Path, key: &TenantKey) -> Result<(), RuntimeError> {
+        let marker = dir.join(TENANT_MARKER);
+        if std::fs::read_to_string(&marker).ok().as_deref() == Some(&key.to_string()) {
+            return Ok(());
+        }
+        crate::files::write_private(&marker, key.to_string().as_bytes())
+            .map_err(io(format!("writing {}", marker.display())))
     }
 
     /// The tenant's replica addresses (`127.a.b.1` … `127.a.b.7`), allocated on first use and
@@ -223,7 +245,7 @@ impl ProcessRuntime {
         {
             return Ok(h.clone());
         }
-        let dir = self.tenant_dir(key);
+        let dir = self.tenant_dir(key)?;
         let file = dir.join("network.json");
         let block = match std::fs::read_to_string(&file)
             .ok()
@@ -237,11 +259,14 @@ impl ProcessRuntime {
                     source: std::io::Error::other("no free 127.x.y.0/24 block"),
                 })?;
                 std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+                Self::mark(&dir, key)?;
                 std::fs::write(&file, serde_json::to_string(&b).unwrap_or_default())
                     .map_err(io(format!("writing {}", file.display())))?;
                 b
             }
         };
+        // A directory made before markers existed gets one now.
+        Self::mark(&dir, key)?;
         let hosts: Vec<Ipv4Addr> = (1..=MAX_REPLICAS)
             .map(|i| Ipv4Addr::new(127, block[0], block[1], i))
             .collect();
@@ -363,7 +388,7 @@ impl ProcessRuntime {
         // Directories, secret files and process specs: filesystem work, off the async
         // workers.
         let specs = {
-            let dir = self.tenant_dir(key);
+            let dir = self.tenant_dir(key)?;
             let workload = rendered.workload_name.clone();
             let template = rendered.pod_template.clone();
             let (program, secrets) = (program.clone(), secrets.clone());
@@ -505,20 +530,27 @@ impl ProcessRuntime {
             stop_group(&mut *g.lock().await).await;
         }))
         .await;
-        let dir = self.tenant_dir(key);
-        tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(RuntimeError::Io {
-                context: format!("removing {}", dir.display()),
-                source: e,
-            }),
+        let dir = self.tenant_dir(key)?;
+        let owner = key.to_string();
+        let context = format!("removing {}", dir.display());
+        tokio::task::spawn_blocking(move || {
+            // Only a directory nestplane made for this very tenant is deleted.
+            let marked = std::fs::read_to_string(dir.join(TENANT_MARKER)).ok();
+            if marked.as_deref() != Some(owner.as_str()) {
+                if dir.exists() {
+                    tracing::warn!(dir = %dir.display(), tenant = %owner, "not removing a directory nestplane did not make for this tenant");
+                }
+                return Ok(());
+            }
+            match std::fs::remove_dir_all(&dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
+            }
         })
         .await
-        .map_err(|e| RuntimeError::Io {
-            context: "removing a tenant".into(),
-            source: std::io::Error::other(e.to_string()),
-        })?
+        .map_err(|e| std::io::Error::other(e.to_string()))
+        .and_then(|r| r)
+        .map_err(|source| RuntimeError::Io { context, source })
     }
 
     /// Stop every process of every tenant (data stays), all components at once.
@@ -1028,13 +1060,60 @@ mod tests {
             cluster: "c".into(),
         };
         let first = rt.hosts(&key).unwrap();
-        assert!(rt.tenant_dir(&key).join("network.json").exists());
+        let tenant_dir = rt.tenant_dir(&key).unwrap();
+        assert!(tenant_dir.join("network.json").exists());
         rt.remove(&key).await.unwrap();
-        assert!(!rt.tenant_dir(&key).exists());
+        assert!(!tenant_dir.exists());
         // A reconcile that was in flight cannot bring the directory back.
         assert!(matches!(rt.hosts(&key), Err(RuntimeError::Removed(_))));
-        assert!(!rt.tenant_dir(&key).exists());
+        assert!(!tenant_dir.exists());
         rt.revive(&key);
         assert_eq!(rt.hosts(&key).unwrap().len(), first.len());
+    }
+
+    #[tokio::test]
+    async fn only_a_directory_made_for_the_tenant_is_ever_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let rt = ProcessRuntime::new(dir.path());
+        let outside = dir.path().join("scratch");
+        std::fs::create_dir_all(outside.join("keep")).unwrap();
+        // Names that are no DNS labels never become paths.
+        for cluster in [
+            outside.display().to_string(),
+            "..".into(),
+            "a/b".into(),
+            "".into(),
+        ] {
+            let key = TenantKey {
+                namespace: "ns".into(),
+                cluster,
+            };
+            assert!(rt.tenant_dir(&key).is_err(), "{key}");
+            assert!(rt.hosts(&key).is_err(), "{key}");
+            assert!(rt.remove(&key).await.is_err(), "{key}");
+        }
+        assert!(outside.join("keep").exists());
+        // A directory at a tenant's place that nestplane did not make (no marker, or one
+        // naming another tenant) is left alone.
+        let key = TenantKey {
+            namespace: "ns".into(),
+            cluster: "c".into(),
+        };
+        let tenant_dir = rt.tenant_dir(&key).unwrap();
+        std::fs::create_dir_all(tenant_dir.join("data")).unwrap();
+        rt.remove(&key).await.unwrap();
+        assert!(tenant_dir.join("data").exists());
+        std::fs::write(tenant_dir.join(TENANT_MARKER), "ns/other").unwrap();
+        rt.remove(&key).await.unwrap();
+        assert!(tenant_dir.join("data").exists());
+        // Its own, marked when first used, goes.
+        rt.revive(&key);
+        rt.hosts(&key).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(tenant_dir.join(TENANT_MARKER)).unwrap(),
+            "ns/c"
+        );
+        rt.remove(&key).await.unwrap();
+        assert!(!tenant_dir.exists());
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Namespace, Secret};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
@@ -32,6 +32,9 @@ pub const FINALIZER: &str = "nestplane.io/hostedcluster";
 /// `namespace/name` of the HostedCluster an object was made for (cross-namespace, so not an
 /// owner reference).
 pub const HOSTED_CLUSTER_ANNOTATION: &str = "nestplane.io/hosted-cluster";
+/// The UID of the HostedCluster an object was made for: with [`HOSTED_CLUSTER_ANNOTATION`],
+/// the claim a HostedCluster checks before it patches or deletes anything (see [`made_for`]).
+pub const HOSTED_CLUSTER_UID_ANNOTATION: &str = "nestplane.io/hosted-cluster-uid";
 /// The key of the admin kubeconfig copied into the HostedCluster's namespace.
 pub const KUBECONFIG_KEY: &str = "kubeconfig";
 /// How often a cluster that is not Available yet, or a teardown, is looked at again.
@@ -60,7 +63,22 @@ fn cluster_resource() -> ApiResource {
 }
 
 fn annotated(hc: &HostedCluster) -> serde_json::Value {
-    serde_json::json!({ HOSTED_CLUSTER_ANNOTATION: key(hc) })
+    serde_json::json!({
+        HOSTED_CLUSTER_ANNOTATION: key(hc),
+        HOSTED_CLUSTER_UID_ANNOTATION: hc.uid().unwrap_or_default(),
+    })
+}
+
+/// Whether the object of `meta` was made for this very HostedCluster (its namespace/name and
+/// its UID, so neither a same-named one in another namespace whose control-plane namespace
+/// collides, nor a deleted and recreated one, nor anyone else's object qualifies). A
+/// HostedCluster never patches, deletes or finalizes anything else. Pure.
+pub fn made_for(meta: &ObjectMeta, hc: &HostedCluster) -> bool {
+    let a = meta.annotations.as_ref();
+    let get = |k: &str| a.and_then(|a| a.get(k));
+    get(HOSTED_CLUSTER_ANNOTATION) == Some(&key(hc))
+        && hc.uid().is_some()
+        && get(HOSTED_CLUSTER_UID_ANNOTATION) == hc.uid().as_ref()
 }
 
 /// Reconcile one HostedCluster.
@@ -138,6 +156,50 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<Context>) -> Result<Acti
     let name = hc.name_any();
     let ncps: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &cp_ns);
 
+    // Claim before touching: a control-plane namespace (or control plane) that was not made
+    // for this HostedCluster is refused before any finalizer, patch or delete.
+    let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
+    let existing_ns = namespaces.get_opt(&cp_ns).await?;
+    let existing_ncp = match &existing_ns {
+        Some(n) if made_for(&n.metadata, &hc) => ncps.get_opt(&name).await?,
+        _ => None,
+    };
+    let taken = match (&existing_ns, &existing_ncp) {
+        (Some(n), _) if !made_for(&n.metadata, &hc) => Some(format!(
+            "namespace {cp_ns} exists and was not made for this HostedCluster; nothing is created, changed or deleted in it"
+        )),
+        (_, Some(ncp)) if !made_for(&ncp.metadata, &hc) => Some(format!(
+            "NestedControlPlane {cp_ns}/{name} exists and was not made for this HostedCluster; it is left alone"
+        )),
+        _ => None,
+    };
+    if let Some(msg) = taken {
+        set(
+            &mut status,
+            conditions::new(types::VALID_CONFIGURATION, false, "NamespaceTaken", &msg),
+        );
+        set(
+            &mut status,
+            conditions::new(types::DEGRADED, true, "NamespaceTaken", &msg),
+        );
+        let before = hc
+            .status
+            .as_ref()
+            .and_then(|s| conditions::get(&s.conditions, types::VALID_CONFIGURATION))
+            .map(|c| c.reason.clone());
+        if before.as_deref() != Some("NamespaceTaken") {
+            ctx.event(
+                hc.object_ref(&()),
+                EventType::Warning,
+                "NamespaceTaken",
+                &msg,
+            )
+            .await;
+        }
+        write_status(&api, &hc, status).await?;
+        return Ok(Action::await_change());
+    }
+
     // Paused: the control plane is paused too; nothing else changes.
     let paused = paused.unwrap_or_default();
     set(
@@ -156,7 +218,7 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<Context>) -> Result<Acti
         },
     );
     let pause_value = paused.as_ref().map(|_| "true");
-    if let Some(ncp) = ncps.get_opt(&name).await?
+    if let Some(ncp) = &existing_ncp
         && ncp
             .annotations()
             .get(names::PAUSED_ANNOTATION)
@@ -192,31 +254,8 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<Context>) -> Result<Acti
         .await?;
     }
 
-    // The control plane's namespace: ours, or a refusal.
-    let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
-    match namespaces.get_opt(&cp_ns).await? {
-        Some(n) if n.annotations().get(HOSTED_CLUSTER_ANNOTATION) != Some(&key(&hc)) => {
-            let msg = format!(
-                "namespace {cp_ns} exists and was not made for this HostedCluster; nothing is created in it"
-            );
-            set(
-                &mut status,
-                conditions::new(types::VALID_CONFIGURATION, false, "NamespaceTaken", &msg),
-            );
-            set(
-                &mut status,
-                conditions::new(types::DEGRADED, true, "NamespaceTaken", &msg),
-            );
-            ctx.event(
-                hc.object_ref(&()),
-                EventType::Warning,
-                "NamespaceTaken",
-                &msg,
-            )
-            .await;
-            write_status(&api, &hc, status).await?;
-            return Ok(Action::await_change());
-        }
+    // The control plane's namespace, claimed above.
+    match existing_ns {
         Some(_) => {}
         None => {
             let n: Namespace = serde_json::from_value(serde_json::json!({
@@ -230,7 +269,7 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<Context>) -> Result<Acti
 
     // The control plane.
     let version = plan::version(&hc.spec.release.version);
-    let ncp = match ncps.get_opt(&name).await? {
+    let ncp = match existing_ncp {
         Some(ncp) => {
             if ncp.spec.version.as_deref() != Some(version.as_str()) {
                 ncps.patch(
@@ -334,8 +373,8 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<Context>) -> Result<Acti
         Ok(Some(_)) => {}
         Ok(None) => {
             let mut obj = DynamicObject::new(&name, &cluster_resource()).within(&cp_ns);
-            obj.metadata.annotations =
-                Some([(HOSTED_CLUSTER_ANNOTATION.to_string(), key(&hc))].into());
+            obj.metadata.annotations = serde_json::from_value(annotated(&hc))
+                .map_err(|e| Error::Internal(e.to_string()))?;
             obj.data = serde_json::json!({"spec": {
                 "clusterNetwork": {
                     "services": {"cidrBlocks": [networking.service_network[0].cidr]},
@@ -749,27 +788,32 @@ async fn teardown(
     // 2. The Cluster (where served), 3. the control plane, 4. the namespace.
     let clusters =
         Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &cp_ns, &cluster_resource());
+    // Only what was made for this HostedCluster: anything else is someone else's.
     let cluster_left = match clusters.get_opt(&name).await {
-        Ok(c) => c.is_some(),
+        Ok(c) => c.is_some_and(|c| made_for(&c.metadata, hc)),
         Err(kube::Error::Api(e)) if e.code == 404 => false,
         Err(e) => return Err(e.into()),
     };
     let ncps: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &cp_ns);
     let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
+    let ncp_left = ncps
+        .get_opt(&name)
+        .await?
+        .is_some_and(|n| made_for(&n.metadata, hc));
     let waiting: Option<(&str, String)> = if cluster_left {
         let _ = clusters.delete(&name, &dp).await;
         Some((
             "DeletingCluster",
             format!("waiting for Cluster {cp_ns}/{name} to go"),
         ))
-    } else if ncps.get_opt(&name).await?.is_some() {
+    } else if ncp_left {
         let _ = ncps.delete(&name, &dp).await;
         Some((
             "DeletingControlPlane",
             format!("waiting for NestedControlPlane {cp_ns}/{name} to stop and go"),
         ))
     } else if let Some(n) = namespaces.get_opt(&cp_ns).await?
-        && n.annotations().get(HOSTED_CLUSTER_ANNOTATION) == Some(&key(hc))
+        && made_for(&n.metadata, hc)
     {
         let _ = namespaces.delete(&cp_ns, &dp).await;
         Some((

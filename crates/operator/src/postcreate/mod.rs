@@ -84,46 +84,6 @@ impl Retries {
     }
 }
 
-/// A kubeconfig from a Secret may only carry inline credentials: anything that would run a
-/// command (`exec`, `auth-provider`) or read a file on the operator's machine (certificate,
-/// key or token paths) is refused. Pure.
-pub fn check_kubeconfig(kc: &Kubeconfig) -> Result<(), String> {
-    let mut bad = Vec::new();
-    for a in &kc.auth_infos {
-        let Some(u) = &a.auth_info else { continue };
-        for (set, field) in [
-            (u.exec.is_some(), "exec"),
-            (u.auth_provider.is_some(), "auth-provider"),
-            (u.token_file.is_some(), "tokenFile"),
-            (u.client_certificate.is_some(), "client-certificate"),
-            (u.client_key.is_some(), "client-key"),
-        ] {
-            if set {
-                bad.push(format!("user {:?} uses {field}", a.name));
-            }
-        }
-    }
-    for c in &kc.clusters {
-        let Some(cl) = &c.cluster else { continue };
-        for (set, field) in [
-            (cl.certificate_authority.is_some(), "certificate-authority"),
-            (cl.proxy_url.is_some(), "proxy-url"),
-        ] {
-            if set {
-                bad.push(format!("cluster {:?} uses {field}", c.name));
-            }
-        }
-    }
-    if bad.is_empty() {
-        Ok(())
-    } else {
-        Err(format!(
-            "the kubeconfig is refused: {} (only inline credentials are used: nothing may run or be read on the operator's machine)",
-            bad.join(", ")
-        ))
-    }
-}
-
 fn clusters_resource() -> ApiResource {
     ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk(names::CLUSTER_API_GROUP, "v1beta1", "Cluster"),
@@ -236,8 +196,8 @@ async fn apply_to(
     docs: &plan::Documents,
     reconcile: bool,
 ) -> Result<usize, String> {
+    nestplane_pki::check_kubeconfig(kubeconfig)?;
     let kc = Kubeconfig::from_yaml(kubeconfig).map_err(|e| format!("its kubeconfig: {e}"))?;
-    check_kubeconfig(&kc)?;
     let mut config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
         .await
         .map_err(|e| format!("its kubeconfig: {e}"))?;
@@ -574,29 +534,6 @@ pub fn secret_matters(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn kubeconfigs_that_would_run_or_read_something_here_are_refused() {
-        let inline = "apiVersion: v1\nkind: Config\nclusters:\n- name: t\n  cluster: {server: 'https://127.0.0.1:6443', certificate-authority-data: Zm9v}\nusers:\n- name: a\n  user: {client-certificate-data: Zm9v, client-key-data: Zm9v}\ncontexts:\n- name: t\n  context: {cluster: t, user: a}\ncurrent-context: t\n";
-        assert!(check_kubeconfig(&Kubeconfig::from_yaml(inline).unwrap()).is_ok());
-        let exec = inline.replace(
-            "user: {client-certificate-data: Zm9v, client-key-data: Zm9v}",
-            "user: {exec: {apiVersion: client.authentication.k8s.io/v1beta1, command: /bin/sh, args: ['-c', 'touch /tmp/pwned']}}",
-        );
-        let err = check_kubeconfig(&Kubeconfig::from_yaml(&exec).unwrap()).unwrap_err();
-        assert!(err.contains("exec"), "{err}");
-        let files = inline
-            .replace("client-key-data: Zm9v", "client-key: /etc/shadow")
-            .replace(
-                "certificate-authority-data: Zm9v",
-                "certificate-authority: /etc/ssl/x",
-            );
-        let err = check_kubeconfig(&Kubeconfig::from_yaml(&files).unwrap()).unwrap_err();
-        assert!(
-            err.contains("client-key") && err.contains("certificate-authority"),
-            "{err}"
-        );
-    }
 
     #[test]
     fn retries_back_off_per_cluster_with_jitter() {

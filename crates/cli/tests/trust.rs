@@ -1,0 +1,279 @@
+//! The trust boundary, attacked as a namespace user would (issue 22): everything such a user
+//! can write — Secrets in their namespace, annotations, HostedClusters — is hostile input that
+//! may never run code on the host, name a path outside its tenant's directory, or touch
+//! another namespace's objects. Each test performs the attack against a real management plane
+//! and real tenants, and checks what a person would: the marker file, the directory, the
+//! other team's control plane.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use base64::Engine as _;
+use common::*;
+
+const READY: Duration = Duration::from_secs(120);
+
+fn b64(s: &str) -> String {
+    base64::engine::general_purpose::STANDARD.encode(s)
+}
+
+fn secret_value(kc: &std::path::Path, name: &str) -> String {
+    let out = jsonpath(kc, &["secret", name], "{.data.value}");
+    String::from_utf8(
+        base64::engine::general_purpose::STANDARD
+            .decode(out.trim())
+            .unwrap_or_default(),
+    )
+    .unwrap_or_default()
+}
+
+/// Hole 1: editing `<cluster>-controller-manager-kubeconfig` so its user runs an `exec`
+/// plugin used to make the process runtime restart kube-controller-manager with it, and the
+/// plugin ran as root. Now the edit is reissued (Event) and never reaches a process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edited_kubeconfig_secret_is_reissued_never_executed() {
+    let env = Env::start(true).await;
+    env.create_ncp("default", "victim").await;
+    env.wait_ready("default", "victim", READY).await;
+    let kc = env.kubeconfig().to_path_buf();
+    let secret = "victim-controller-manager-kubeconfig";
+    let genuine = secret_value(&kc, secret);
+    assert!(genuine.contains("client-certificate-data"), "{genuine}");
+    let pid = env
+        .pid("default", "victim", "controller-manager", 0)
+        .unwrap();
+
+    let marker = env.state.path().join("owned");
+    let hostile = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: victim\n  cluster: {{server: 'https://{server}', insecure-skip-tls-verify: true}}\nusers:\n- name: x\n  user:\n    exec:\n      apiVersion: client.authentication.k8s.io/v1beta1\n      command: /bin/sh\n      args: ['-c', 'id > {marker}']\ncontexts:\n- name: x\n  context: {{cluster: victim, user: x}}\ncurrent-context: x\n",
+        server = jsonpath(&kc, &["ncp", "victim"], "{.spec.controlPlaneEndpoint.host}") + ":6443",
+        marker = marker.display()
+    );
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "secret",
+            secret,
+            "--type",
+            "merge",
+            "-p",
+            &serde_json::json!({"data": {"value": b64(&hostile)}}).to_string(),
+        ],
+    );
+    eventually(
+        "the edited kubeconfig is reissued",
+        Duration::from_secs(90),
+        || {
+            let v = secret_value(&kc, secret);
+            (!v.contains("exec") && v.contains("client-certificate-data")).then_some(())
+        },
+    );
+    eventually(
+        "a Warning event says the secret was reissued",
+        Duration::from_secs(30),
+        || {
+            events_for(&kc, "default", "victim")
+                .contains(&format!(
+                    "SecretReissued: secret {secret} held a kubeconfig"
+                ))
+                .then_some(())
+        },
+    );
+    // Give a wrongly used kubeconfig time to run its plugin, then look.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        !marker.exists(),
+        "the edited kubeconfig's exec plugin ran on the host"
+    );
+    // No file a tenant process is handed holds the hostile kubeconfig.
+    let tenant_dir = env.operator_dir().join("tenants/default/victim");
+    let mut stack = vec![tenant_dir.clone()];
+    let mut kubeconfigs = 0;
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if e.metadata().unwrap().len() < 65536 {
+                let text = String::from_utf8_lossy(&std::fs::read(&p).unwrap()).into_owned();
+                kubeconfigs += usize::from(text.contains("client-certificate-data"));
+                assert!(
+                    !text.contains(&marker.display().to_string()),
+                    "the hostile kubeconfig reached {}",
+                    p.display()
+                );
+            }
+        }
+    }
+    assert!(
+        kubeconfigs > 0,
+        "no kubeconfig found under {}",
+        tenant_dir.display()
+    );
+    // The tenant keeps working.
+    env.wait_ready("default", "victim", READY).await;
+    let tenant = env.tenant_kubeconfig("default", "victim").await;
+    kubectl_ok(&tenant, &["get", "ns", "default"]);
+    assert!(
+        alive(pid)
+            || env
+                .pid("default", "victim", "controller-manager", 0)
+                .is_some()
+    );
+}
+
+/// Hole 2: a `nestplane.io/cluster-name` annotation set to an absolute path (or a `..` path)
+/// named the directory that deleting the control plane removed. Now a name that is no DNS
+/// label is `InvalidSpec` before anything is made, and the annotation cannot move a
+/// provisioned tenant onto another's directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_name_annotation_never_names_a_path_or_another_tenant() {
+    let env = Env::start(true).await;
+    let kc = env.kubeconfig().to_path_buf();
+    env.create_ncp("default", "victim").await;
+    env.wait_ready("default", "victim", READY).await;
+    let victim_dir = env.operator_dir().join("tenants/default/victim");
+    assert!(victim_dir.is_dir());
+    let victim_pid = env.pid("default", "victim", "etcd", 0).unwrap();
+
+    let scratch = env.state.path().join("scratch");
+    std::fs::create_dir_all(scratch.join("keep")).unwrap();
+    let hostile = [
+        ("abs", scratch.display().to_string()),
+        ("dotdot", "../default/victim".to_string()),
+    ];
+    for (name, value) in &hostile {
+        env.apply(&format!(
+            "apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata:\n  name: {name}\n  namespace: default\n  annotations: {{nestplane.io/cluster-name: {value:?}}}\nspec: {{version: v1.20.2}}\n"
+        ));
+    }
+    for (name, _) in &hostile {
+        eventually(
+            &format!("{name}: InvalidSpec"),
+            Duration::from_secs(60),
+            || {
+                let c = condition(&kc, &["ncp", name], "Available");
+                let m = jsonpath(
+                    &kc,
+                    &["ncp", name],
+                    "{.status.conditions[?(@.type==\"Available\")].message}",
+                );
+                (c == "False" && m.contains("not a DNS label")).then_some(())
+            },
+        );
+        assert_eq!(
+            jsonpath(&kc, &["ncp", name], "{.metadata.finalizers}"),
+            "",
+            "{name}: no finalizer on a refused name"
+        );
+    }
+    for (name, _) in &hostile {
+        kubectl_ok(&kc, &["delete", "ncp", name, "--timeout=60s"]);
+    }
+    assert!(
+        scratch.join("keep").is_dir(),
+        "the scratch directory survived"
+    );
+    assert!(victim_dir.is_dir(), "the other tenant's directory survived");
+
+    // A provisioned tenant whose annotation is moved onto another tenant's name keeps its
+    // own; deleting it removes its own directory only.
+    env.create_ncp("default", "mover").await;
+    env.wait_ready("default", "mover", READY).await;
+    assert_eq!(
+        jsonpath(&kc, &["ncp", "mover"], "{.status.clusterName}"),
+        "mover"
+    );
+    kubectl_ok(
+        &kc,
+        &[
+            "annotate",
+            "--overwrite",
+            "ncp",
+            "mover",
+            "nestplane.io/cluster-name=victim",
+        ],
+    );
+    eventually(
+        "the moved annotation is refused",
+        Duration::from_secs(60),
+        || {
+            jsonpath(
+                &kc,
+                &["ncp", "mover"],
+                "{.status.conditions[?(@.type==\"Available\")].message}",
+            )
+            .contains("set the annotation back to \"mover\"")
+            .then_some(())
+        },
+    );
+    kubectl_ok(&kc, &["delete", "ncp", "mover", "--timeout=90s"]);
+    assert!(!env.operator_dir().join("tenants/default/mover").exists());
+    assert!(
+        victim_dir.join("victim-etcd-0").is_dir(),
+        "victim's data is kept"
+    );
+    assert!(alive(victim_pid), "victim's etcd still runs");
+    env.wait_ready("default", "victim", READY).await;
+    let tenant = env.tenant_kubeconfig("default", "victim").await;
+    kubectl_ok(&tenant, &["get", "ns", "default"]);
+}
+
+/// Hole 4: `HostedCluster prod` in namespace `team` maps to control-plane namespace
+/// `team-prod`, where someone else's `NestedControlPlane prod` lived; it got a finalizer and
+/// its deletion deleted that control plane. Now it claims before it touches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hosted_cluster_never_touches_a_control_plane_it_did_not_make() {
+    let env = Env::start(true).await;
+    let kc = env.kubeconfig().to_path_buf();
+    env.apply("apiVersion: v1\nkind: Namespace\nmetadata: {name: team-prod}\n---\napiVersion: v1\nkind: Namespace\nmetadata: {name: team}\n---\napiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata:\n  name: prod\n  namespace: team-prod\n  annotations: {cluster.x-k8s.io/paused: \"true\"}\nspec: {version: v1.20.2}\n");
+    env.apply("apiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: prod, namespace: team}\nspec:\n  release: {version: 1.20.2}\n");
+    eventually("NamespaceTaken", Duration::from_secs(60), || {
+        (jsonpath(
+            &kc,
+            &["hostedcluster", "prod", "-n", "team"],
+            "{.status.conditions[?(@.type==\"ValidConfiguration\")].reason}",
+        ) == "NamespaceTaken")
+            .then_some(())
+    });
+    assert!(events_for(&kc, "team", "prod").contains("NamespaceTaken"));
+    assert_eq!(
+        jsonpath(
+            &kc,
+            &["hostedcluster", "prod", "-n", "team"],
+            "{.metadata.finalizers}"
+        ),
+        "",
+        "no finalizer on a HostedCluster that claimed nothing"
+    );
+    let before = jsonpath(
+        &kc,
+        &["ncp", "prod", "-n", "team-prod"],
+        "{.metadata.resourceVersion}",
+    );
+    kubectl_ok(
+        &kc,
+        &[
+            "delete",
+            "hostedcluster",
+            "prod",
+            "-n",
+            "team",
+            "--timeout=60s",
+        ],
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        jsonpath(
+            &kc,
+            &["ncp", "prod", "-n", "team-prod"],
+            "{.metadata.resourceVersion}/{.metadata.deletionTimestamp}"
+        ),
+        format!("{before}/"),
+        "the other team's control plane is untouched"
+    );
+    assert!(!env.operator.as_ref().unwrap().is_finished());
+}

@@ -1,0 +1,277 @@
+//! The one check every reader of a kubeconfig that a user could have written applies before
+//! using it: such a kubeconfig may carry inline credentials and addresses only. Anything that
+//! would run a command (`exec`, `auth-provider`), read a file (certificate, key or token
+//! paths), or send traffic elsewhere (`proxy-url`) on the reader's machine is refused. It is
+//! an allow-list: a field it does not know is refused too. Pure.
+
+use serde_norway::Value;
+
+use crate::CertKey;
+
+/// Fields a `users[].user` entry may hold.
+const USER_FIELDS: &[&str] = &[
+    "client-certificate-data",
+    "client-key-data",
+    "token",
+    "username",
+    "password",
+];
+/// Fields a `clusters[].cluster` entry may hold.
+const CLUSTER_FIELDS: &[&str] = &[
+    "server",
+    "certificate-authority-data",
+    "tls-server-name",
+    "insecure-skip-tls-verify",
+];
+/// Fields a `contexts[].context` entry may hold.
+const CONTEXT_FIELDS: &[&str] = &["cluster", "user", "namespace"];
+/// Top-level fields.
+const TOP_FIELDS: &[&str] = &[
+    "apiVersion",
+    "kind",
+    "clusters",
+    "users",
+    "contexts",
+    "current-context",
+    "preferences",
+];
+
+/// Whether `yaml` is a kubeconfig of inline credentials only; the error names every field
+/// that is refused (never a value: kubeconfigs hold secrets).
+pub fn check_kubeconfig(yaml: &str) -> Result<(), String> {
+    let doc: Value = serde_norway::from_str(yaml).map_err(|e| {
+        format!(
+            "the kubeconfig is not YAML: {}",
+            e.to_string().lines().next().unwrap_or_default()
+        )
+    })?;
+    let Value::Mapping(top) = &doc else {
+        return Err("the kubeconfig is not a mapping".into());
+    };
+    let mut bad = Vec::new();
+    for (k, v) in top {
+        let k = k.as_str().unwrap_or("?");
+        if !TOP_FIELDS.contains(&k) {
+            bad.push(format!("field {k:?}"));
+            continue;
+        }
+        let (inner, allowed) = match k {
+            "users" => ("user", USER_FIELDS),
+            "clusters" => ("cluster", CLUSTER_FIELDS),
+            "contexts" => ("context", CONTEXT_FIELDS),
+            _ => continue,
+        };
+        for entry in v.as_sequence().into_iter().flatten() {
+            let name = entry
+                .get("name")
+                .and_then(Value::as_str)
+                .unwrap_or("?")
+                .to_string();
+            let Some(Value::Mapping(fields)) = entry.get(inner) else {
+                continue;
+            };
+            for f in fields.keys() {
+                let f = f.as_str().unwrap_or("?");
+                if !allowed.contains(&f) {
+                    bad.push(format!("{inner} {name:?} uses {f}"));
+                }
+            }
+        }
+    }
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "the kubeconfig is refused: {} (only inline credentials are used: nothing may run, be read or be reached through it on the reader's machine)",
+            bad.join(", ")
+        ))
+    }
+}
+
+/// The client certificate and key of a kubeconfig's first user, when it has inline ones.
+pub fn kubeconfig_client(yaml: &str) -> Option<CertKey> {
+    use base64::Engine as _;
+    let doc: Value = serde_norway::from_str(yaml).ok()?;
+    let user = doc.get("users")?.as_sequence()?.first()?.get("user")?;
+    let decode = |field: &str| -> Option<String> {
+        let b64 = user.get(field)?.as_str()?;
+        let raw = base64::engine::general_purpose::STANDARD.decode(b64).ok()?;
+        String::from_utf8(raw).ok()
+    };
+    Some(CertKey {
+        cert_pem: decode("client-certificate-data")?,
+        key_pem: decode("client-key-data")?,
+    })
+}
+
+/// What a kubeconfig nestplane issued is made of (see [`verify_issued_kubeconfig`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Issued<'a> {
+    /// The cluster's name in the kubeconfig.
+    pub cluster: &'a str,
+    /// The API server URL.
+    pub server: &'a str,
+    /// The CA that signs the client certificate and verifies the server.
+    pub ca_pem: &'a str,
+    /// The user (the client certificate's common name).
+    pub user: &'a str,
+    /// The client certificate's organizations (groups).
+    pub groups: &'a [String],
+}
+
+/// The client certificate of `value` when `value` is, byte for byte, the kubeconfig
+/// [`crate::kubeconfig`] writes for `want` with a client certificate `want.ca_pem` signed for
+/// `want.user` and `want.groups` and the key that belongs to it; `None` for anything else
+/// (a kubeconfig someone else wrote or edited is never used, whatever it holds). Pure.
+pub fn verify_issued_kubeconfig(value: &str, want: &Issued<'_>) -> Option<CertKey> {
+    let client = kubeconfig_client(value)?;
+    let again =
+        crate::kubeconfig(want.cluster, want.server, want.ca_pem, want.user, &client).ok()?;
+    if again != value
+        || !crate::key_matches(&client.cert_pem, &client.key_pem).ok()?
+        || !crate::verify_signed_by(&client.cert_pem, want.ca_pem).ok()?
+    {
+        return None;
+    }
+    let info = crate::inspect(&client.cert_pem).ok()?;
+    let mut have = info.organizations.clone();
+    have.sort();
+    let mut groups = want.groups.to_vec();
+    groups.sort();
+    (info.subject_cn == want.user && have == groups && info.client_auth).then_some(client)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    const INLINE: &str = "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: 'https://127.0.0.1:6443', certificate-authority-data: Y2E=}\nusers:\n- name: u\n  user: {client-certificate-data: Y2VydA==, client-key-data: a2V5}\ncontexts:\n- name: x\n  context: {cluster: c, user: u}\ncurrent-context: x\n";
+
+    #[test]
+    fn inline_credentials_pass_and_anything_that_runs_reads_or_reaches_is_refused() {
+        check_kubeconfig(INLINE).unwrap();
+        for (hostile, named) in [
+            (
+                "user: {exec: {apiVersion: client.authentication.k8s.io/v1beta1, command: /bin/sh, args: ['-c', 'id > /tmp/m']}}",
+                "uses exec",
+            ),
+            ("user: {auth-provider: {name: gcp}}", "uses auth-provider"),
+            ("user: {tokenFile: /etc/shadow}", "uses tokenFile"),
+            (
+                "user: {client-certificate: /root/key, client-key: /root/key}",
+                "uses client-certificate",
+            ),
+            ("user: {as: system:admin}", "uses as"),
+        ] {
+            let yaml = INLINE.replace(
+                "user: {client-certificate-data: Y2VydA==, client-key-data: a2V5}",
+                hostile,
+            );
+            let err = check_kubeconfig(&yaml).unwrap_err();
+            assert!(err.contains(named), "{hostile}: {err}");
+            assert!(
+                !err.contains("/tmp/m") && !err.contains("/etc/shadow"),
+                "{err}"
+            );
+        }
+        for (hostile, named) in [
+            (
+                "cluster: {server: 'https://127.0.0.1:6443', certificate-authority: /etc/ssl/ca.pem}",
+                "uses certificate-authority",
+            ),
+            (
+                "cluster: {server: 'https://127.0.0.1:6443', proxy-url: 'http://10.1.1.1:3128'}",
+                "uses proxy-url",
+            ),
+        ] {
+            let yaml = INLINE.replace(
+                "cluster: {server: 'https://127.0.0.1:6443', certificate-authority-data: Y2E=}",
+                hostile,
+            );
+            let err = check_kubeconfig(&yaml).unwrap_err();
+            assert!(err.contains(named), "{hostile}: {err}");
+        }
+        assert!(check_kubeconfig("- a\n").is_err());
+        assert!(check_kubeconfig(&format!("{INLINE}extensions: []\n")).is_err());
+    }
+
+    #[test]
+    fn only_the_kubeconfig_nestplane_would_write_verifies() {
+        let now = time::OffsetDateTime::now_utc();
+        let ca = crate::generate_ca("t-ca", now).unwrap();
+        let groups = vec!["system:masters".to_string()];
+        let spec = crate::LeafSpec {
+            common_name: "admin".into(),
+            organizations: groups.clone(),
+            usage: crate::Usage::Client,
+            ..Default::default()
+        };
+        let client = crate::issue(&ca, &spec, now).unwrap();
+        let value = crate::kubeconfig(
+            "t",
+            "https://127.0.0.1:6443",
+            &ca.cert_pem,
+            "admin",
+            &client,
+        )
+        .unwrap();
+        let want = Issued {
+            cluster: "t",
+            server: "https://127.0.0.1:6443",
+            ca_pem: &ca.cert_pem,
+            user: "admin",
+            groups: &groups,
+        };
+        assert!(verify_issued_kubeconfig(&value, &want).is_some());
+        // An exec plugin added to the user, another server, another CA's certificate, a
+        // certificate for someone else: each is not what nestplane issued.
+        let exec = value.replace(
+            "  user:\n",
+            "  user:\n    exec: {command: /bin/sh, args: ['-c', 'id']}\n",
+        );
+        assert_ne!(exec, value);
+        assert!(verify_issued_kubeconfig(&exec, &want).is_none());
+        let elsewhere = Issued {
+            server: "https://10.0.0.1:6443",
+            ..want
+        };
+        assert!(verify_issued_kubeconfig(&value, &elsewhere).is_none());
+        let other_ca = crate::generate_ca("other", now).unwrap();
+        let foreign = crate::issue(&other_ca, &spec, now).unwrap();
+        let forged = crate::kubeconfig(
+            "t",
+            "https://127.0.0.1:6443",
+            &ca.cert_pem,
+            "admin",
+            &foreign,
+        )
+        .unwrap();
+        assert!(verify_issued_kubeconfig(&forged, &want).is_none());
+        let nobody = crate::issue(
+            &ca,
+            &crate::LeafSpec {
+                common_name: "nobody".into(),
+                ..spec.clone()
+            },
+            now,
+        )
+        .unwrap();
+        let swapped = crate::kubeconfig(
+            "t",
+            "https://127.0.0.1:6443",
+            &ca.cert_pem,
+            "admin",
+            &nobody,
+        )
+        .unwrap();
+        assert!(verify_issued_kubeconfig(&swapped, &want).is_none());
+    }
+
+    #[test]
+    fn the_client_of_a_kubeconfig_is_read_back() {
+        let ck = kubeconfig_client(INLINE).unwrap();
+        assert_eq!((ck.cert_pem.as_str(), ck.key_pem.as_str()), ("cert", "key"));
+        assert!(kubeconfig_client("users: []").is_none());
+    }
+}
