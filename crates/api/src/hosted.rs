@@ -104,6 +104,33 @@ pub struct EtcdSpec {
     pub management_type: Option<String>,
 }
 
+/// The pod security level nestplane enforces on a pool's nodes, below the tenant (Pod
+/// Security Standards' names): the tenant admin cannot switch it off from inside.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum PodSecurityLevel {
+    /// No privileged containers, host namespaces, host paths, added capabilities, host
+    /// devices, unmasked `/proc` or unsafe sysctls; the node's seccomp profile by default.
+    #[default]
+    Baseline,
+    /// Baseline, and containers run as non-root, without privilege escalation, with at most
+    /// `NET_BIND_SERVICE`.
+    Restricted,
+    /// Nothing is enforced: a tenant admin can become root on this machine. Only as an
+    /// explicit choice; the NodePool shows a Warning condition.
+    Privileged,
+}
+
+impl PodSecurityLevel {
+    /// The name in the API.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            PodSecurityLevel::Baseline => "Baseline",
+            PodSecurityLevel::Restricted => "Restricted",
+            PodSecurityLevel::Privileged => "Privileged",
+        }
+    }
+}
+
 /// Which cluster DNS a hosted cluster gets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub enum DnsProvider {
@@ -404,6 +431,10 @@ pub struct NodePoolSpec {
     /// Pause reconciling: `"true"`, or until an RFC 3339 time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub paused_until: Option<String>,
+    /// The pod security level enforced on the pool's nodes, below the tenant (`Baseline`
+    /// when unset). A change replaces the nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_security: Option<PodSecurityLevel>,
 }
 
 /// One node of a pool.

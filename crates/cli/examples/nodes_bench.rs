@@ -92,6 +92,7 @@ async fn main() {
         cluster: Default::default(),
         version: "v1.20.2".into(),
         group: None,
+        guard: None,
     })
     .await
     .expect("node");

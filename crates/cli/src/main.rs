@@ -109,6 +109,12 @@ struct OperatorArgs {
 }
 
 fn main() -> anyhow::Result<()> {
+    // The node guard runs for every container a node creates, in place of runc: no
+    // argument parsing, no logging set-up, nothing but the judgement and an exec.
+    let mut args = std::env::args();
+    if args.nth(1).as_deref() == Some("runc-guard") {
+        std::process::exit(nestplane_nodes::guard::main(args.collect()));
+    }
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -187,10 +193,12 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
     };
     // NodePools make nodes on this machine only when the operator runs on it (process
     // runtime); an operator in a pod makes none.
+    let guard = std::env::current_exe().context("finding the nestplane binary (the node guard)")?;
     let nodes = matches!(mode, nestplane_operator::Mode::Process).then(|| {
         nestplane_operator::hosted::pool::NodeSettings {
             dir: state_dir.join("nodes"),
             images: nestplane_nodes::images::default_dir(),
+            guard,
         }
     });
     let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();

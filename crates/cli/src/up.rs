@@ -175,6 +175,7 @@ async fn start(state_dir: &Path, runtime: &str) -> anyhow::Result<Running> {
                 nodes: Some(nestplane_operator::hosted::pool::NodeSettings {
                     dir: state_dir.join("nodes"),
                     images: nestplane_nodes::images::default_dir(),
+                    guard: std::env::current_exe()?,
                 }),
                 ..Default::default()
             },

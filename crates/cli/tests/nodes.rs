@@ -205,6 +205,7 @@ async fn nodes_started_and_removed_100_times_leave_nothing_behind() {
                     1 | 2 => Some(7),
                     _ => Some(9),
                 },
+                guard: None,
             };
             batch.push(tokio::spawn(nestplane_nodes::node::Node::start(cfg)));
             cycle += 1;

@@ -465,6 +465,7 @@ impl LocalPlane {
                 },
                 version: DEFAULT_VERSION.into(),
                 group: None,
+                guard: None,
             })
             .await
             .map_err(node_err)?;

@@ -101,6 +101,23 @@ impl Layout {
     pub fn logs(&self) -> PathBuf {
         self.dir.join("logs")
     }
+    /// The node guard's policy ([`crate::guard::Policy`]).
+    pub fn guard_policy(&self) -> PathBuf {
+        self.dir.join("guard.json")
+    }
+    /// The script containerd runs instead of runc ([`crate::guard::wrapper_script`]).
+    pub fn guard_wrapper(&self) -> PathBuf {
+        self.dir.join("runc-guard")
+    }
+    /// Where bind mounts of the node's containers may come from: the kubelet's pod
+    /// directories and containerd's own (sandbox files, `/dev/shm`).
+    pub fn mount_sources(&self) -> Vec<PathBuf> {
+        vec![
+            self.kubelet_root().join("pods"),
+            self.dir.join("containerd/root"),
+            self.dir.join("containerd/state"),
+        ]
+    }
     /// What the node's mount namespace shows as `/var/log` (pod logs stay with the node).
     pub fn var_log(&self) -> PathBuf {
         self.dir.join("var-log")
@@ -114,7 +131,7 @@ pub fn cgroup_root(addrs: &Addresses) -> String {
 
 /// containerd's configuration (version 2): its own root, state and sockets under the node's
 /// directory, the CRI plugin with the node's CNI directory and the locally built pause image.
-pub fn containerd_toml(layout: &Layout, pause_image: &str) -> String {
+pub fn containerd_toml(layout: &Layout, pause_image: &str, runc: Option<&Path>) -> String {
     let d = &layout.dir;
     let q = |p: &Path| toml_string(&p.to_string_lossy());
     format!(
@@ -147,7 +164,7 @@ state = {state}
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
+      runtime_type = "io.containerd.runc.v2"{options}
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = {cni}
@@ -159,6 +176,12 @@ state = {state}
         opt = q(&d.join("containerd/opt")),
         pause = toml_string(pause_image),
         cni = q(&layout.cni_conf_dir()),
+        options = runc
+            .map(|r| format!(
+                "\n      [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc.options]\n        BinaryName = {}",
+                q(r)
+            ))
+            .unwrap_or_default(),
     )
 }
 
@@ -349,7 +372,19 @@ mod tests {
 
     #[test]
     fn containerd_keeps_everything_in_the_node_directory() {
-        let t = containerd_toml(&layout(), "registry.k8s.io/pause:3.2");
+        let t = containerd_toml(&layout(), "registry.k8s.io/pause:3.2", None);
+        assert!(!t.contains("BinaryName"), "{t}");
+        let guarded = containerd_toml(
+            &layout(),
+            "registry.k8s.io/pause:3.2",
+            Some(Path::new("/n/worker-0/runc-guard")),
+        );
+        assert!(
+            guarded.contains(
+                "[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc.options]\n        BinaryName = \"/n/worker-0/runc-guard\""
+            ),
+            "{guarded}"
+        );
         for needle in [
             r#"root = "/n/worker-0/containerd/root""#,
             r#"address = "/n/worker-0/containerd.sock""#,

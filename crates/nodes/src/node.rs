@@ -55,6 +55,9 @@ pub struct NodeConfig {
     /// The isolation group: nodes of a group reach each other and no other node
     /// ([`crate::net::isolate`]); `None` for a node on its own terms (no rules).
     pub group: Option<u32>,
+    /// The container policy enforced below the tenant ([`crate::guard`]); `None` runs runc
+    /// directly (a node only nestplane itself uses).
+    pub guard: Option<crate::guard::Setup>,
 }
 
 impl std::fmt::Debug for NodeConfig {
@@ -188,9 +191,39 @@ impl Node {
             &layout.bootstrap_kubeconfig(),
             &config::bootstrap_kubeconfig(layout, cfg.api_port, &cfg.token),
         )?;
+        let runc = match &cfg.guard {
+            Some(g) => {
+                for d in layout.mount_sources() {
+                    mkdir(&d)?;
+                }
+                let policy = crate::guard::Policy {
+                    level: g.level,
+                    mount_sources: layout.mount_sources(),
+                    runc: nestplane_runtime::binaries::on_path("runc").map_err(|e| {
+                        Error::io("finding runc", std::io::Error::other(e.to_string()))
+                    })?,
+                };
+                write(
+                    &layout.guard_policy(),
+                    &serde_json::to_string(&policy).unwrap_or_default(),
+                )?;
+                let wrapper = layout.guard_wrapper();
+                write(
+                    &wrapper,
+                    &crate::guard::wrapper_script(&g.nestplane, &layout.guard_policy()),
+                )?;
+                use std::os::unix::fs::PermissionsExt as _;
+                std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o700))
+                    .map_err(|e| {
+                        Error::io(format!("making {} executable", wrapper.display()), e)
+                    })?;
+                Some(wrapper)
+            }
+            None => None,
+        };
         write(
             &layout.containerd_config(),
-            &config::containerd_toml(layout, &cfg.pause_image),
+            &config::containerd_toml(layout, &cfg.pause_image, runc.as_deref()),
         )?;
         write(
             &layout.cni_conf_dir().join("10-nestplane.conflist"),

@@ -133,6 +133,7 @@ impl Env {
                 nodes: Some(nestplane_operator::hosted::pool::NodeSettings {
                     dir: self.state.path().join("nodes"),
                     images: nestplane_nodes::images::default_dir(),
+                    guard: env!("CARGO_BIN_EXE_nestplane").into(),
                 }),
                 ..Default::default()
             },
@@ -472,6 +473,7 @@ pub async fn join_node(
         cluster: Default::default(),
         version: "v1.20.2".into(),
         group: None,
+        guard: None,
     })
     .await
     .expect("node starts")

@@ -22,7 +22,7 @@ use kube::{Resource, ResourceExt};
 use nestplane_api::NestedControlPlane;
 use nestplane_api::conditions;
 use nestplane_api::hosted::{
-    DnsProvider, HostedCluster, NodeInfo, NodePool, NodePoolStatus, types,
+    DnsProvider, HostedCluster, NodeInfo, NodePool, NodePoolStatus, PodSecurityLevel, types,
 };
 use nestplane_api::names;
 use nestplane_nodes::join::{self, BootstrapToken};
@@ -49,6 +49,9 @@ pub struct NodeSettings {
     pub dir: PathBuf,
     /// Where `nestplane images build` put its archives.
     pub images: PathBuf,
+    /// The `nestplane` binary whose `runc-guard` command judges every container on the
+    /// nodes (the node guard, [`nestplane_nodes::guard`]).
+    pub guard: PathBuf,
 }
 
 /// A node this operator made.
@@ -108,6 +111,11 @@ impl Nodes {
 pub fn node_hash(version: &str, pool: &NodePool) -> String {
     let mut h = Sha256::new();
     h.update(version.as_bytes());
+    // Baseline is the unset default, so pools made before the field hash as they did.
+    let level = pool.spec.pod_security.unwrap_or_default();
+    if level != PodSecurityLevel::Baseline {
+        h.update(format!("\0s{}", level.as_str()).as_bytes());
+    }
     for (k, v) in &pool.spec.node_labels {
         h.update(format!("\0l{k}={v}").as_bytes());
     }
@@ -124,6 +132,44 @@ pub fn node_hash(version: &str, pool: &NodePool) -> String {
     }
     format!("{:x}", h.finalize())[..10].to_string()
 }
+
+/// The node guard's level for a pool's level.
+pub fn guard_level(level: PodSecurityLevel) -> nestplane_nodes::guard::Level {
+    use nestplane_nodes::guard::Level;
+    match level {
+        PodSecurityLevel::Baseline => Level::Baseline,
+        PodSecurityLevel::Restricted => Level::Restricted,
+        PodSecurityLevel::Privileged => Level::Privileged,
+    }
+}
+
+/// The `PodSecurity` condition of a pool at `level`: True when a level is enforced on its
+/// nodes; False (a Warning) for `Privileged`, where a tenant admin can become root on the
+/// machine.
+pub fn pod_security_condition(
+    level: PodSecurityLevel,
+) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    match level {
+        PodSecurityLevel::Privileged => conditions::new(
+            POD_SECURITY,
+            false,
+            "Privileged",
+            "no pod security is enforced on these nodes: the tenant's admins can run privileged pods and become root on this machine",
+        ),
+        l => conditions::new(
+            POD_SECURITY,
+            true,
+            l.as_str(),
+            format!(
+                "{} is enforced on the nodes, below the tenant (its admins cannot switch it off)",
+                l.as_str()
+            ),
+        ),
+    }
+}
+
+/// The condition type saying which pod security level a pool's nodes enforce.
+pub const POD_SECURITY: &str = "PodSecurity";
 
 /// The isolation group of a hosted cluster's nodes (every pool of the cluster shares it):
 /// 31 bits of a hash of `namespace/name`, never 0.
@@ -350,6 +396,16 @@ pub(super) async fn target(ctx: &Context, hc: &HostedCluster) -> Result<Option<T
     let (Some(kubeconfig), Some(ca_pem)) = (kubeconfig, ca) else {
         return Ok(None);
     };
+    // Only what this HostedCluster's own control plane made, and only inline credentials.
+    if !cluster::made_for(&ncp.metadata, hc) {
+        return Ok(None);
+    }
+    nestplane_pki::check_kubeconfig(&kubeconfig).map_err(|reason| {
+        crate::secrets::SecretError::Invalid {
+            name: names::SecretPurpose::AdminKubeconfig.secret_name(&name),
+            reason,
+        }
+    })?;
     let kc = kube::config::Kubeconfig::from_yaml(&kubeconfig)
         .map_err(|e| Error::Internal(e.to_string()))?;
     let mut cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
@@ -446,6 +502,18 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<Context>) -> Result<Action,
         generation,
         now,
     );
+    let security = pod_security_condition(pool.spec.pod_security.unwrap_or_default());
+    let was = conditions::get(&status.conditions, POD_SECURITY).map(|c| c.reason.clone());
+    if security.status == "False" && was.as_deref() != Some(security.reason.as_str()) {
+        ctx.event(
+            pool.object_ref(&()),
+            EventType::Warning,
+            &security.reason,
+            &security.message,
+        )
+        .await;
+    }
+    conditions::set(&mut status.conditions, security, generation, now);
     match plan::paused(pool.spec.paused_until.as_deref(), now) {
         Err(msg) => {
             return stop(
@@ -751,7 +819,7 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<Context>) -> Result<Action,
                 "AsExpected"
             },
             if old_config {
-                "replacing nodes for new labels or taints".to_string()
+                "replacing nodes for new labels, taints or pod security level".to_string()
             } else {
                 String::new()
             },
@@ -850,6 +918,10 @@ async fn start_node(
             &pool.namespace().unwrap_or_default(),
             &pool.spec.cluster_name,
         )),
+        guard: Some(nestplane_nodes::guard::Setup {
+            nestplane: settings.guard.clone(),
+            level: guard_level(pool.spec.pod_security.unwrap_or_default()),
+        }),
     })
     .await
     .map_err(|e| format!("node {name}: {e}"))?;

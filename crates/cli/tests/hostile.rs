@@ -1,0 +1,338 @@
+//! A hostile tenant admin (issue 22, hole 3): with nothing but their hosted cluster's admin
+//! kubeconfig, they try every way out of a pod onto the machine that was tried by hand
+//! (`privileged` + `hostPID` + `hostPath: /` gave root on the host). The node guard enforces
+//! the pool's pod security level below the tenant, so each attempt is refused where the
+//! tenant sees why (the pod's events), or runs harmlessly (the log shows the confinement).
+//! A second hosted cluster's data is untouched throughout. Nothing here writes what a kubelet
+//! or controller would.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+
+const IMAGE: &str = "docker.io/library/busybox:1.35";
+
+/// How an attempt must end.
+enum Expect {
+    /// The node guard refuses it; its events name `.0`.
+    Guard(&'static str),
+    /// The kubelet refuses it; its events (or its status) name `.0`.
+    Kubelet(&'static str),
+    /// It runs; its log holds `.0` (what proves it is confined).
+    Harmless(&'static str),
+}
+
+/// The command of a harmless attempt: prints what confines it.
+const PROBE: &str = "grep Seccomp: /proc/self/status; echo kcore=$(head -c 16 /proc/kcore 2>/dev/null | wc -c); unshare -U true 2>&1 || echo unshare-refused; ls /host 2>&1 | head -1; echo done; sleep 3600";
+
+fn pod(name: &str, spec: &str, container: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  terminationGracePeriodSeconds: 1\n{spec}  containers:\n  - name: c\n    image: {IMAGE}\n    imagePullPolicy: Never\n    command: [sh, -c, {probe:?}]\n{container}---\n",
+        probe = PROBE
+    )
+}
+
+fn attempts() -> Vec<(&'static str, String, Expect)> {
+    let host_path =
+        |path: &str| format!("  volumes: [{{name: h, hostPath: {{path: {path:?}}}}}]\n");
+    let mount = "    volumeMounts: [{name: h, mountPath: /host}]\n";
+    let caps = |c: &str| format!("    securityContext: {{capabilities: {{add: [{c}]}}}}\n");
+    let sandbox = "refused by the node's pod security level Baseline";
+    vec![
+        (
+            "privileged",
+            pod("privileged", "", "    securityContext: {privileged: true}\n"),
+            Expect::Guard(sandbox),
+        ),
+        (
+            "host-network",
+            pod("host-network", "  hostNetwork: true\n", ""),
+            Expect::Guard("hostNetwork"),
+        ),
+        ("host-pid", pod("host-pid", "  hostPID: true\n", ""), Expect::Guard("hostPID")),
+        ("host-ipc", pod("host-ipc", "  hostIPC: true\n", ""), Expect::Guard("hostIPC")),
+        (
+            "root-of-everything",
+            pod(
+                "root-of-everything",
+                &format!("  hostPID: true\n{}", host_path("/")),
+                &format!("    securityContext: {{privileged: true}}\n{mount}"),
+            ),
+            Expect::Guard(sandbox),
+        ),
+        (
+            "hostpath-root",
+            pod("hostpath-root", &host_path("/"), mount),
+            Expect::Guard("a bind mount of / at /host"),
+        ),
+        (
+            "hostpath-var-lib",
+            pod("hostpath-var-lib", &host_path("/var/lib"), mount),
+            Expect::Guard("a bind mount of /var/lib at /host"),
+        ),
+        (
+            "hostpath-containerd",
+            pod("hostpath-containerd", &host_path("/run/containerd"), mount),
+            Expect::Guard("outside the node's pod directories"),
+        ),
+        (
+            "cap-sys-admin",
+            pod("cap-sys-admin", "", &caps("SYS_ADMIN")),
+            Expect::Guard("CAP_SYS_ADMIN"),
+        ),
+        (
+            "cap-sys-ptrace",
+            pod("cap-sys-ptrace", "", &caps("SYS_PTRACE")),
+            Expect::Guard("CAP_SYS_PTRACE"),
+        ),
+        (
+            "cap-net-admin",
+            pod("cap-net-admin", "", &caps("NET_ADMIN")),
+            Expect::Guard("CAP_NET_ADMIN"),
+        ),
+        (
+            "seccomp-unconfined",
+            pod(
+                "seccomp-unconfined",
+                "  securityContext: {seccompProfile: {type: Unconfined}}\n",
+                "",
+            ),
+            Expect::Harmless("Seccomp:\t2"),
+        ),
+        (
+            "apparmor-unconfined",
+            pod("apparmor-unconfined", "", "").replace(
+                "namespace: default}",
+                "namespace: default, annotations: {container.apparmor.security.beta.kubernetes.io/c: unconfined}}",
+            ),
+            Expect::Harmless("unshare-refused"),
+        ),
+        (
+            "proc-unmasked",
+            pod(
+                "proc-unmasked",
+                "",
+                "    securityContext: {procMount: Unmasked}\n",
+            ),
+            Expect::Harmless("kcore=0"),
+        ),
+        (
+            "host-port",
+            pod(
+                "host-port",
+                "",
+                "    ports: [{containerPort: 8080, hostPort: 18080}]\n",
+            ),
+            Expect::Harmless("done"),
+        ),
+        (
+            "unsafe-sysctl",
+            pod(
+                "unsafe-sysctl",
+                "  securityContext: {sysctls: [{name: kernel.msgmax, value: '1'}]}\n",
+                "",
+            ),
+            Expect::Kubelet("SysctlForbidden"),
+        ),
+        (
+            "subpath-symlink",
+            format!(
+                "apiVersion: v1\nkind: Pod\nmetadata: {{name: subpath-symlink, namespace: default}}\nspec:\n  terminationGracePeriodSeconds: 1\n  volumes: [{{name: v, emptyDir: {{}}}}]\n  initContainers:\n  - {{name: link, image: {IMAGE}, imagePullPolicy: Never, command: [ln, -s, /, /v/escape], volumeMounts: [{{name: v, mountPath: /v}}]}}\n  containers:\n  - name: c\n    image: {IMAGE}\n    imagePullPolicy: Never\n    command: [sh, -c, 'ls /host/etc; sleep 3600']\n    volumeMounts: [{{name: v, mountPath: /host, subPath: escape}}]\n---\n"
+            ),
+            Expect::Kubelet("subpath"),
+        ),
+    ]
+}
+
+/// `Running` when the pod's container runs (a container that is refused over and over still
+/// leaves its pod in phase `Running`: the kubelet counts it as restarting), else the phase.
+fn phase(kc: &Path, name: &str) -> String {
+    let p = jsonpath(
+        kc,
+        &["pod", name],
+        "{.status.phase}/{.status.containerStatuses[0].state.running.startedAt}",
+    );
+    match p.split_once('/') {
+        Some(("Running", started)) if !started.is_empty() => "Running".into(),
+        Some(("Running", _)) => "NotStarted".into(),
+        Some((phase, _)) => phase.into(),
+        None => p,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_admin_cannot_leave_their_pods() {
+    nestplane_nodes::check_prerequisites("v1.20.2").expect("node prerequisites");
+    let _ = images();
+    let env = Env::start(true).await;
+    let kc = env.kubeconfig().to_path_buf();
+    env.apply("apiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: red, namespace: default}\nspec:\n  release: {version: 1.20.2}\n  initialNodes: 1\n---\napiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: blue, namespace: default}\nspec:\n  release: {version: 1.20.2}\n");
+    eventually("blue Available", Duration::from_secs(180), || {
+        (condition(&kc, &["hostedcluster", "blue"], "Available") == "True").then_some(())
+    });
+    let blue = hosted_kubeconfig(&kc, "blue", env.state.path());
+    kubectl_ok(
+        &blue,
+        &[
+            "create",
+            "configmap",
+            "ledger",
+            "--from-literal=balance=1000",
+        ],
+    );
+    eventually("red's node Ready", Duration::from_secs(240), || {
+        (condition(&kc, &["nodepool", "red"], "Ready") == "True").then_some(())
+    });
+    assert_eq!(
+        jsonpath(
+            &kc,
+            &["nodepool", "red"],
+            "{.status.conditions[?(@.type==\"PodSecurity\")].reason}"
+        ),
+        "Baseline"
+    );
+    let red = hosted_kubeconfig(&kc, "red", env.state.path());
+
+    let attempts = attempts();
+    assert!(attempts.len() >= 15);
+    let all: String = attempts.iter().map(|(_, y, _)| y.as_str()).collect();
+    kubectl_apply(&red, &all);
+    // Every attempt is judged as a person would: its phase, its events, its log.
+    let judge = |name: &str, expect: &Expect| -> Result<String, String> {
+        let events = events_for(&red, "default", name);
+        let p = phase(&red, name);
+        let seen = || format!("{name}: phase {p:?}, events:\n{events}");
+        match expect {
+            Expect::Guard(named) => (p != "Running"
+                && events.contains("refused by the node's pod security level Baseline")
+                && events.contains(named))
+            .then(|| {
+                format!(
+                    "{name}: refused: {}",
+                    events.lines().last().unwrap_or_default()
+                )
+            })
+            .ok_or_else(seen),
+            Expect::Kubelet(named) => {
+                let status = jsonpath(&red, &["pod", name], "{.status}");
+                (p != "Running"
+                    && (events.to_lowercase().contains(named)
+                        || status.to_lowercase().contains(&named.to_lowercase())))
+                .then(|| format!("{name}: refused by the kubelet"))
+                .ok_or_else(|| format!("{}\nstatus: {status}", seen()))
+            }
+            Expect::Harmless(shows) => {
+                let log =
+                    String::from_utf8_lossy(&kubectl(&red, &["logs", name]).stdout).into_owned();
+                if p != "Running" || !log.contains("done") {
+                    return Err(format!("{}\nlog: {log}", seen()));
+                }
+                // Whatever it asked for, it runs under the node's seccomp profile, with
+                // /proc masked and no host directory.
+                for want in [
+                    *shows,
+                    "Seccomp:\t2",
+                    "kcore=0",
+                    "unshare-refused",
+                    "ls: /host: No such file",
+                ] {
+                    assert!(
+                        log.contains(want),
+                        "{name}: {want:?} missing from its log:\n{log}"
+                    );
+                }
+                Ok(format!("{name}: runs confined"))
+            }
+        }
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    let outcomes = loop {
+        let results: Vec<Result<String, String>> =
+            attempts.iter().map(|(n, _, e)| judge(n, e)).collect();
+        if results.iter().all(Result::is_ok) {
+            break results.into_iter().map(Result::unwrap).collect::<Vec<_>>();
+        }
+        if std::time::Instant::now() > deadline {
+            let bad: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+            panic!("attempts not judged as expected:\n{}", bad.join("\n\n"));
+        }
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    };
+    // The host port is the node's, in the node's own network namespace: nothing on the
+    // machine's own addresses.
+    let host_nat = String::from_utf8_lossy(
+        &std::process::Command::new("iptables")
+            .args(["-t", "nat", "-S"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .into_owned();
+    assert!(!host_nat.contains("18080"), "{host_nat}");
+    assert!(std::net::TcpStream::connect(("127.0.0.1", 18080)).is_err());
+
+    // The other hosted cluster is untouched.
+    assert_eq!(
+        jsonpath(&blue, &["configmap", "ledger"], "{.data.balance}"),
+        "1000"
+    );
+    eprintln!("{}", outcomes.join("\n"));
+    assert!(!env.operator.as_ref().unwrap().is_finished());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn privileged_is_an_explicit_choice_that_shows_a_warning() {
+    let env = Env::start(true).await;
+    let kc = env.kubeconfig().to_path_buf();
+    env.apply("apiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: open, namespace: default}\nspec:\n  release: {version: 1.20.2}\n---\napiVersion: nestplane.io/v1alpha1\nkind: NodePool\nmetadata: {name: open, namespace: default}\nspec: {clusterName: open, replicas: 0, podSecurity: Privileged}\n");
+    eventually("the Warning condition", Duration::from_secs(120), || {
+        (jsonpath(
+            &kc,
+            &["nodepool", "open"],
+            "{.status.conditions[?(@.type==\"PodSecurity\")].status}/{.status.conditions[?(@.type==\"PodSecurity\")].reason}",
+        ) == "False/Privileged")
+            .then_some(())
+    });
+    assert!(
+        events_for(&kc, "default", "open")
+            .contains("Warning Privileged: no pod security is enforced")
+    );
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "nodepool",
+            "open",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"podSecurity":"Restricted"}}"#,
+        ],
+    );
+    eventually("Restricted enforced", Duration::from_secs(60), || {
+        (jsonpath(
+            &kc,
+            &["nodepool", "open"],
+            "{.status.conditions[?(@.type==\"PodSecurity\")].status}/{.status.conditions[?(@.type==\"PodSecurity\")].reason}",
+        ) == "True/Restricted")
+            .then_some(())
+    });
+    let bad = kubectl(
+        &kc,
+        &[
+            "patch",
+            "nodepool",
+            "open",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"podSecurity":"Anything"}}"#,
+        ],
+    );
+    assert!(
+        !bad.status.success(),
+        "an unknown level is refused by the schema"
+    );
+}
