@@ -277,3 +277,49 @@ async fn a_hosted_cluster_never_touches_a_control_plane_it_did_not_make() {
     );
     assert!(!env.operator.as_ref().unwrap().is_finished());
 }
+
+/// A host process (a tenant API server calling a webhook's Service address, anything aiming at
+/// a gone node's pods) used to send such packets to the default gateway, off the machine.
+/// With the operator running, every range nestplane hands out is unreachable here unless a
+/// live node or plane routes it: the packet fails on the machine, at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_packet_for_a_range_nestplane_hands_out_never_leaves_the_machine() {
+    let _env = Env::start(true).await;
+    // The operator installs the routes as it starts.
+    let addresses = [
+        "10.96.0.10",   // a hosted cluster's DNS Service (default service range)
+        "10.0.0.1",     // the management plane's first Service address
+        "10.160.0.1",   // a management plane with nodes that is gone
+        "10.201.250.2", // a node that is gone
+        "10.244.250.7", // a pod of a node that is gone
+    ];
+    for addr in addresses {
+        let route = eventually(
+            &format!("{addr} unreachable"),
+            Duration::from_secs(30),
+            || {
+                let out = std::process::Command::new("ip")
+                    .args(["route", "get", addr])
+                    .output()
+                    .expect("ip (iproute2) not found: run scripts/install-deps.sh");
+                let text = format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                (!out.status.success() && text.contains("No route to host")).then_some(text)
+            },
+        );
+        assert!(!route.contains("via"), "{addr}: {route}");
+        let err = std::net::TcpStream::connect_timeout(
+            &format!("{addr}:443").parse().unwrap(),
+            Duration::from_secs(5),
+        )
+        .expect_err("nothing answers there");
+        assert_eq!(
+            err.kind(),
+            std::io::ErrorKind::HostUnreachable,
+            "{addr}: the connection must fail on this machine, not time out elsewhere: {err}"
+        );
+    }
+}

@@ -290,3 +290,149 @@ pub fn unisolate(a: &Addresses) {
 pub fn route_services(cidr: &str, node_ip: std::net::Ipv4Addr) -> Result<(), Error> {
     run(&["ip", "route", "replace", cidr, "via", &node_ip.to_string()])
 }
+
+/// Every range nestplane hands out on this machine: management planes' service ranges
+/// (`10.0.0.0/16` without nodes, `10.<128+p>.0.0/16` with), hosted clusters' default service
+/// range, node links and pods. Live ones have more specific routes (a node's link and pods, a
+/// plane's services through its node); everything else in them is unreachable, so that no
+/// packet for an address nestplane handed out (a Service address a host process calls, a
+/// gone node's pod) goes to the default gateway and off the machine.
+pub const HANDED_OUT: &[&str] = &[
+    "10.0.0.0/16",
+    "10.96.0.0/12",
+    "10.128.0.0/10",
+    "10.201.0.0/16",
+    "10.244.0.0/16",
+];
+
+/// The metric of nestplane's unreachable routes: a route of the same prefix with a lower one
+/// (anyone's real route) wins, and every more specific route wins anyway.
+pub const UNREACHABLE_METRIC: &str = "4242";
+
+fn parse_v4(cidr: &str) -> Option<(u32, u32)> {
+    let (addr, len) = cidr.split_once('/').unwrap_or((cidr, "32"));
+    let addr: std::net::Ipv4Addr = addr.parse().ok()?;
+    let len: u32 = len.parse().ok().filter(|l| *l <= 32)?;
+    Some((u32::from(addr), len))
+}
+
+/// Whether two IPv4 ranges share an address. Pure.
+pub fn overlaps(a: &str, b: &str) -> bool {
+    match (parse_v4(a), parse_v4(b)) {
+        (Some((a, la)), Some((b, lb))) => {
+            let len = la.min(lb);
+            let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+            a & mask == b & mask
+        }
+        _ => false,
+    }
+}
+
+/// Whether range `outer` holds every address of range `inner`. Pure.
+pub fn holds(outer: &str, inner: &str) -> bool {
+    match (parse_v4(outer), parse_v4(inner)) {
+        (Some((_, lo)), Some((_, li))) => lo <= li && overlaps(outer, inner),
+        _ => false,
+    }
+}
+
+/// Which of `ranges` may be made unreachable, given the machine's routes (`ip -4 route show`):
+/// a range is left alone, with the reason, when a route that nestplane did not make (not the
+/// default route, not an unreachable route, not a node's link or a route through a node)
+/// overlaps it: that network is someone's, and must keep working. Pure.
+pub fn unreachable_plan(routes: &str, ranges: &[&str]) -> Vec<(String, Option<String>)> {
+    let foreign: Vec<&str> = routes
+        .lines()
+        .map(str::trim)
+        .filter(|l| {
+            !l.is_empty()
+                && !l.starts_with("default")
+                && !l.starts_with("unreachable")
+                && !l.contains(" dev npn")
+                && !l.contains(" via 10.201.")
+        })
+        .collect();
+    ranges
+        .iter()
+        .map(|r| {
+            let clash = foreign.iter().find(|l| {
+                l.split_whitespace()
+                    .next()
+                    .is_some_and(|prefix| overlaps(prefix, r))
+            });
+            (
+                r.to_string(),
+                clash.map(|l| format!("the machine's route {l:?} overlaps it")),
+            )
+        })
+        .collect()
+}
+
+/// Make `ranges` unreachable on this machine (see [`HANDED_OUT`]); idempotent. Returns a line
+/// per range left alone (see [`unreachable_plan`]).
+pub fn install_unreachable(ranges: &[&str]) -> Result<Vec<String>, Error> {
+    let out = Command::new("ip")
+        .args(["-4", "route", "show"])
+        .output()
+        .map_err(|e| Error::io("running ip route show", e))?;
+    let routes = String::from_utf8_lossy(&out.stdout);
+    let mut skipped = Vec::new();
+    for (range, clash) in unreachable_plan(&routes, ranges) {
+        match clash {
+            Some(why) => skipped.push(format!("{range} is not made unreachable: {why}")),
+            None => run(&[
+                "ip",
+                "route",
+                "replace",
+                "unreachable",
+                &range,
+                "metric",
+                UNREACHABLE_METRIC,
+            ])?,
+        }
+    }
+    Ok(skipped)
+}
+
+#[cfg(test)]
+mod unreachable_tests {
+    use super::*;
+
+    #[test]
+    fn ranges_overlap_by_their_common_prefix() {
+        assert!(overlaps("10.96.0.0/12", "10.96.0.10"));
+        assert!(overlaps("10.96.0.0/12", "10.100.0.0/16"));
+        assert!(overlaps("10.0.0.0/8", "10.244.0.0/16"));
+        assert!(!overlaps("10.96.0.0/12", "10.112.0.0/12"));
+        assert!(!overlaps("192.0.2.0/24", "10.0.0.0/16"));
+        assert!(!overlaps("nonsense", "10.0.0.0/16"));
+        assert!(holds("10.96.0.0/12", "10.100.0.0/16"));
+        assert!(!holds("10.100.0.0/16", "10.96.0.0/12"));
+        assert!(!holds("10.96.0.0/12", "172.16.0.0/16"));
+    }
+
+    #[test]
+    fn only_ranges_no_one_else_routes_become_unreachable() {
+        let routes = "default via 192.0.2.1 dev eth0\n\
+            unreachable 10.96.0.0/12 metric 4242\n\
+            10.201.1.0/24 dev npn1 proto kernel scope link src 10.201.1.1\n\
+            10.244.1.0/24 via 10.201.1.2 dev npn1\n\
+            10.129.0.0/16 via 10.201.3.2 dev npn3\n\
+            10.0.0.0/8 dev eth1 proto kernel scope link src 10.1.2.3\n\
+            192.0.2.0/24 dev eth0 proto kernel scope link src 192.0.2.2\n";
+        let plan = unreachable_plan(routes, HANDED_OUT);
+        assert_eq!(plan.len(), HANDED_OUT.len());
+        // A LAN in 10.0.0.0/8 is someone's: every range inside it is left alone.
+        assert!(
+            plan.iter()
+                .all(|(_, clash)| clash.as_deref().is_some_and(|c| c.contains("10.0.0.0/8")))
+        );
+        let without_lan: String = routes
+            .lines()
+            .filter(|l| !l.contains("eth1"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let plan = unreachable_plan(&without_lan, HANDED_OUT);
+        assert!(plan.iter().all(|(_, clash)| clash.is_none()), "{plan:?}");
+    }
+}

@@ -165,6 +165,18 @@ pub async fn run_with(
     runtime: Arc<ProcessRuntime>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    if matches!(config.mode, Mode::Process) {
+        // Tenant API servers run on this machine and call Service addresses (webhooks,
+        // aggregated APIs): nothing for a range nestplane hands out may leave it.
+        match nestplane_nodes::net::install_unreachable(nestplane_nodes::net::HANDED_OUT) {
+            Ok(skipped) => {
+                for s in skipped {
+                    tracing::warn!("{s}");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot make nestplane's ranges unreachable"),
+        }
+    }
     let mut ctx = Context::new(client.clone(), runtime.clone(), config.mode.clone());
     ctx.watch_filter = config.watch_filter.clone();
     ctx.clock = config.clock.clone();

@@ -324,6 +324,31 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<Context>) -> Result<Acti
         }
     };
     status.networking = Some(networking.clone());
+    // A service or pod network of the user's choosing is made unreachable on this machine
+    // too (the defaults already are), so that the API server's calls to a Service address
+    // never leave it.
+    if ctx.node_settings.is_some() {
+        use nestplane_nodes::net::{HANDED_OUT, holds, install_unreachable};
+        let own: Vec<&str> = networking
+            .service_network
+            .iter()
+            .chain(&networking.cluster_network)
+            .map(|n| n.cidr.as_str())
+            .filter(|c| !HANDED_OUT.iter().any(|h| holds(h, c)))
+            .collect();
+        if !own.is_empty() {
+            match install_unreachable(&own) {
+                Ok(skipped) => {
+                    for s in skipped {
+                        tracing::warn!(hostedcluster = %key(&hc), "{s}");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot make the cluster's ranges unreachable")
+                }
+            }
+        }
+    }
     status.control_plane_namespace = Some(cp_ns.clone());
     let ncp_status = ncp.status.clone().unwrap_or_default();
     let ready = ncp_status.ready;
