@@ -289,6 +289,29 @@ async fn privileged_is_an_explicit_choice_that_shows_a_warning() {
     let env = Env::start(true).await;
     let kc = env.kubeconfig().to_path_buf();
     env.apply("apiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: open, namespace: default}\nspec:\n  release: {version: 1.20.2}\n---\napiVersion: nestplane.io/v1alpha1\nkind: NodePool\nmetadata: {name: open, namespace: default}\nspec: {clusterName: open, replicas: 0, podSecurity: Privileged}\n");
+    // A namespace user cannot choose it: the platform team allows it per namespace.
+    eventually("PrivilegedNotAllowed", Duration::from_secs(120), || {
+        events_for(&kc, "default", "open")
+            .contains("PrivilegedNotAllowed")
+            .then_some(())
+    });
+    assert_ne!(
+        jsonpath(
+            &kc,
+            &["nodepool", "open"],
+            "{.status.conditions[?(@.type==\"PodSecurity\")].reason}"
+        ),
+        "Privileged"
+    );
+    kubectl_ok(
+        &kc,
+        &[
+            "label",
+            "namespace",
+            "default",
+            "nestplane.io/pod-security-privileged=allowed",
+        ],
+    );
     eventually("the Warning condition", Duration::from_secs(120), || {
         (jsonpath(
             &kc,

@@ -109,14 +109,18 @@ impl Layout {
     pub fn guard_wrapper(&self) -> PathBuf {
         self.dir.join("runc-guard")
     }
-    /// Where bind mounts of the node's containers may come from: the kubelet's pod
-    /// directories and containerd's own (sandbox files, `/dev/shm`).
-    pub fn mount_sources(&self) -> Vec<PathBuf> {
-        vec![
-            self.kubelet_root().join("pods"),
-            self.dir.join("containerd/root"),
-            self.dir.join("containerd/state"),
-        ]
+    /// The kubelet's pod directories (what bind mounts of pods come from, with
+    /// [`Layout::sandbox_dirs`]).
+    pub fn kubelet_pods(&self) -> PathBuf {
+        self.kubelet_root().join("pods")
+    }
+    /// containerd's directories of pod sandboxes (`/etc/hostname`, `/etc/resolv.conf`,
+    /// `/dev/shm` of every container come from there).
+    pub fn sandbox_dirs(&self) -> Vec<PathBuf> {
+        ["containerd/root", "containerd/state"]
+            .iter()
+            .map(|d| self.dir.join(d).join("io.containerd.grpc.v1.cri/sandboxes"))
+            .collect()
     }
     /// What the node's mount namespace shows as `/var/log` (pod logs stay with the node).
     pub fn var_log(&self) -> PathBuf {

@@ -47,9 +47,13 @@ impl Level {
 pub struct Policy {
     /// The level.
     pub level: Level,
-    /// Directories bind mounts may come from (the kubelet's pod directories, containerd's
-    /// own): canonical paths.
-    pub mount_sources: Vec<PathBuf>,
+    /// The kubelet's pod directory (`<kubelet root>/pods`, canonical): bind mounts may come
+    /// from a pod's `etc-hosts`, `containers/<name>/<id>` (termination log),
+    /// `volumes/<plugin>/<volume>` and `volume-subpaths/…` there, nothing deeper or else.
+    pub kubelet_pods: PathBuf,
+    /// containerd's directories of pod sandboxes (`/etc/hostname`, `/etc/resolv.conf`,
+    /// `/dev/shm`), canonical.
+    pub sandbox_dirs: Vec<PathBuf>,
     /// The real runc.
     pub runc: PathBuf,
 }
@@ -117,6 +121,9 @@ const DENIED_SYSCALLS: &[&str] = &[
     "fspick",
     "get_kernel_syms",
     "init_module",
+    "io_uring_enter",
+    "io_uring_register",
+    "io_uring_setup",
     "ioperm",
     "iopl",
     "kcmp",
@@ -149,13 +156,58 @@ const DENIED_SYSCALLS: &[&str] = &[
     "vhangup",
 ];
 
-/// The node's default seccomp profile: everything but [`DENIED_SYSCALLS`] (`EPERM`).
+/// `clone` flags that make namespaces: refused, as `unshare` is (a user namespace is where
+/// unprivileged kernel exploits start).
+const CLONE_NAMESPACE_FLAGS: &[u64] = &[
+    0x0002_0000, // CLONE_NEWNS
+    0x0200_0000, // CLONE_NEWCGROUP
+    0x0400_0000, // CLONE_NEWUTS
+    0x0800_0000, // CLONE_NEWIPC
+    0x1000_0000, // CLONE_NEWUSER
+    0x2000_0000, // CLONE_NEWPID
+    0x4000_0000, // CLONE_NEWNET
+];
+
+/// The node's default seccomp profile: everything but [`DENIED_SYSCALLS`] (`EPERM`), `clone`
+/// with a namespace flag (`EPERM`), and `clone3` (`ENOSYS`, so that the C library falls back
+/// to `clone`, whose flags can be judged).
 pub fn default_seccomp() -> Value {
+    let mut rules = vec![
+        json!({"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 1}),
+        json!({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38}),
+    ];
+    for flag in CLONE_NAMESPACE_FLAGS {
+        rules.push(json!({
+            "names": ["clone"],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": 1,
+            "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
+        }));
+    }
     json!({
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
-        "syscalls": [{"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 1}],
+        "syscalls": rules,
     })
+}
+
+/// Whether a bind mount from `real` (resolved) is one the kubelet or containerd makes for a
+/// pod (see [`Policy`]).
+fn allowed_source(real: &Path, policy: &Policy) -> bool {
+    if policy.sandbox_dirs.iter().any(|d| real.starts_with(d)) {
+        return true;
+    }
+    let Ok(rest) = real.strip_prefix(&policy.kubelet_pods) else {
+        return false;
+    };
+    let parts: Vec<&str> = rest.iter().filter_map(|c| c.to_str()).collect();
+    matches!(
+        parts.as_slice(),
+        [_, "etc-hosts"]
+            | [_, "containers", _, _]
+            | [_, "volumes", _, _]
+            | [_, "volume-subpaths", _, ..]
+    )
 }
 
 fn strings(v: Option<&Value>) -> Vec<String> {
@@ -167,12 +219,14 @@ fn strings(v: Option<&Value>) -> Vec<String> {
 }
 
 /// Judge an OCI runtime spec (`config.json`) under `policy`. `resolve` turns a mount's source
-/// into the path it really names (symlinks followed; the identity in tests). Returns whether
-/// the spec was changed (a default seccomp profile added), or every reason it is refused.
+/// into the path it really names (symlinks followed; `None` when it cannot be resolved). A
+/// bind mount's source is replaced by the resolved path, so runc mounts what was judged.
+/// Returns whether the spec was changed (sources resolved, a default seccomp profile added),
+/// or every reason it is refused.
 pub fn judge(
     spec: &mut Value,
     policy: &Policy,
-    resolve: impl Fn(&Path) -> PathBuf,
+    resolve: impl Fn(&Path) -> Option<PathBuf>,
 ) -> Result<bool, Vec<String>> {
     if policy.level == Level::Privileged {
         return Ok(false);
@@ -248,9 +302,10 @@ pub fn judge(
         }
     }
 
+    let mut changed = false;
     for m in spec
-        .get("mounts")
-        .and_then(Value::as_array)
+        .get_mut("mounts")
+        .and_then(Value::as_array_mut)
         .into_iter()
         .flatten()
     {
@@ -262,13 +317,26 @@ pub fn judge(
             .unwrap_or_default();
         let bind = type_ == "bind" || options.iter().any(|o| o == "bind" || o == "rbind");
         if bind {
-            let source = m.get("source").and_then(Value::as_str).unwrap_or_default();
-            let real = resolve(Path::new(source));
-            if !policy.mount_sources.iter().any(|d| real.starts_with(d)) {
-                refused.push(format!(
+            let source = m
+                .get("source")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string();
+            match resolve(Path::new(&source)) {
+                Some(real) if allowed_source(&real, policy) => {
+                    let real = real.display().to_string();
+                    if real != source {
+                        m["source"] = Value::String(real);
+                        changed = true;
+                    }
+                }
+                Some(real) => refused.push(format!(
                     "a bind mount of {} at {dest} (hostPath, or a path outside the node's pod directories)",
                     real.display()
-                ));
+                )),
+                None => refused.push(format!(
+                    "a bind mount of {source} at {dest} that does not resolve"
+                )),
             }
         } else if matches!(type_, "sysfs" | "cgroup" | "cgroup2")
             && !options.iter().any(|o| o == "ro")
@@ -304,13 +372,14 @@ pub fn judge(
         }
     };
     if unconfined {
+        changed = true;
         if let Some(linux) = spec.get_mut("linux").and_then(Value::as_object_mut) {
             linux.insert("seccomp".into(), default_seccomp());
         } else if let Some(obj) = spec.as_object_mut() {
             obj.insert("linux".into(), json!({"seccomp": default_seccomp()}));
         }
     }
-    Ok(unconfined)
+    Ok(changed)
 }
 
 /// Where runc's arguments put the subcommand, the bundle and the log file.
@@ -385,9 +454,7 @@ pub fn main(args: Vec<String>) -> i32 {
                     .map_err(|e| vec![format!("bad config.json: {e}")])
             })
             .and_then(|mut spec| {
-                let changed = judge(&mut spec, &policy, |p| {
-                    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
-                })?;
+                let changed = judge(&mut spec, &policy, |p| std::fs::canonicalize(p).ok())?;
                 if changed {
                     let body = serde_json::to_vec(&spec).map_err(|e| vec![e.to_string()])?;
                     std::fs::write(&config, body)

@@ -193,12 +193,11 @@ impl Node {
         )?;
         let runc = match &cfg.guard {
             Some(g) => {
-                for d in layout.mount_sources() {
-                    mkdir(&d)?;
-                }
+                mkdir(&layout.kubelet_pods())?;
                 let policy = crate::guard::Policy {
                     level: g.level,
-                    mount_sources: layout.mount_sources(),
+                    kubelet_pods: layout.kubelet_pods(),
+                    sandbox_dirs: layout.sandbox_dirs(),
                     runc: nestplane_runtime::binaries::on_path("runc").map_err(|e| {
                         Error::io("finding runc", std::io::Error::other(e.to_string()))
                     })?,

@@ -68,6 +68,9 @@ pub struct ClusterSecrets {
     written: std::sync::Arc<std::sync::Mutex<BTreeMap<String, Secret>>>,
     /// Secrets found holding what nestplane did not issue, and reissued (for Events).
     replaced: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    /// The kubeconfigs this pass verified or issued, by secret name: what [`Self::data`]
+    /// hands out, whatever the cache holds by then.
+    verified: std::sync::Arc<std::sync::Mutex<BTreeMap<String, String>>>,
 }
 
 /// What is known of a secret before asking the API server.
@@ -133,6 +136,7 @@ impl ClusterSecrets {
             cache: None,
             written: Default::default(),
             replaced: Default::default(),
+            verified: Default::default(),
         }
     }
 
@@ -472,8 +476,16 @@ impl ClusterSecrets {
             (annotated(s) && !pki::needs_renewal(&cert_pem, self.clock.now())).then_some(value)
         };
         let (existing, create) = self.existing(spec.purpose).await?;
+        let name = spec.purpose.secret_name(&self.cluster);
+        let keep = |value: String| {
+            self.verified
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(name.clone(), value.clone());
+            value
+        };
         if let Some(value) = existing.as_ref().and_then(current) {
-            return Ok(value);
+            return Ok(keep(value));
         }
         if existing
             .as_ref()
@@ -516,12 +528,12 @@ impl ClusterSecrets {
         );
         if let Some(theirs) = self.put(&secret, create).await? {
             if let Some(value) = current(&theirs) {
-                return Ok(value);
+                return Ok(keep(value));
             }
             self.apply(&secret).await?;
         }
         tracing::info!(secret = %spec.purpose.secret_name(&self.cluster), "issued kubeconfig");
-        Ok(value)
+        Ok(keep(value))
     }
 
     /// Walk a certificate plan (CAs first, then what they sign); returns the PEM of the CA
@@ -587,7 +599,17 @@ impl ClusterSecrets {
                     .into_iter()
                     .map(|(k, v)| (k, v.0))
                     .collect();
-                // What a process or pod is handed never runs or reads anything of its own.
+                // A kubeconfig is handed out as this pass verified or issued it (an edit that
+                // reached the cache since is not), and never runs or reads anything.
+                let mut data = data;
+                if let Some(v) = self
+                    .verified
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&name)
+                {
+                    data.insert(names::KUBECONFIG_KEY.to_string(), v.clone().into_bytes());
+                }
                 if let Some(value) = data.get(names::KUBECONFIG_KEY) {
                     pki::check_kubeconfig(&String::from_utf8_lossy(value)).map_err(|reason| {
                         SecretError::Invalid {

@@ -49,6 +49,11 @@ pub fn check_kubeconfig(yaml: &str) -> Result<(), String> {
         return Err("the kubeconfig is not a mapping".into());
     };
     let mut bad = Vec::new();
+    // A YAML merge key (`<<`) is applied by client-go's parser and not by this one: whatever
+    // it would bring in is unseen here, so it is refused wherever it stands.
+    if has_merge_key(&doc) {
+        bad.push("a YAML merge key (<<)".to_string());
+    }
     for (k, v) in top {
         let k = k.as_str().unwrap_or("?");
         if !TOP_FIELDS.contains(&k) {
@@ -67,6 +72,12 @@ pub fn check_kubeconfig(yaml: &str) -> Result<(), String> {
                 .and_then(Value::as_str)
                 .unwrap_or("?")
                 .to_string();
+            for f in entry.as_mapping().into_iter().flat_map(|m| m.keys()) {
+                let f = f.as_str().unwrap_or("?");
+                if f != "name" && f != inner {
+                    bad.push(format!("{inner} entry {name:?} has field {f:?}"));
+                }
+            }
             let Some(Value::Mapping(fields)) = entry.get(inner) else {
                 continue;
             };
@@ -85,6 +96,17 @@ pub fn check_kubeconfig(yaml: &str) -> Result<(), String> {
             "the kubeconfig is refused: {} (only inline credentials are used: nothing may run, be read or be reached through it on the reader's machine)",
             bad.join(", ")
         ))
+    }
+}
+
+fn has_merge_key(v: &Value) -> bool {
+    match v {
+        Value::Mapping(m) => m
+            .iter()
+            .any(|(k, v)| k.as_str() == Some("<<") || has_merge_key(v)),
+        Value::Sequence(s) => s.iter().any(has_merge_key),
+        Value::Tagged(t) => has_merge_key(&t.value),
+        _ => false,
     }
 }
 
@@ -193,6 +215,14 @@ mod tests {
             assert!(err.contains(named), "{hostile}: {err}");
         }
         assert!(check_kubeconfig("- a\n").is_err());
+        // A merge key brings in what this parser does not apply and client-go does.
+        let merged = INLINE.replace(
+            "- name: u\n  user: {client-certificate-data: Y2VydA==, client-key-data: a2V5}",
+            "- name: u\n  <<: {user: {exec: {command: /bin/sh}}}",
+        );
+        assert_ne!(merged, INLINE);
+        let err = check_kubeconfig(&merged).unwrap_err();
+        assert!(err.contains("merge key"), "{err}");
         assert!(check_kubeconfig(&format!("{INLINE}extensions: []\n")).is_err());
     }
 

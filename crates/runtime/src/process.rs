@@ -535,8 +535,10 @@ impl ProcessRuntime {
         let context = format!("removing {}", dir.display());
         tokio::task::spawn_blocking(move || {
             // Only a directory nestplane made for this very tenant is deleted.
+            // A directory made before markers existed has the address block's file only.
             let marked = std::fs::read_to_string(dir.join(TENANT_MARKER)).ok();
-            if marked.as_deref() != Some(owner.as_str()) {
+            let legacy = marked.is_none() && dir.join("network.json").is_file();
+            if marked.as_deref() != Some(owner.as_str()) && !legacy {
                 if dir.exists() {
                     tracing::warn!(dir = %dir.display(), tenant = %owner, "not removing a directory nestplane did not make for this tenant");
                 }

@@ -6,10 +6,14 @@ const NODE: &str = "/var/lib/nestplane/nodes/n1";
 fn policy(level: Level) -> Policy {
     Policy {
         level,
-        mount_sources: vec![
-            PathBuf::from(format!("{NODE}/kubelet/pods")),
-            PathBuf::from(format!("{NODE}/containerd/root")),
-            PathBuf::from(format!("{NODE}/containerd/state")),
+        kubelet_pods: PathBuf::from(format!("{NODE}/kubelet/pods")),
+        sandbox_dirs: vec![
+            PathBuf::from(format!(
+                "{NODE}/containerd/root/io.containerd.grpc.v1.cri/sandboxes"
+            )),
+            PathBuf::from(format!(
+                "{NODE}/containerd/state/io.containerd.grpc.v1.cri/sandboxes"
+            )),
         ],
         runc: PathBuf::from("/usr/sbin/runc"),
     }
@@ -67,41 +71,31 @@ fn ordinary() -> Value {
     })
 }
 
+fn same(p: &Path) -> Option<PathBuf> {
+    Some(p.to_path_buf())
+}
+
 fn refusal(spec: &mut Value, level: Level) -> String {
-    judge(spec, &policy(level), Path::to_path_buf)
-        .unwrap_err()
-        .join("; ")
+    judge(spec, &policy(level), same).unwrap_err().join("; ")
 }
 
 #[test]
 fn an_ordinary_container_runs_with_the_node_default_seccomp_profile() {
     let mut spec = ordinary();
-    assert_eq!(
-        judge(&mut spec, &policy(Level::Baseline), Path::to_path_buf),
-        Ok(true)
-    );
+    assert_eq!(judge(&mut spec, &policy(Level::Baseline), same), Ok(true));
     assert_eq!(spec["linux"]["seccomp"], default_seccomp());
     // Judged again (a retried create): unchanged.
-    assert_eq!(
-        judge(&mut spec, &policy(Level::Baseline), Path::to_path_buf),
-        Ok(false)
-    );
+    assert_eq!(judge(&mut spec, &policy(Level::Baseline), same), Ok(false));
     // Its own profile (RuntimeDefault, Localhost) is kept.
     let mut own = ordinary();
     own["linux"]["seccomp"] = json!({"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [{"names": ["read"], "action": "SCMP_ACT_ALLOW"}]});
     let before = own.clone();
-    assert_eq!(
-        judge(&mut own, &policy(Level::Baseline), Path::to_path_buf),
-        Ok(false)
-    );
+    assert_eq!(judge(&mut own, &policy(Level::Baseline), same), Ok(false));
     assert_eq!(own, before);
     // An explicit allow-everything profile is no profile.
     let mut open = ordinary();
     open["linux"]["seccomp"] = json!({"defaultAction": "SCMP_ACT_ALLOW"});
-    assert_eq!(
-        judge(&mut open, &policy(Level::Baseline), Path::to_path_buf),
-        Ok(true)
-    );
+    assert_eq!(judge(&mut open, &policy(Level::Baseline), same), Ok(true));
     assert_eq!(open["linux"]["seccomp"], default_seccomp());
 }
 
@@ -166,6 +160,28 @@ fn each_way_to_the_host_is_refused_at_baseline() {
             "kubelet.conf",
         ),
         (
+            "containerd's bundles",
+            Box::new(|s| {
+                add_bind(
+                    s,
+                    &format!("{NODE}/containerd/state/io.containerd.runtime.v2.task/k8s.io"),
+                    "/x",
+                )
+            }),
+            "io.containerd.runtime.v2.task",
+        ),
+        (
+            "inside an emptyDir (a symlink can replace it later)",
+            Box::new(|s| {
+                add_bind(
+                    s,
+                    &format!("{NODE}/kubelet/pods/u2/volumes/kubernetes.io~empty-dir/v/x"),
+                    "/x",
+                )
+            }),
+            "empty-dir/v/x",
+        ),
+        (
             "writable /sys",
             Box::new(|s| {
                 s["mounts"][2]["options"] = json!(["nosuid", "rw"]);
@@ -188,7 +204,7 @@ fn each_way_to_the_host_is_refused_at_baseline() {
         attack(&mut spec);
         let before = spec.clone();
         assert_eq!(
-            judge(&mut spec, &policy(Level::Privileged), Path::to_path_buf),
+            judge(&mut spec, &policy(Level::Privileged), same),
             Ok(false)
         );
         assert_eq!(spec, before);
@@ -201,15 +217,73 @@ fn each_way_to_the_host_is_refused_at_baseline() {
         "/x",
     );
     let why = judge(&mut spec, &policy(Level::Baseline), |p| {
-        if p.ends_with("link") {
+        Some(if p.ends_with("link") {
             PathBuf::from("/etc")
         } else {
             p.to_path_buf()
-        }
+        })
     })
     .unwrap_err()
     .join("; ");
     assert!(why.contains("a bind mount of /etc at /x"), "{why}");
+    // A source that does not resolve is refused; one that does is mounted as resolved.
+    let mut spec = ordinary();
+    add_bind(
+        &mut spec,
+        &format!("{NODE}/kubelet/pods/u1/volumes/kubernetes.io~empty-dir/gone"),
+        "/x",
+    );
+    let why = judge(&mut spec, &policy(Level::Baseline), |p| {
+        (!p.ends_with("gone")).then(|| p.to_path_buf())
+    })
+    .unwrap_err()
+    .join("; ");
+    assert!(why.contains("does not resolve"), "{why}");
+    let mut spec = ordinary();
+    add_bind(
+        &mut spec,
+        "/n1-link/kubelet/pods/u1/volumes/kubernetes.io~empty-dir/v",
+        "/x",
+    );
+    assert_eq!(
+        judge(&mut spec, &policy(Level::Baseline), |p| {
+            Some(PathBuf::from(p.to_string_lossy().replace("/n1-link", NODE)))
+        }),
+        Ok(true)
+    );
+    assert_eq!(
+        spec["mounts"].as_array().unwrap().last().unwrap()["source"],
+        format!("{NODE}/kubelet/pods/u1/volumes/kubernetes.io~empty-dir/v")
+    );
+}
+
+#[test]
+fn the_default_profile_refuses_namespaces_through_clone_too() {
+    let p = default_seccomp();
+    let rules = p["syscalls"].as_array().unwrap();
+    let clone_flags: Vec<u64> = rules
+        .iter()
+        .filter(|r| r["names"] == json!(["clone"]))
+        .map(|r| r["args"][0]["value"].as_u64().unwrap())
+        .collect();
+    assert!(clone_flags.contains(&0x1000_0000), "CLONE_NEWUSER");
+    assert!(clone_flags.contains(&0x4000_0000), "CLONE_NEWNET");
+    assert!(
+        rules
+            .iter()
+            .any(|r| r["names"] == json!(["clone3"]) && r["errnoRet"] == 38)
+    );
+    let denied = &rules[0]["names"];
+    for call in [
+        "unshare",
+        "setns",
+        "mount",
+        "io_uring_setup",
+        "bpf",
+        "keyctl",
+    ] {
+        assert!(denied.as_array().unwrap().contains(&json!(call)), "{call}");
+    }
 }
 
 #[test]
@@ -222,14 +296,11 @@ fn restricted_wants_non_root_without_escalation_or_capabilities() {
     fine["process"]["user"]["uid"] = json!(1000);
     fine["process"]["noNewPrivileges"] = json!(true);
     fine["process"]["capabilities"] = json!({"bounding": ["CAP_NET_BIND_SERVICE"]});
-    assert_eq!(
-        judge(&mut fine, &policy(Level::Restricted), Path::to_path_buf),
-        Ok(true)
-    );
+    assert_eq!(judge(&mut fine, &policy(Level::Restricted), same), Ok(true));
     // The pod's sandbox (pause, chosen by the node) keeps the default capabilities.
     let mut sandbox = ordinary();
     sandbox["annotations"]["io.kubernetes.cri.container-type"] = json!("sandbox");
-    assert!(judge(&mut sandbox, &policy(Level::Restricted), Path::to_path_buf).is_ok());
+    assert!(judge(&mut sandbox, &policy(Level::Restricted), same).is_ok());
 }
 
 #[test]

@@ -76,9 +76,10 @@ fn annotated(hc: &HostedCluster) -> serde_json::Value {
 pub fn made_for(meta: &ObjectMeta, hc: &HostedCluster) -> bool {
     let a = meta.annotations.as_ref();
     let get = |k: &str| a.and_then(|a| a.get(k));
+    // Objects made before the UID annotation existed carry the namespace/name only.
     get(HOSTED_CLUSTER_ANNOTATION) == Some(&key(hc))
         && hc.uid().is_some()
-        && get(HOSTED_CLUSTER_UID_ANNOTATION) == hc.uid().as_ref()
+        && get(HOSTED_CLUSTER_UID_ANNOTATION).is_none_or(|u| Some(u) == hc.uid().as_ref())
 }
 
 /// Reconcile one HostedCluster.

@@ -168,6 +168,20 @@ pub fn pod_security_condition(
     }
 }
 
+/// The label on a namespace (set by whoever administers the management cluster, not by its
+/// users) that allows its NodePools `podSecurity: Privileged`.
+pub const PRIVILEGED_ALLOWED_LABEL: &str = "nestplane.io/pod-security-privileged";
+
+/// Whether namespace `ns` allows Privileged pools ([`PRIVILEGED_ALLOWED_LABEL`]`=allowed`).
+async fn privileged_allowed(ctx: &Context, ns: &str) -> Result<bool, Error> {
+    let namespace = Api::<k8s_openapi::api::core::v1::Namespace>::all(ctx.client.clone())
+        .get_opt(ns)
+        .await?;
+    Ok(namespace.is_some_and(|n| {
+        n.labels().get(PRIVILEGED_ALLOWED_LABEL).map(String::as_str) == Some("allowed")
+    }))
+}
+
 /// The condition type saying which pod security level a pool's nodes enforce.
 pub const POD_SECURITY: &str = "PodSecurity";
 
@@ -502,7 +516,23 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<Context>) -> Result<Action,
         generation,
         now,
     );
-    let security = pod_security_condition(pool.spec.pod_security.unwrap_or_default());
+    let level = pool.spec.pod_security.unwrap_or_default();
+    if level == PodSecurityLevel::Privileged && !privileged_allowed(&ctx, &ns).await? {
+        return stop(
+            &ctx,
+            &api,
+            &pool,
+            status,
+            Halt::warn(
+                "PrivilegedNotAllowed",
+                format!(
+                    "podSecurity Privileged lets the tenant's admins become root on this machine; the platform team allows it per namespace by labelling namespace {ns} {PRIVILEGED_ALLOWED_LABEL}=allowed"
+                ),
+            ),
+        )
+        .await;
+    }
+    let security = pod_security_condition(level);
     let was = conditions::get(&status.conditions, POD_SECURITY).map(|c| c.reason.clone());
     if security.status == "False" && was.as_deref() != Some(security.reason.as_str()) {
         ctx.event(
