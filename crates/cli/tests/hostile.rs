@@ -196,6 +196,15 @@ async fn a_tenant_admin_cannot_leave_their_pods() {
         "Baseline"
     );
     let red = hosted_kubeconfig(&kc, "red", env.state.path());
+    // The node's bootstrap token was deleted once it joined: nobody can join with it again.
+    eventually(
+        "the used bootstrap token deleted",
+        Duration::from_secs(60),
+        || {
+            let types = jsonpath(&red, &["secrets", "-n", "kube-system"], "{.items[*].type}");
+            (!types.contains("bootstrap.kubernetes.io/token")).then_some(())
+        },
+    );
 
     let attempts = attempts();
     assert!(attempts.len() >= 15);

@@ -303,6 +303,13 @@ pub fn csr_info(csr_pem: &str) -> Result<CsrInfo, PkiError> {
     csr.verify_signature()
         .map_err(|e| parse(format!("its signature does not verify: {e}")))?;
     let subject = &csr.certification_request_info.subject;
+    // Kubernetes' signer (Go) takes the last common name, this parser the first: a request
+    // with several is ambiguous, and refused, so that both always judge the same name.
+    if subject.iter_common_name().count() > 1 {
+        return Err(parse(
+            "its subject has more than one common name".to_string(),
+        ));
+    }
     let mut info = CsrInfo {
         common_name: subject
             .iter_common_name()

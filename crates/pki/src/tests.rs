@@ -243,3 +243,21 @@ fn a_csr_names_its_alternative_names() {
     assert_eq!(info.ips, ["10.201.3.2".parse::<IpAddr>().unwrap()]);
     assert!(info.other_names.is_empty());
 }
+
+/// Made with `openssl req -subj "/O=system:nodes/CN=system:node:good/CN=system:node:evil"`.
+const TWO_COMMON_NAMES: &str = "-----BEGIN CERTIFICATE REQUEST-----
+MIIBCDCBrwIBADBNMRUwEwYDVQQKDAxzeXN0ZW06bm9kZXMxGTAXBgNVBAMMEHN5
+c3RlbTpub2RlOmdvb2QxGTAXBgNVBAMMEHN5c3RlbTpub2RlOmV2aWwwWTATBgcq
+hkjOPQIBBggqhkjOPQMBBwNCAARY8VMtGMlqNB1SoXiwIbwjdykTE2Kxm+MgAEg1
+iNSrPQMmpTsQOeFOwMdRoeyjU2jAdscTu2r214IEOEhdgU9WoAAwCgYIKoZIzj0E
+AwIDSAAwRQIgMFzOzzikSFfa7ifWbS8izvXUkEeZd3jbpuyzbezmE20CIQD/fzOe
+97R7+g4Z+V4Dw+XblQMDDRifvJ+zfnGyBcPNBg==
+-----END CERTIFICATE REQUEST-----
+";
+
+#[test]
+fn a_request_with_two_common_names_is_refused() {
+    // Go's signer would take the last name, this parser the first: never judged at all.
+    let err = csr_info(TWO_COMMON_NAMES).unwrap_err().to_string();
+    assert!(err.contains("more than one common name"), "{err}");
+}

@@ -246,6 +246,11 @@ fn check_pod(b: &Value, a: &Value, runtime: Runtime) -> Result<(), String> {
         "initContainers",
         "ephemeralContainers",
         "shareProcessNamespace",
+        // Priority preempts other tenants' pods; a runtime class picks another runtime.
+        "priorityClassName",
+        "priority",
+        "preemptionPolicy",
+        "runtimeClassName",
     ] {
         if !same(b, a, f) {
             return Err(format!(
@@ -309,9 +314,26 @@ fn check_pod(b: &Value, a: &Value, runtime: Runtime) -> Result<(), String> {
         if c.get("envFrom").is_some_and(|v| !v.is_null()) && c.get("envFrom") != r.get("envFrom") {
             return Err(here("envFrom may not be set by a patch"));
         }
+        let rports = r.get("ports").and_then(Value::as_array).unwrap_or(&empty);
+        for p in c.get("ports").and_then(Value::as_array).unwrap_or(&empty) {
+            if p.get("hostPort").is_some_and(|v| !v.is_null()) && !rports.contains(p) {
+                return Err(here(
+                    "ports: hostPort may not be set by a patch (it takes the node's port)",
+                ));
+            }
+        }
         let renv = r.get("env").and_then(Value::as_array).unwrap_or(&empty);
         for e in c.get("env").and_then(Value::as_array).unwrap_or(&empty) {
             let ename = e.get("name").and_then(Value::as_str).unwrap_or("");
+            // POD_IP, POD_NAME, …: nestplane's own, expanded into listen addresses and names.
+            if renv.iter().any(|r| {
+                r.get("name") == e.get("name") && r.get("valueFrom").is_some_and(|v| !v.is_null())
+            }) && !renv.contains(e)
+            {
+                return Err(here(&format!(
+                    "env {ename:?} is set by nestplane (it becomes addresses and names) and may not be changed by a patch"
+                )));
+            }
             if e.get("valueFrom").is_some_and(|v| !v.is_null()) && !renv.contains(e) {
                 return Err(here(&format!(
                     "env {ename:?}: valueFrom may not be set by a patch (it reads other objects)"
@@ -517,6 +539,44 @@ mod tests {
         }
         let svc = json!({"kind": "Service", "metadata": {"name": "c-apiserver"}, "spec": {"externalIPs": ["1.2.3.4"]}});
         assert!(run(svc, Runtime::Kubernetes).is_err());
+    }
+
+    #[test]
+    fn node_ports_priority_and_nestplanes_own_env_stay_as_rendered() {
+        for rt in [Runtime::Process, Runtime::Kubernetes] {
+            let e = run(
+                container_patch(json!({"ports": [{"containerPort": 6443, "hostPort": 6443}]})),
+                rt,
+            )
+            .unwrap_err();
+            assert!(e.reason.contains("hostPort"), "{e}");
+            for spec in [
+                json!({"priorityClassName": "system-node-critical"}),
+                json!({"priority": 2000001000}),
+                json!({"runtimeClassName": "other"}),
+            ] {
+                let e = run(pod_patch(spec.clone()), rt).unwrap_err();
+                assert!(e.reason.contains("may not be changed"), "{spec}: {e}");
+            }
+            // POD_IP becomes the listen address: a patch cannot point it elsewhere.
+            let e = run(
+                container_patch(json!({"env": [{"name": "POD_IP", "value": "0.0.0.0"}]})),
+                rt,
+            )
+            .unwrap_err();
+            assert!(
+                e.reason.contains("env \"POD_IP\" is set by nestplane"),
+                "{e}"
+            );
+        }
+        // Other environment variables (GOGC, …) are still a patch's to change.
+        assert!(
+            run(
+                container_patch(json!({"env": [{"name": "GOGC", "value": "50"}]})),
+                Runtime::Kubernetes
+            )
+            .is_ok()
+        );
     }
 
     #[test]

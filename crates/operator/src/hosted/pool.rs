@@ -64,6 +64,8 @@ pub struct Managed {
     pub hash: String,
     /// Its kubelet's version.
     pub version: String,
+    /// Whether its bootstrap token is gone (deleted once the node has registered).
+    pub token_deleted: bool,
     node: Option<Node>,
 }
 
@@ -758,6 +760,27 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<Context>) -> Result<Action,
         remove_node(&ctx, &pool, Some(&t.client), n, drain_timeout).await;
     }
 
+    // A node that has registered joined with its client certificate: its bootstrap token is
+    // not needed again, and is deleted.
+    let joined: Vec<String> = ctx.nodes.with(&key, |v| {
+        v.iter()
+            .filter(|m| !m.token_deleted && listed.iter().any(|k| k.name_any() == m.name))
+            .map(|m| m.token_id.clone())
+            .collect()
+    });
+    for id in joined {
+        match join::delete_token(&t.client, &id).await {
+            Ok(()) => ctx.nodes.with(&key, |v| {
+                for m in v.iter_mut().filter(|m| m.token_id == id) {
+                    m.token_deleted = true;
+                }
+            }),
+            Err(e) => {
+                tracing::warn!(nodepool = %key, error = %e, "cannot delete a used bootstrap token")
+            }
+        }
+    }
+
     // Status.
     let names = ctx.nodes.names(&key);
     let infos: Vec<NodeInfo> = ctx.nodes.with(&key, |v| {
@@ -960,6 +983,7 @@ async fn start_node(
         token_id: token.id,
         hash: hash.into(),
         version: version.into(),
+        token_deleted: false,
         node: Some(node),
     })
 }
