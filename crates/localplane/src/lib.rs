@@ -196,7 +196,37 @@ fn ensure_pki(dir: &Path, extra_ips: &[std::net::IpAddr]) -> Result<Pki, Error> 
         },
         now,
     )?;
-    for (name, ck) in [("apiserver", &serving), ("admin", &admin)] {
+    // etcd has a CA of its own: a client certificate the management CA signs (an admin's, a
+    // node's from an approved request) must not open the datastore underneath RBAC.
+    let etcd_ca = load_or(&pki_dir.join("etcd-ca"), || {
+        Ok(pki::generate_ca("nestplane-management-etcd-ca", now)?)
+    })?;
+    let etcd_server = pki::issue(
+        &etcd_ca,
+        &LeafSpec {
+            common_name: "etcd".into(),
+            dns_names: vec!["localhost".into()],
+            ips: vec![std::net::IpAddr::from([127, 0, 0, 1])],
+            usage: Usage::ServerAndClient,
+            ..LeafSpec::default()
+        },
+        now,
+    )?;
+    let etcd_client = pki::issue(
+        &etcd_ca,
+        &LeafSpec {
+            common_name: "kube-apiserver-etcd-client".into(),
+            usage: Usage::Client,
+            ..LeafSpec::default()
+        },
+        now,
+    )?;
+    for (name, ck) in [
+        ("apiserver", &serving),
+        ("admin", &admin),
+        ("etcd-server", &etcd_server),
+        ("apiserver-etcd-client", &etcd_client),
+    ] {
         write_private(&pki_dir.join(format!("{name}.crt")), &ck.cert_pem)?;
         write_private(&pki_dir.join(format!("{name}.key")), &ck.key_pem)?;
     }
@@ -258,9 +288,9 @@ impl LocalPlane {
         let logs = dir.join("logs");
 
         let mut children = Vec::new();
-        // etcd: plain HTTP, loopback only.
+        // etcd: TLS on loopback, clients and peers with certificates of its own CA only.
         let (etcd_client, etcd_peer) = (free_port()?, free_port()?);
-        let etcd_url = format!("http://127.0.0.1:{etcd_client}");
+        let etcd_url = format!("https://127.0.0.1:{etcd_client}");
         let etcd = Spec {
             name: "etcd".into(),
             program: etcd_bin,
@@ -268,9 +298,17 @@ impl LocalPlane {
                 format!("--data-dir={}", dir.join("etcd").display()),
                 format!("--listen-client-urls={etcd_url}"),
                 format!("--advertise-client-urls={etcd_url}"),
-                format!("--listen-peer-urls=http://127.0.0.1:{etcd_peer}"),
-                format!("--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}"),
-                format!("--initial-cluster=default=http://127.0.0.1:{etcd_peer}"),
+                format!("--listen-peer-urls=https://127.0.0.1:{etcd_peer}"),
+                format!("--initial-advertise-peer-urls=https://127.0.0.1:{etcd_peer}"),
+                format!("--initial-cluster=default=https://127.0.0.1:{etcd_peer}"),
+                format!("--cert-file={}", p("etcd-server.crt")),
+                format!("--key-file={}", p("etcd-server.key")),
+                format!("--trusted-ca-file={}", p("etcd-ca.crt")),
+                "--client-cert-auth=true".into(),
+                format!("--peer-cert-file={}", p("etcd-server.crt")),
+                format!("--peer-key-file={}", p("etcd-server.key")),
+                format!("--peer-trusted-ca-file={}", p("etcd-ca.crt")),
+                "--peer-client-cert-auth=true".into(),
                 "--name=default".into(),
                 "--quota-backend-bytes=4294967296".into(),
                 "--unsafe-no-fsync=true".into(),
@@ -291,6 +329,9 @@ impl LocalPlane {
             format!("--cert-dir={}", dir.join("pki").display()),
             format!("--client-ca-file={}", p("ca.crt")),
             format!("--etcd-servers={etcd_url}"),
+            format!("--etcd-cafile={}", p("etcd-ca.crt")),
+            format!("--etcd-certfile={}", p("apiserver-etcd-client.crt")),
+            format!("--etcd-keyfile={}", p("apiserver-etcd-client.key")),
             "--insecure-port=0".into(),
             format!("--secure-port={port}"),
             "--service-account-issuer=https://kubernetes.default.svc".into(),

@@ -163,3 +163,92 @@ async fn service_account_kubeconfig_is_subject_to_rbac() {
         other => panic!("expected 403, got {other:?}"),
     }
 }
+
+/// The management plane's etcd holds every tenant's objects, Secrets included: a local user
+/// must not read it. It serves TLS on loopback and answers only clients with a certificate of
+/// its own CA (not the management CA's, which also signs admins' and nodes' certificates).
+#[tokio::test]
+async fn the_management_etcd_answers_only_its_own_clients() {
+    let plane = LocalPlane::start(Options::default()).await.unwrap();
+    let etcd = plane
+        .pids()
+        .into_iter()
+        .find(|(n, _)| n == "etcd")
+        .unwrap()
+        .1;
+    let cmdline = std::fs::read_to_string(format!("/proc/{etcd}/cmdline")).unwrap();
+    let url = cmdline
+        .split('\0')
+        .find_map(|a| a.strip_prefix("--listen-client-urls="))
+        .unwrap()
+        .to_string();
+    assert!(url.starts_with("https://127.0.0.1:"), "{url}");
+    let pki = plane.dir().join("pki");
+    let etcdctl = |extra: &[String]| {
+        let mut args = vec![
+            format!("--endpoints={url}"),
+            "--dial-timeout=3s".into(),
+            "--command-timeout=5s".into(),
+        ];
+        args.extend_from_slice(extra);
+        args.extend(["get", "/registry/namespaces/default", "--keys-only"].map(String::from));
+        let out = std::process::Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(&args)
+            .output()
+            .expect("etcdctl not found: run scripts/install-deps.sh");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let file = |n: &str| pki.join(n).display().to_string();
+    // Plain HTTP: refused.
+    let plain = url.replace("https://", "http://");
+    let out = std::process::Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .args([
+            format!("--endpoints={plain}"),
+            "--dial-timeout=3s".into(),
+            "--command-timeout=5s".into(),
+            "get".into(),
+            "/registry/namespaces/default".into(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "plain HTTP answered");
+    // TLS without a client certificate, or with the management CA's admin certificate:
+    // refused.
+    assert!(!etcdctl(&[format!("--cacert={}", file("etcd-ca.crt"))]).0);
+    assert!(
+        !etcdctl(&[
+            format!("--cacert={}", file("etcd-ca.crt")),
+            format!("--cert={}", file("admin.crt")),
+            format!("--key={}", file("admin.key")),
+        ])
+        .0,
+        "a certificate of the management CA opened etcd"
+    );
+    // The API server's own client certificate: answered (so the refusals above mean it).
+    let (ok, keys) = etcdctl(&[
+        format!("--cacert={}", file("etcd-ca.crt")),
+        format!("--cert={}", file("apiserver-etcd-client.crt")),
+        format!("--key={}", file("apiserver-etcd-client.key")),
+    ]);
+    assert!(
+        ok && keys.contains("/registry/namespaces/default"),
+        "{keys}"
+    );
+    for key in [
+        "etcd-ca.key",
+        "etcd-server.key",
+        "apiserver-etcd-client.key",
+    ] {
+        let mode = std::fs::metadata(pki.join(key))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode, 0o600, "{key}");
+    }
+}
