@@ -192,21 +192,41 @@ pub fn default_seccomp() -> Value {
 }
 
 /// Whether a bind mount from `real` (resolved) is one the kubelet or containerd makes for a
-/// pod (see [`Policy`]).
+/// pod (see [`Policy`]): exact shapes only, so that no directory above a tenant-writable one
+/// (where a component could be swapped for a symlink before runc mounts it) qualifies.
 fn allowed_source(real: &Path, policy: &Policy) -> bool {
-    if policy.sandbox_dirs.iter().any(|d| real.starts_with(d)) {
-        return true;
+    fn parts(rest: &Path) -> Option<Vec<&str>> {
+        rest.iter().map(|c| c.to_str()).collect()
     }
-    let Ok(rest) = real.strip_prefix(&policy.kubelet_pods) else {
+    for d in &policy.sandbox_dirs {
+        if let Some(p) = real.strip_prefix(d).ok().and_then(parts) {
+            // `<sandboxes>/<id>/{hostname,hosts,resolv.conf,shm}`.
+            return matches!(
+                p.as_slice(),
+                [_, "hostname" | "hosts" | "resolv.conf" | "shm"]
+            );
+        }
+    }
+    if let Some(p) = policy
+        .sandbox_dirs
+        .first()
+        .and_then(|d| d.parent())
+        .map(|cri| cri.join("containers"))
+        .and_then(|c| real.strip_prefix(c).ok().and_then(parts))
+    {
+        // Volumes an image declares: `<cri root>/containers/<id>/volumes/<uuid>`.
+        return matches!(p.as_slice(), [_, "volumes", _]);
+    }
+    let Some(p) = real.strip_prefix(&policy.kubelet_pods).ok().and_then(parts) else {
         return false;
     };
-    let parts: Vec<&str> = rest.iter().filter_map(|c| c.to_str()).collect();
     matches!(
-        parts.as_slice(),
+        p.as_slice(),
         [_, "etc-hosts"]
             | [_, "containers", _, _]
             | [_, "volumes", _, _]
-            | [_, "volume-subpaths", _, ..]
+            | [_, "volumes", "kubernetes.io~csi", _, "mount"]
+            | [_, "volume-subpaths", _, _, _]
     )
 }
 
@@ -323,8 +343,8 @@ pub fn judge(
                 .unwrap_or_default()
                 .to_string();
             match resolve(Path::new(&source)) {
-                Some(real) if allowed_source(&real, policy) => {
-                    let real = real.display().to_string();
+                Some(real) if allowed_source(&real, policy) && real.to_str().is_some() => {
+                    let real = real.to_str().unwrap_or_default().to_string();
                     if real != source {
                         m["source"] = Value::String(real);
                         changed = true;

@@ -305,6 +305,10 @@ pub const HANDED_OUT: &[&str] = &[
     "10.244.0.0/16",
 ];
 
+/// The private ranges: nestplane makes nothing else unreachable (a user's HostedCluster could
+/// name a public range, whose traffic must keep flowing for everyone on the machine).
+pub const PRIVATE: &[&str] = &["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"];
+
 /// The metric of nestplane's unreachable routes: a route of the same prefix with a lower one
 /// (anyone's real route) wins, and every more specific route wins anyway.
 pub const UNREACHABLE_METRIC: &str = "4242";
@@ -349,7 +353,6 @@ pub fn unreachable_plan(routes: &str, ranges: &[&str]) -> Vec<(String, Option<St
                 && !l.starts_with("default")
                 && !l.starts_with("unreachable")
                 && !l.contains(" dev npn")
-                && !l.contains(" via 10.201.")
         })
         .collect();
     ranges
@@ -360,9 +363,11 @@ pub fn unreachable_plan(routes: &str, ranges: &[&str]) -> Vec<(String, Option<St
                     .next()
                     .is_some_and(|prefix| overlaps(prefix, r))
             });
+            let public = (!PRIVATE.iter().any(|p| holds(p, r)))
+                .then(|| "it is not a private range (10/8, 172.16/12, 192.168/16)".to_string());
             (
                 r.to_string(),
-                clash.map(|l| format!("the machine's route {l:?} overlaps it")),
+                public.or_else(|| clash.map(|l| format!("the machine's route {l:?} overlaps it"))),
             )
         })
         .collect()
@@ -375,6 +380,12 @@ pub fn install_unreachable(ranges: &[&str]) -> Result<Vec<String>, Error> {
         .args(["-4", "route", "show"])
         .output()
         .map_err(|e| Error::io("running ip route show", e))?;
+    if !out.status.success() {
+        return Err(Error::Command {
+            what: "ip -4 route show".into(),
+            output: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
     let routes = String::from_utf8_lossy(&out.stdout);
     let mut skipped = Vec::new();
     for (range, clash) in unreachable_plan(&routes, ranges) {
@@ -434,5 +445,14 @@ mod unreachable_tests {
             .join("\n");
         let plan = unreachable_plan(&without_lan, HANDED_OUT);
         assert!(plan.iter().all(|(_, clash)| clash.is_none()), "{plan:?}");
+        // A public range (a HostedCluster may name one) is never made unreachable: everyone
+        // on the machine may need it.
+        let plan = unreachable_plan(&without_lan, &["8.8.8.0/24", "169.254.0.0/16"]);
+        assert!(
+            plan.iter().all(|(_, c)| c
+                .as_deref()
+                .is_some_and(|c| c.contains("not a private range"))),
+            "{plan:?}"
+        );
     }
 }

@@ -258,6 +258,41 @@ fn each_way_to_the_host_is_refused_at_baseline() {
 }
 
 #[test]
+fn only_the_exact_shapes_the_kubelet_and_containerd_make_are_mounted() {
+    let ok = [
+        "kubelet/pods/u1/volumes/kubernetes.io~csi/pv1/mount",
+        "kubelet/pods/u1/volume-subpaths/v/c/0",
+        "containerd/root/io.containerd.grpc.v1.cri/sandboxes/s1/hostname",
+        "containerd/root/io.containerd.grpc.v1.cri/containers/c1/volumes/0b1c",
+    ];
+    for rel in ok {
+        let mut spec = ordinary();
+        add_bind(&mut spec, &format!("{NODE}/{rel}"), "/x");
+        assert!(
+            judge(&mut spec, &policy(Level::Baseline), same).is_ok(),
+            "{rel}"
+        );
+    }
+    let refused = [
+        // Directories above what a tenant writes into: a component could become a symlink.
+        "containerd/root/io.containerd.grpc.v1.cri/sandboxes",
+        "containerd/state/io.containerd.grpc.v1.cri/sandboxes/s1",
+        "kubelet/pods/u1/volume-subpaths/v",
+        "kubelet/pods/u1/volumes",
+        "kubelet/pods",
+        "containerd/root/io.containerd.grpc.v1.cri/containers/c1",
+    ];
+    for rel in refused {
+        let mut spec = ordinary();
+        add_bind(&mut spec, &format!("{NODE}/{rel}"), "/x");
+        assert!(
+            judge(&mut spec, &policy(Level::Baseline), same).is_err(),
+            "{rel}"
+        );
+    }
+}
+
+#[test]
 fn the_default_profile_refuses_namespaces_through_clone_too() {
     let p = default_seccomp();
     let rules = p["syscalls"].as_array().unwrap();

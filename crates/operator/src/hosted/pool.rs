@@ -530,7 +530,9 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<Context>) -> Result<Action,
                 format!(
                     "podSecurity Privileged lets the tenant's admins become root on this machine; the platform team allows it per namespace by labelling namespace {ns} {PRIVILEGED_ALLOWED_LABEL}=allowed"
                 ),
-            ),
+            )
+            // Namespaces are not watched: look again for the label.
+            .again(Duration::from_secs(15)),
         )
         .await;
     }
