@@ -1,7 +1,7 @@
 //! `NestedDatastore`: one etcd that many tenants' API servers share, each tenant confined to
 //! its own key prefix by an etcd user and role of its own (Kamaji's shared datastore).
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -46,6 +46,23 @@ pub struct NestedDatastoreSpec {
     /// An etcd that already runs, which nestplane only manages users and roles in.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub external: Option<ExternalDatastore>,
+    /// The namespaces whose control planes may use this datastore, besides its own (the
+    /// default: its own only). A control plane from elsewhere is refused and nothing is issued
+    /// for it; withdrawing consent deletes nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allowed_namespaces: Option<AllowedNamespaces>,
+}
+
+/// Namespaces allowed to use a datastore: by name, or by their labels.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AllowedNamespaces {
+    /// Namespace names.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub names: Vec<String>,
+    /// Namespaces whose labels match (an empty selector matches none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<LabelSelector>,
 }
 
 /// An etcd nestplane runs for the datastore.

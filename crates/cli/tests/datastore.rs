@@ -106,6 +106,48 @@ async fn tenants_on_a_managed_datastore_see_only_their_own_keys() {
         },
     );
 
+    // Consent: a control plane of another namespace that references the datastore is
+    // refused, gets no certificate, and is no tenant of it (holds no deletion) ...
+    env.apply("apiVersion: v1\nkind: Namespace\nmetadata: {name: attacker}\n---\napiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata: {name: a1, namespace: attacker}\nspec:\n  version: v1.20.2\n  datastoreRef: {name: shared, namespace: default}\n");
+    eventually("a1 refused", Duration::from_secs(60), || {
+        jsonpath(
+            &kc,
+            &["ncp", "a1", "-n", "attacker"],
+            "{.status.conditions[?(@.type==\"Available\")].reason}",
+        )
+        .contains("NotAllowed")
+        .then_some(())
+    });
+    assert!(
+        events_for(&kc, "default", "shared").contains("NestedControlPlane attacker/a1 refused")
+    );
+    assert!(gone(
+        &kc,
+        &["secret", "a1-apiserver-etcd-client", "-n", "attacker"]
+    ));
+    assert_eq!(
+        jsonpath(&kc, &["nesteddatastore", "shared"], "{.status.tenantCount}"),
+        "2"
+    );
+    // ... until the datastore's owner allows that namespace.
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "nesteddatastore",
+            "shared",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"allowedNamespaces":{"names":["attacker"]}}}"#,
+        ],
+    );
+    env.wait_ready("attacker", "a1", Duration::from_secs(120))
+        .await;
+    kubectl_ok(
+        &kc,
+        &["delete", "ncp", "a1", "-n", "attacker", "--timeout=90s"],
+    );
+
     // A steady datastore and its tenants cost no writes to etcd's auth store (each would
     // make the requests then in flight of every tenant fail once): passes of both control
     // planes (an annotation wakes them) and a health check of the datastore later, etcd's

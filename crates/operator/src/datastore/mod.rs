@@ -303,6 +303,21 @@ fn tenants_of(ctx: &Context, ds: &NestedDatastore) -> Vec<Arc<NestedControlPlane
         .state()
         .into_iter()
         .filter(|ncp| referenced(ncp).as_ref() == Some(&key))
+        // A control plane the datastore refused is no tenant of it (and holds no deletion).
+        .filter(|ncp| {
+            let ns = ncp.namespace().unwrap_or_default();
+            ns == key.0
+                || ds
+                    .spec
+                    .allowed_namespaces
+                    .as_ref()
+                    .is_some_and(|a| a.names.contains(&ns))
+                || ncp
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.datastore.as_ref())
+                    .is_some_and(|b| b.namespace == key.0 && b.name == key.1)
+        })
         .collect();
     out.sort_by_key(|n| (n.namespace(), n.name_any()));
     out
@@ -641,6 +656,30 @@ pub enum Binding {
     Problem(&'static str, String),
 }
 
+/// The reason of a control plane refused by its datastore's `allowedNamespaces`.
+pub const NOT_ALLOWED: &str = "NotAllowed";
+
+/// Whether `ds` lets control planes of namespace `ns` use it: its own namespace always, else
+/// by `spec.allowedNamespaces` (names, or a selector on the namespace's labels).
+pub async fn allowed(ctx: &Context, ds: &NestedDatastore, ns: &str) -> Result<bool, Error> {
+    if ds.namespace().as_deref() == Some(ns) {
+        return Ok(true);
+    }
+    let Some(a) = &ds.spec.allowed_namespaces else {
+        return Ok(false);
+    };
+    if a.names.iter().any(|n| n == ns) {
+        return Ok(true);
+    }
+    let Some(selector) = &a.selector else {
+        return Ok(false);
+    };
+    let namespace = Api::<k8s_openapi::api::core::v1::Namespace>::all(ctx.client.clone())
+        .get_opt(ns)
+        .await?;
+    Ok(namespace.is_some_and(|n| crate::postcreate::plan::selects(selector, &n.labels().clone())))
+}
+
 /// Make sure tenant `t` has its user, role and prefix in its datastore and the credentials
 /// for them: the datastore's CA certificate as `<cluster>-etcd` (no key) and a client
 /// certificate of its user as `<cluster>-apiserver-etcd-client`.
@@ -666,6 +705,23 @@ pub async fn bind(ctx: &Context, t: &Tenant) -> Result<Binding, Error> {
             format!("NestedDatastore {ds_ns}/{ds_name} not found"),
         ));
     };
+    let ns = t.namespace();
+    if !allowed(ctx, &ds, &ns).await? {
+        let msg = format!(
+            "NestedDatastore {ds_ns}/{ds_name} does not allow control planes of namespace {ns} (its spec.allowedNamespaces); nothing is issued, and nothing stored is deleted"
+        );
+        ctx.event(
+            ds.object_ref(&()),
+            EventType::Warning,
+            NOT_ALLOWED,
+            &format!(
+                "NestedControlPlane {ns}/{} refused: {msg}",
+                t.ncp.name_any()
+            ),
+        )
+        .await;
+        return Ok(Binding::Problem(NOT_ALLOWED, msg));
+    }
     let bound = t.datastore();
     if bound.is_some_and(|b| b.name != ds_name || b.namespace != ds_ns) {
         return Ok(Binding::Problem(
@@ -688,7 +744,6 @@ pub async fn bind(ctx: &Context, t: &Tenant) -> Result<Binding, Error> {
             )));
         }
     };
-    let ns = t.namespace();
     let cluster = t.cluster();
     let want = TenantDatastoreStatus {
         name: ds_name,
@@ -728,8 +783,30 @@ pub async fn bind(ctx: &Context, t: &Tenant) -> Result<Binding, Error> {
 /// A deleted tenant leaves its datastore: its keys, user and role are deleted. A datastore
 /// that no longer exists is said in an Event (its keys cannot be reached).
 pub async fn unbind(ctx: &Context, ncp: &NestedControlPlane) -> Result<(), Error> {
-    let Some(bound) = ncp.status.as_ref().and_then(|s| s.datastore.clone()) else {
+    // Only a tenant that was bound has keys there; what is deleted is computed from the
+    // control plane's spec, namespace and name, never read from its status.
+    if ncp
+        .status
+        .as_ref()
+        .and_then(|s| s.datastore.as_ref())
+        .is_none()
+    {
         return Ok(());
+    }
+    let Some((ds_ns, ds_name)) = referenced(ncp) else {
+        return Ok(());
+    };
+    let ns = ncp.namespace().unwrap_or_default();
+    let cluster = crate::tenant::cluster_name(ncp);
+    if names::dns_label_problem(&cluster, names::MAX_CLUSTER_NAME_LEN).is_some() {
+        return Ok(());
+    }
+    let bound = TenantDatastoreStatus {
+        name: ds_name,
+        namespace: ds_ns,
+        user: tenant_user(&ns, &cluster),
+        prefix: tenant_prefix(&ns, &cluster),
+        endpoints: Vec::new(),
     };
     let Some(ds) = get(ctx, &bound.namespace, &bound.name).await? else {
         ctx.event(
