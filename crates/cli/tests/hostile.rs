@@ -293,6 +293,15 @@ async fn a_tenant_admin_cannot_leave_their_pods() {
     assert!(!env.operator.as_ref().unwrap().is_finished());
 }
 
+/// The pool's `PodSecurity` condition as `status/reason`.
+fn pod_security(kc: &Path, pool: &str) -> String {
+    jsonpath(
+        kc,
+        &["nodepool", pool],
+        "{.status.conditions[?(@.type==\"PodSecurity\")].status}/{.status.conditions[?(@.type==\"PodSecurity\")].reason}",
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn privileged_is_an_explicit_choice_that_shows_a_warning() {
     let env = Env::start(true).await;
@@ -322,12 +331,7 @@ async fn privileged_is_an_explicit_choice_that_shows_a_warning() {
         ],
     );
     eventually("the Warning condition", Duration::from_secs(120), || {
-        (jsonpath(
-            &kc,
-            &["nodepool", "open"],
-            "{.status.conditions[?(@.type==\"PodSecurity\")].status}/{.status.conditions[?(@.type==\"PodSecurity\")].reason}",
-        ) == "False/Privileged")
-            .then_some(())
+        (pod_security(&kc, "open") == "False/Privileged").then_some(())
     });
     assert!(
         events_for(&kc, "default", "open")
@@ -345,12 +349,7 @@ async fn privileged_is_an_explicit_choice_that_shows_a_warning() {
         ],
     );
     eventually("Restricted enforced", Duration::from_secs(60), || {
-        (jsonpath(
-            &kc,
-            &["nodepool", "open"],
-            "{.status.conditions[?(@.type==\"PodSecurity\")].status}/{.status.conditions[?(@.type==\"PodSecurity\")].reason}",
-        ) == "True/Restricted")
-            .then_some(())
+        (pod_security(&kc, "open") == "True/Restricted").then_some(())
     });
     let bad = kubectl(
         &kc,

@@ -204,35 +204,10 @@ impl RenderInput {
 }
 
 fn check_dns_label(field: &str, s: &str, max: usize) -> Result<(), RenderError> {
-    if s.is_empty() {
-        return Err(RenderError::invalid(field, "it is empty"));
+    match nestplane_api::names::dns_label_problem(s, max) {
+        Some(problem) => Err(RenderError::invalid(field, problem)),
+        None => Ok(()),
     }
-    if s.len() > max {
-        return Err(RenderError::invalid(
-            field,
-            format!(
-                "{s:?} has {} characters; at most {max} are allowed",
-                s.len()
-            ),
-        ));
-    }
-    let ok_chars = s
-        .bytes()
-        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-    let ok_ends = s
-        .bytes()
-        .next()
-        .zip(s.bytes().last())
-        .is_some_and(|(a, z)| a.is_ascii_alphanumeric() && z.is_ascii_alphanumeric());
-    if !ok_chars || !ok_ends {
-        return Err(RenderError::invalid(
-            field,
-            format!(
-                "{s:?} is not a DNS label: use lowercase letters, digits and '-', starting and ending with a letter or digit"
-            ),
-        ));
-    }
-    Ok(())
 }
 
 fn check_domain(s: &str) -> Result<(), RenderError> {
