@@ -170,7 +170,7 @@ async fn a_tenant_admin_cannot_leave_their_pods() {
     let _ = images();
     let env = Env::start(true).await;
     let kc = env.kubeconfig().to_path_buf();
-    env.apply("apiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: red, namespace: default}\nspec:\n  release: {version: 1.20.2}\n  initialNodes: 1\n---\napiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: blue, namespace: default}\nspec:\n  release: {version: 1.20.2}\n");
+    env.apply("apiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: red, namespace: default}\nspec:\n  release: {version: 1.20.2}\n  initialNodes: 1\n---\napiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: blue, namespace: default}\nspec:\n  release: {version: 1.20.2}\n  initialNodes: 1\n");
     eventually("blue Available", Duration::from_secs(180), || {
         (condition(&kc, &["hostedcluster", "blue"], "Available") == "True").then_some(())
     });
@@ -284,12 +284,14 @@ async fn a_tenant_admin_cannot_leave_their_pods() {
     assert!(!host_nat.contains("18080"), "{host_nat}");
     assert!(std::net::TcpStream::connect(("127.0.0.1", 18080)).is_err());
 
+    let reached = reach_into_blue(&red, &blue).await;
+
     // The other hosted cluster is untouched.
     assert_eq!(
         jsonpath(&blue, &["configmap", "ledger"], "{.data.balance}"),
         "1000"
     );
-    eprintln!("{}", outcomes.join("\n"));
+    eprintln!("{}\n{}", outcomes.join("\n"), reached.join("\n"));
     assert!(!env.operator.as_ref().unwrap().is_finished());
 }
 
@@ -366,4 +368,109 @@ async fn privileged_is_an_explicit_choice_that_shows_a_warning() {
         !bad.status.success(),
         "an unknown level is refused by the schema"
     );
+}
+
+/// `kubectl get --raw PATH`: whether it succeeded, and what it printed.
+fn raw(kc: &Path, path: &str) -> (bool, String) {
+    let out = kubectl(kc, &["get", "--raw", path, "-v=6"]);
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+/// The attempts that go through red's API server itself. The API server proxies only to an
+/// endpoint backed by a pod with that IP, so the tenant admin forges one: a Node object
+/// `borrowed` naming blue's node, a pod bound to it whose status (no kubelet writes it) they
+/// set to blue's pod's IP, and a Service with hand-written Endpoints naming that pod. Then
+/// `services/proxy`, `pods/proxy` and the node proxy. Blue's own API server reaches the same
+/// pod and node (so the addresses are right); red's packets are refused on the machine.
+async fn reach_into_blue(red: &Path, blue: &Path) -> Vec<String> {
+    eventually("blue's node Ready", Duration::from_secs(240), || {
+        let ready = jsonpath(
+            blue,
+            &["nodes"],
+            "{.items[*].status.conditions[?(@.type==\"Ready\")].status}",
+        );
+        (ready == "True").then_some(())
+    });
+    kubectl_apply(
+        blue,
+        &format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: vault, namespace: default}}\nspec:\n  terminationGracePeriodSeconds: 1\n  containers:\n  - name: c\n    image: {IMAGE}\n    imagePullPolicy: Never\n    command: [sh, -c, 'mkdir /www && echo blue-secret > /www/index.html && exec httpd -f -p 8080 -h /www']\n"
+        ),
+    );
+    let pod_ip = eventually("blue's vault pod", Duration::from_secs(120), || {
+        let ip = jsonpath(blue, &["pod", "vault"], "{.status.podIP}");
+        (phase(blue, "vault") == "Running" && !ip.is_empty()).then_some(ip)
+    });
+    let node = jsonpath(blue, &["nodes"], "{.items[0].metadata.name}");
+    let node_ip = jsonpath(
+        blue,
+        &["node", &node],
+        "{.status.addresses[?(@.type==\"InternalIP\")].address}",
+    );
+    // Blue's API server reaches its own pod and node.
+    let shown = eventually("blue proxies to its pod", Duration::from_secs(60), || {
+        let (ok, out) = raw(blue, "/api/v1/namespaces/default/pods/vault:8080/proxy/");
+        (ok && out.contains("blue-secret")).then_some(out)
+    });
+    assert!(shown.contains("blue-secret"));
+    let (ok, out) = raw(blue, &format!("/api/v1/nodes/{node}/proxy/healthz"));
+    assert!(ok && out.contains("ok"), "blue's node proxy: {out}");
+
+    kubectl_apply(
+        red,
+        &format!(
+            "apiVersion: v1\nkind: Node\nmetadata: {{name: borrowed}}\nstatus:\n  addresses: [{{type: InternalIP, address: {node_ip}}}]\n  daemonEndpoints: {{kubeletEndpoint: {{Port: 10250}}}}\n---\napiVersion: v1\nkind: Pod\nmetadata: {{name: forged, namespace: default}}\nspec:\n  nodeName: borrowed\n  containers: [{{name: c, image: {IMAGE}}}]\n"
+        ),
+    );
+    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
+        kube::Api::namespaced(client_for(red).await, "default");
+    pods.patch_status(
+        "forged",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(serde_json::json!({
+            "status": {"phase": "Running", "podIP": pod_ip, "podIPs": [{"ip": pod_ip}]}
+        })),
+    )
+    .await
+    .expect("a tenant admin may write a pod's status");
+    kubectl_apply(
+        red,
+        &format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: steal, namespace: default}}\nspec:\n  ports: [{{port: 80, targetPort: 8080}}]\n---\napiVersion: v1\nkind: Endpoints\nmetadata: {{name: steal, namespace: default}}\nsubsets:\n- addresses: [{{ip: {pod_ip}, targetRef: {{kind: Pod, name: forged, namespace: default}}}}]\n  ports: [{{port: 8080}}]\n"
+        ),
+    );
+    let mut outcomes = Vec::new();
+    for (what, path) in [
+        (
+            "services/proxy to blue's pod",
+            "/api/v1/namespaces/default/services/steal/proxy/",
+        ),
+        (
+            "pods/proxy to blue's pod",
+            "/api/v1/namespaces/default/pods/forged:8080/proxy/",
+        ),
+        (
+            "node proxy to blue's node",
+            "/api/v1/nodes/borrowed/proxy/healthz",
+        ),
+    ] {
+        // The Endpoints may take a moment to reach the API server's cache.
+        let (ok, out) = eventually(&format!("{what} tried"), Duration::from_secs(30), || {
+            let (ok, out) = raw(red, path);
+            (!out.contains("no endpoints available")).then_some((ok, out))
+        });
+        assert!(
+            !ok && !out.contains("blue-secret") && out.contains("connection refused"),
+            "{what}: red's API server must be refused on this machine:\n{out}"
+        );
+        outcomes.push(format!("{what}: refused on the machine"));
+    }
+    outcomes
 }

@@ -829,6 +829,8 @@ async fn three_member_etcd_from_pods_and_a_tenant_node_running_a_pod() {
             "registry.k8s.io/pause:3.2",
             nestplane_nodes::images::SHELL_IMAGE,
         ],
+        // The API server is a pod of the management plane: no tenant user to let through.
+        None,
     )
     .await;
     wait_node_ready(&tenant, "worker-0", &node_dir, Duration::from_secs(120));

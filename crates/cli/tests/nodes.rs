@@ -75,6 +75,13 @@ async fn a_node_joins_a_process_tenant_by_bootstrap_token_and_runs_a_pod() {
             "registry.k8s.io/pause:3.2",
             nestplane_nodes::images::SHELL_IMAGE,
         ],
+        // The node of control plane default/nodes: its API server may reach it.
+        Some(nestplane_runtime::egress::isolation_group(
+            &nestplane_runtime::process::TenantKey {
+                namespace: "default".into(),
+                cluster: "nodes".into(),
+            },
+        )),
     )
     .await;
     wait_node_ready(&tenant, "worker-0", &node_dir, READY);

@@ -323,3 +323,198 @@ async fn a_packet_for_a_range_nestplane_hands_out_never_leaves_the_machine() {
         );
     }
 }
+
+/// The real, effective, saved and filesystem uids of `pid`, and its supplementary groups.
+fn ids(pid: u32) -> (Vec<u32>, String) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    let uids = field("Uid:")
+        .split_whitespace()
+        .map(|u| u.parse().unwrap())
+        .collect();
+    (uids, field("Groups:"))
+}
+
+/// Run `program args` as `user` in `cwd` (entered before the switch, as the runtime does):
+/// whether it succeeded, and its output.
+fn as_user(
+    user: nestplane_runtime::egress::User,
+    cwd: &std::path::Path,
+    program: &str,
+    args: &[&str],
+) -> (bool, String) {
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let spec = nestplane_runtime::child::Spec {
+        name: "attempt".into(),
+        program: program.into(),
+        args: args.iter().map(|a| a.to_string()).collect(),
+        log: log.path().to_path_buf(),
+        cwd: Some(cwd.to_path_buf()),
+        user: Some(user),
+        ..Default::default()
+    };
+    let (mut cmd, _exe) = nestplane_runtime::child::command(&spec).unwrap();
+    let ok = cmd.status().unwrap().success();
+    (ok, std::fs::read_to_string(log.path()).unwrap())
+}
+
+/// A veth pair whose one end holds an address of this machine that is not loopback; removed
+/// on drop.
+struct LocalAddress(&'static str);
+
+impl LocalAddress {
+    fn add(name: &'static str, cidr: &str) -> LocalAddress {
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", name])
+            .output();
+        for args in [
+            vec![
+                "link",
+                "add",
+                name,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "np-egress-p",
+            ],
+            vec!["addr", "add", cidr, "dev", name],
+            vec!["link", "set", name, "up"],
+            vec!["link", "set", "np-egress-p", "up"],
+        ] {
+            let out = std::process::Command::new("ip")
+                .args(&args)
+                .output()
+                .expect("ip (iproute2) not found: run scripts/install-deps.sh");
+            assert!(out.status.success(), "ip {args:?}: {out:?}");
+        }
+        LocalAddress(name)
+    }
+}
+
+impl Drop for LocalAddress {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", self.0])
+            .output();
+    }
+}
+
+/// Process-runtime control planes used to run as root: a tenant API server's `services/proxy`
+/// or node proxy reached whatever the host reaches, and any of its processes could read every
+/// tenant's keys. Now each tenant's processes run as a user of their own, own their key files
+/// (0600), cannot read another tenant's or plant a link where the operator writes, and their
+/// packets reach loopback and their own nodes only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenant_runs_as_its_own_user_and_reaches_only_its_own() {
+    let env = Env::start(true).await;
+    env.create_ncp("default", "alpha").await;
+    env.create_ncp("default", "beta").await;
+    env.wait_ready("default", "alpha", READY).await;
+    env.wait_ready("default", "beta", READY).await;
+
+    // Every process of a tenant runs as one unprivileged user with no extra groups; the two
+    // tenants' users differ.
+    let mut users = Vec::new();
+    for cluster in ["alpha", "beta"] {
+        let mut seen = std::collections::BTreeSet::new();
+        for component in ["etcd", "apiserver", "controller-manager", "scheduler"] {
+            let pid = env.pid("default", cluster, component, 0).unwrap();
+            let (uids, groups) = ids(pid);
+            assert!(
+                uids.iter().all(|u| *u == uids[0] && *u != 0),
+                "{cluster} {component}: uids {uids:?}"
+            );
+            assert_eq!(groups, "", "{cluster} {component}: supplementary groups");
+            seen.insert(uids[0]);
+        }
+        assert_eq!(seen.len(), 1, "{cluster}: one user for all components");
+        users.push(*seen.first().unwrap());
+    }
+    assert_ne!(users[0], users[1]);
+    let alpha = nestplane_runtime::egress::User {
+        uid: users[0],
+        gid: users[0],
+    };
+
+    // Its key files are its own, 0600.
+    let tenants = env.operator_dir().join("tenants").join("default");
+    let mut keys = 0;
+    let mut stack = vec![tenants.join("alpha")];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let meta = std::fs::symlink_metadata(e.path()).unwrap();
+            if meta.is_dir() {
+                stack.push(e.path());
+            } else if e.file_name().to_string_lossy().ends_with(".key") {
+                use std::os::unix::fs::{MetadataExt, PermissionsExt};
+                assert_eq!(meta.uid(), alpha.uid, "{}", e.path().display());
+                assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+                keys += 1;
+            }
+        }
+    }
+    assert!(keys >= 5, "{keys} key files");
+
+    // Alpha's user, where its API server runs, cannot read beta's serving key (by either
+    // path), nor put a link where the operator writes its certificates.
+    let cwd = tenants.join("alpha").join("alpha-apiserver-0");
+    let beta_key = tenants.join("beta/beta-apiserver-0/volumes/apiserver-serving/tls.key");
+    assert!(beta_key.is_file(), "the attack aims at a real file");
+    for path in [
+        "../../beta/beta-apiserver-0/volumes/apiserver-serving/tls.key".to_string(),
+        beta_key.display().to_string(),
+    ] {
+        let (ok, out) = as_user(alpha, &cwd, "/bin/cat", &[&path]);
+        assert!(!ok && out.contains("Permission denied"), "{path}: {out}");
+    }
+    let (ok, out) = as_user(
+        alpha,
+        &cwd,
+        "/bin/ln",
+        &["-sf", "/etc/shadow", "volumes/apiserver-serving/tls.crt"],
+    );
+    assert!(!ok && out.contains("Permission denied"), "{out}");
+    let (ok, out) = as_user(
+        alpha,
+        &cwd,
+        "/bin/cat",
+        &["volumes/apiserver-serving/tls.key"],
+    );
+    assert!(ok && out.contains("PRIVATE KEY"), "its own key: {out}");
+
+    // Its packets reach loopback, and not an address of this machine outside it (nor,
+    // therefore, anything beyond it). The listener is the test's own.
+    let _dummy = LocalAddress::add("np-egress-t", "10.250.255.1/32");
+    let outside = std::net::TcpListener::bind("10.250.255.1:0").unwrap();
+    let inside = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let connect = |user: Option<nestplane_runtime::egress::User>, addr: std::net::SocketAddr| {
+        let script = format!("exec 3<>/dev/tcp/{}/{}", addr.ip(), addr.port());
+        match user {
+            Some(u) => as_user(u, &cwd, "/bin/bash", &["-c", &script]),
+            None => {
+                let out = std::process::Command::new("/bin/bash")
+                    .args(["-c", &script])
+                    .output()
+                    .unwrap();
+                (
+                    out.status.success(),
+                    String::from_utf8_lossy(&out.stderr).into(),
+                )
+            }
+        }
+    };
+    let (ok, out) = connect(None, outside.local_addr().unwrap());
+    assert!(ok, "the operator's user reaches it: {out}");
+    let (ok, out) = connect(Some(alpha), inside.local_addr().unwrap());
+    assert!(ok, "alpha reaches loopback: {out}");
+    let (ok, out) = connect(Some(alpha), outside.local_addr().unwrap());
+    assert!(!ok && out.contains("refused"), "alpha is stopped: {out}");
+}

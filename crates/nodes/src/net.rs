@@ -217,7 +217,8 @@ pub fn teardown(a: &Addresses) {
 /// Keep nodes of other groups out: packets entering this machine from the node are marked
 /// with `group`, and only packets so marked are forwarded to it. Nodes of one hosted cluster
 /// share a group, so its pods reach each other across nodes, and no other cluster's pods or
-/// nodes reach them.
+/// nodes reach them. Of the tenant control planes' processes on this machine, only those of
+/// the group's own control plane reach the node ([`nestplane_runtime::egress`]).
 pub fn isolate(a: &Addresses, group: u32) -> Result<(), Error> {
     let mark = format!("{:#x}", group.max(1));
     let steps: [Vec<&str>; 2] = [
@@ -257,6 +258,13 @@ pub fn isolate(a: &Addresses, group: u32) -> Result<(), Error> {
             return Err(e);
         }
     }
+    if let Err(e) = nestplane_runtime::egress::allow_node(&a.host_veth, group.max(1)) {
+        unisolate(a);
+        return Err(Error::Command {
+            what: "letting the node's control plane reach it".into(),
+            output: e.to_string(),
+        });
+    }
     Ok(())
 }
 
@@ -282,6 +290,7 @@ pub fn unisolate(a: &Addresses) {
             let _ = run(&args);
         }
     }
+    nestplane_runtime::egress::disallow_node(&a.host_veth);
 }
 
 /// Route `cidr` (a management plane's service range) from this machine through `node_ip`,

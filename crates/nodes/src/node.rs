@@ -532,6 +532,7 @@ fn node_spec(layout: &Layout, hpid: u32, name: &str, program: &Path, args: Vec<S
         env: BTreeMap::new(),
         log: layout.logs().join(format!("{name}.log")),
         cwd: Some(layout.dir.clone()),
+        user: None,
     }
 }
 
@@ -543,6 +544,7 @@ fn spawn(layout: &Layout, name: &str, program: &Path, args: Vec<String>) -> Resu
         env: BTreeMap::new(),
         log: layout.logs().join(format!("{name}.log")),
         cwd: Some(layout.dir.clone()),
+        user: None,
     };
     Child::spawn(&spec).map_err(|e| Error::io(format!("starting {name}"), e))
 }

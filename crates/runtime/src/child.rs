@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom};
+use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -27,11 +28,20 @@ pub struct Spec {
     pub log: PathBuf,
     /// Working directory.
     pub cwd: Option<PathBuf>,
+    /// Run as this user (and group, with no supplementary groups) instead of the caller's. The
+    /// working directory is entered before the switch, so the user needs no access to the
+    /// directories above it: paths in `args` are relative to it.
+    pub user: Option<crate::egress::User>,
 }
 
 /// Build the `Command` for `spec`, with output appended to the log and the parent-death
 /// signal set.
-pub fn command(spec: &Spec) -> io::Result<Command> {
+///
+/// With a user, the program is opened here and executed through its descriptor
+/// (`/proc/self/fd/N`, `argv[0]` its path): the user needs no access to the directories that
+/// hold it (a binary cache under `/root`). The returned file must live until the command is
+/// spawned.
+pub fn command(spec: &Spec) -> io::Result<(Command, Option<File>)> {
     if let Some(dir) = spec.log.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -39,21 +49,55 @@ pub fn command(spec: &Spec) -> io::Result<Command> {
         .create(true)
         .append(true)
         .open(&spec.log)?;
-    let mut cmd = Command::new(&spec.program);
+    let (mut cmd, exe) = match spec.user {
+        Some(_) => {
+            let exe = File::open(&spec.program).map_err(|e| {
+                io::Error::new(e.kind(), format!("opening {}: {e}", spec.program.display()))
+            })?;
+            let mut cmd = Command::new(format!("/proc/self/fd/{}", exe.as_raw_fd()));
+            cmd.arg0(&spec.program);
+            (cmd, Some(exe))
+        }
+        None => (Command::new(&spec.program), None),
+    };
     cmd.args(&spec.args)
         .envs(&spec.env)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log);
-    if let Some(cwd) = &spec.cwd {
-        cmd.current_dir(cwd);
-    }
-    // SAFETY: prctl and getppid are async-signal-safe; the closure allocates nothing. It makes
-    // the kernel kill the child when the spawning thread's process dies, so no tenant process
-    // or management-plane process outlives a crashed operator or test.
+    let user = spec.user;
+    let enter = match (&spec.cwd, user) {
+        (Some(cwd), Some(_)) => Some(
+            std::ffi::CString::new(cwd.as_os_str().as_encoded_bytes())
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?,
+        ),
+        (Some(cwd), None) => {
+            cmd.current_dir(cwd);
+            None
+        }
+        (None, _) => None,
+    };
+    // SAFETY: chdir, setgroups, setgid, setuid, prctl and getppid are async-signal-safe; the
+    // closure allocates nothing (the directory's C string is made before the fork). The
+    // parent-death signal makes the kernel kill the child when the spawning thread's process
+    // dies, so no tenant process or management-plane process outlives a crashed operator or
+    // test; it is set after the user switch, which would clear it.
     #[allow(unsafe_code)]
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
+            if let Some(dir) = &enter
+                && libc::chdir(dir.as_ptr()) != 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+            if let Some(u) = user
+                && (libc::setgroups(0, std::ptr::null()) != 0
+                    || libc::setgid(u.gid) != 0
+                    || libc::setuid(u.uid) != 0
+                    || libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
+            {
+                return Err(io::Error::last_os_error());
+            }
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
                 return Err(io::Error::last_os_error());
             }
@@ -64,7 +108,7 @@ pub fn command(spec: &Spec) -> io::Result<Command> {
             Ok(())
         });
     }
-    Ok(cmd)
+    Ok((cmd, exe))
 }
 
 /// A running child process; dropping it kills and reaps it.
@@ -78,7 +122,8 @@ pub struct Child {
 impl Child {
     /// Start `spec`.
     pub fn spawn(spec: &Spec) -> io::Result<Child> {
-        let child = command(spec)?.spawn().map_err(|e| {
+        let (mut cmd, _exe) = command(spec)?;
+        let child = cmd.spawn().map_err(|e| {
             io::Error::new(
                 e.kind(),
                 format!(

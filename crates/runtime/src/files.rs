@@ -2,15 +2,29 @@
 //! restricted after), replaced atomically, and directories that hold them 0700.
 
 use std::io::Write;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
+
+use crate::egress::User;
 
 /// Write `data` to `path` so that no other user can ever read it: the bytes go to a temporary
 /// file in the same directory that is created with mode 0600 (`O_CREAT|O_EXCL`, whatever the
 /// umask), then renamed over `path`. Nothing is written when `path` already holds `data`.
 pub fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    write_private_as(path, data, None)
+}
+
+/// [`write_private`], the file owned by `owner` (a tenant's user) from before it has its name;
+/// a file that holds `data` already but has another owner changes owner only.
+pub fn write_private_as(path: &Path, data: &[u8], owner: Option<User>) -> std::io::Result<()> {
     if std::fs::read(path).ok().as_deref() == Some(data) {
-        return Ok(());
+        let meta = std::fs::symlink_metadata(path)?;
+        match owner {
+            Some(u) if (meta.uid(), meta.gid()) != (u.uid, u.gid) => {
+                return std::os::unix::fs::lchown(path, Some(u.uid), Some(u.gid));
+            }
+            _ => return Ok(()),
+        }
     }
     let tmp = path.with_extension("nestplane-tmp");
     // A temporary file left by a crash may have any mode: never write into it.
@@ -32,6 +46,9 @@ pub fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
             tmp.display()
         )));
     }
+    if let Some(u) = owner {
+        std::os::unix::fs::fchown(&f, Some(u.uid), Some(u.gid))?;
+    }
     f.write_all(data)?;
     f.sync_all()?;
     drop(f);
@@ -42,6 +59,40 @@ pub fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
 pub fn mkdir_private(dir: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
+/// Create `dir` owned by the caller, that `user` may enter and read but not change (group
+/// `user`'s, mode 0750); without a user, [`mkdir_private`].
+pub fn mkdir_readable_by(dir: &Path, user: Option<User>) -> std::io::Result<()> {
+    mkdir_private(dir)?;
+    if let Some(u) = user {
+        std::os::unix::fs::lchown(dir, None, Some(u.gid))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750))?;
+    }
+    Ok(())
+}
+
+/// Create `dir` (0700) for `user` to write in: owned by the user, and so is everything in it
+/// (what was there before belonged to the caller, e.g. an etcd data directory from before
+/// tenants had users). Symbolic links are never followed.
+pub fn mkdir_owned_by(dir: &Path, user: Option<User>) -> std::io::Result<()> {
+    mkdir_private(dir)?;
+    let Some(u) = user else { return Ok(()) };
+    let meta = std::fs::symlink_metadata(dir)?;
+    if (meta.uid(), meta.gid()) == (u.uid, u.gid) {
+        return Ok(());
+    }
+    chown_tree(dir, u)
+}
+
+/// The directory itself last: a walk cut short is done again next time.
+fn chown_tree(path: &Path, u: User) -> std::io::Result<()> {
+    if std::fs::symlink_metadata(path)?.is_dir() {
+        for entry in std::fs::read_dir(path)? {
+            chown_tree(&entry?.path(), u)?;
+        }
+    }
+    std::os::unix::fs::lchown(path, Some(u.uid), Some(u.gid))
 }
 
 #[cfg(test)]

@@ -3,5 +3,6 @@
 //! management plane.
 pub mod binaries;
 pub mod child;
+pub mod egress;
 pub mod files;
 pub mod process;

@@ -27,6 +27,7 @@ use tokio::sync::watch;
 
 use crate::binaries::{self, MissingBinary};
 use crate::child;
+use crate::egress::User;
 
 /// Most replicas a component may have (the size of a tenant's address block that is used).
 pub const MAX_REPLICAS: u8 = 7;
@@ -51,6 +52,9 @@ pub enum RuntimeError {
     /// The tenant was removed; it runs again only after [`ProcessRuntime::revive`].
     #[error("tenant {0} is being deleted")]
     Removed(String),
+    /// The host's packet filter refused a tenant's egress rules.
+    #[error("confining the tenant's egress: {0}")]
+    Egress(#[from] crate::egress::EgressError),
     /// Filesystem trouble.
     #[error("{context}: {source}")]
     Io {
@@ -69,6 +73,7 @@ impl RuntimeError {
             RuntimeError::Unsupported { .. } => "Unsupported",
             RuntimeError::MissingSecret(_) => "MissingSecret",
             RuntimeError::Removed(_) => "Removed",
+            RuntimeError::Egress(_) => "Egress",
             RuntimeError::Io { .. } => "Io",
         }
     }
@@ -145,6 +150,9 @@ pub struct ProcessRuntime {
     /// Tenants removed in this process's life: a reconcile already in flight must not bring
     /// their processes or directory back.
     removed: Mutex<std::collections::HashSet<TenantKey>>,
+    /// Whether each tenant's processes run as a user of its own ([`crate::egress`]): when the
+    /// operator runs as root.
+    users: bool,
 }
 
 /// When a component's processes were started, and how long they took to become healthy.
@@ -180,7 +188,19 @@ impl ProcessRuntime {
             alloc: Mutex::new(()),
             startups: Mutex::new(HashMap::new()),
             removed: Mutex::new(Default::default()),
+            users: crate::egress::can_switch_users(),
         }
+    }
+
+    /// The user a tenant's processes run as, and whose packets are confined: `None` when the
+    /// operator is not root (every process then runs as the operator's user, unconfined).
+    pub fn user(&self, key: &TenantKey) -> Result<Option<User>, RuntimeError> {
+        if !self.users {
+            return Ok(None);
+        }
+        let hosts = self.hosts(key)?;
+        let o = hosts[0].octets();
+        Ok(Some(User::for_block([o[1], o[2]])))
     }
 
     /// Allow a removed tenant to run again (its control plane exists again).
@@ -228,6 +248,9 @@ impl ProcessRuntime {
         if std::fs::read_to_string(&marker).ok().as_deref() == Some(&key.to_string()) {
             return Ok(());
         }
+        // Only the operator enters a tenant's directory: each process's working directory is
+        // entered before it becomes the tenant's user.
+        crate::files::mkdir_private(dir).map_err(io(format!("restricting {}", dir.display())))?;
         crate::files::write_private(&marker, key.to_string().as_bytes())
             .map_err(io(format!("writing {}", marker.display())))
     }
@@ -247,10 +270,7 @@ impl ProcessRuntime {
         }
         let dir = self.tenant_dir(key)?;
         let file = dir.join("network.json");
-        let block = match std::fs::read_to_string(&file)
-            .ok()
-            .and_then(|s| serde_json::from_str::<[u8; 2]>(&s).ok())
-        {
+        let block = match read_block(&file) {
             Some(b) => b,
             None => {
                 let used = self.used_blocks();
@@ -287,10 +307,7 @@ impl ProcessRuntime {
                 continue;
             };
             for c in clusters.flatten() {
-                if let Some(b) = std::fs::read_to_string(c.path().join("network.json"))
-                    .ok()
-                    .and_then(|s| serde_json::from_str::<[u8; 2]>(&s).ok())
-                {
+                if let Some(b) = read_block(&c.path().join("network.json")) {
                     used.push(b);
                 }
             }
@@ -387,21 +404,30 @@ impl ProcessRuntime {
         }
         // Directories, secret files and process specs: filesystem work, off the async
         // workers.
+        let user = self.user(key)?;
         let specs = {
             let dir = self.tenant_dir(key)?;
+            let key = key.clone();
             let workload = rendered.workload_name.clone();
             let template = rendered.pod_template.clone();
             let (program, secrets) = (program.clone(), secrets.clone());
             let hosts = hosts.clone();
             tokio::task::spawn_blocking(move || {
+                if let Some(u) = user {
+                    crate::egress::mark_tenant(u, &key)?;
+                }
                 (0..replicas)
                     .map(|i| {
                         let pod_name = format!("{workload}-{i}");
                         let rdir = dir.join(&pod_name);
-                        prepare_replica(
-                            &rdir, &pod_name, hosts[i], &template, &container, &program, &secrets,
-                        )
-                        .map(|spec| (spec, rdir.join("pid")))
+                        let replica = Place {
+                            dir: &rdir,
+                            pod_name: &pod_name,
+                            host: hosts[i],
+                            user,
+                        };
+                        prepare_replica(&replica, &template, &container, &program, &secrets)
+                            .map(|spec| (spec, rdir.join("pid")))
                     })
                     .collect::<Result<Vec<_>, _>>()
             })
@@ -531,6 +557,14 @@ impl ProcessRuntime {
         }))
         .await;
         let dir = self.tenant_dir(key)?;
+        if self.users
+            && let Some(b) = read_block(&dir.join("network.json"))
+        {
+            let user = User::for_block(b);
+            tokio::task::spawn_blocking(move || crate::egress::unmark_tenant(user))
+                .await
+                .ok();
+        }
         let owner = key.to_string();
         let context = format!("removing {}", dir.display());
         tokio::task::spawn_blocking(move || {
@@ -555,13 +589,32 @@ impl ProcessRuntime {
         .map_err(|source| RuntimeError::Io { context, source })
     }
 
-    /// Stop every process of every tenant (data stays), all components at once.
+    /// Stop every process of every tenant (data stays), all components at once; their users'
+    /// packet marks go with them (the next start puts them back).
     pub async fn shutdown(&self) {
         let groups = self.take_groups(|_| true);
         futures::future::join_all(groups.iter().map(|g| async move {
             stop_group(&mut *g.lock().await).await;
         }))
         .await;
+        if !self.users {
+            return;
+        }
+        let users: Vec<User> = self
+            .hosts_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(|h| {
+                let o = h[0].octets();
+                User::for_block([o[1], o[2]])
+            })
+            .collect();
+        tokio::task::spawn_blocking(move || {
+            users.into_iter().for_each(crate::egress::unmark_tenant)
+        })
+        .await
+        .ok();
     }
 }
 
@@ -703,25 +756,49 @@ pub fn safe_join(base: &Path, rel: &str) -> Result<PathBuf, RuntimeError> {
     Ok(base.join(p))
 }
 
-fn write_if_changed(path: &Path, data: &[u8]) -> Result<(), RuntimeError> {
-    crate::files::write_private(path, data).map_err(io(format!("writing {}", path.display())))
-}
-
-fn mkdir_private(dir: &Path) -> Result<(), RuntimeError> {
-    crate::files::mkdir_private(dir).map_err(io(format!("creating {}", dir.display())))
-}
-
-fn prepare_replica(
-    dir: &Path,
-    pod_name: &str,
+/// Where and as whom one replica runs.
+struct Place<'a> {
+    /// The replica's directory (its working directory).
+    dir: &'a Path,
+    pod_name: &'a str,
     host: Ipv4Addr,
+    user: Option<User>,
+}
+
+/// The loopback block stored in a tenant's `network.json`.
+fn read_block(file: &Path) -> Option<[u8; 2]> {
+    std::fs::read_to_string(file)
+        .ok()
+        .and_then(|s| serde_json::from_str::<[u8; 2]>(&s).ok())
+}
+
+/// Lay out one replica's directory and say how to run it.
+///
+/// With a tenant user: the replica's directory, `volumes/` and each secret volume belong to the
+/// operator and are only readable by the user's group (the user cannot put a symbolic link
+/// where the operator writes); key files are the user's, 0600; emptyDir and data volumes are
+/// the user's. Paths in the arguments are relative to the replica's directory.
+fn prepare_replica(
+    place: &Place<'_>,
     template: &PodTemplateSpec,
     container: &Container,
     program: &Path,
     secrets: &SecretData,
 ) -> Result<child::Spec, RuntimeError> {
-    mkdir_private(dir)?;
+    let (dir, user) = (place.dir, place.user);
+    let readable = |d: &Path| {
+        crate::files::mkdir_readable_by(d, user).map_err(io(format!("creating {}", d.display())))
+    };
+    let owned = |d: &Path| {
+        crate::files::mkdir_owned_by(d, user).map_err(io(format!("creating {}", d.display())))
+    };
+    let write = |path: &Path, data: &[u8]| {
+        crate::files::write_private_as(path, data, user)
+            .map_err(io(format!("writing {}", path.display())))
+    };
+    readable(dir)?;
     let volumes_dir = dir.join("volumes");
+    readable(&volumes_dir)?;
     let mut local_volumes: BTreeMap<String, PathBuf> = BTreeMap::new();
     for v in template
         .spec
@@ -729,7 +806,11 @@ fn prepare_replica(
         .flat_map(|s| s.volumes.iter().flatten())
     {
         let vdir = safe_join(&volumes_dir, &v.name)?;
-        mkdir_private(&vdir)?;
+        if v.secret.is_some() {
+            readable(&vdir)?;
+        } else {
+            owned(&vdir)?;
+        }
         if let Some(sv) = &v.secret {
             let name = sv.secret_name.clone().unwrap_or_default();
             let data = secrets
@@ -741,12 +822,12 @@ fn prepare_replica(
                         let value = data.get(&item.key).ok_or_else(|| {
                             RuntimeError::MissingSecret(format!("{name} (key {})", item.key))
                         })?;
-                        write_if_changed(&safe_join(&vdir, &item.path)?, value)?;
+                        write(&safe_join(&vdir, &item.path)?, value)?;
                     }
                 }
                 _ => {
                     for (k, value) in data {
-                        write_if_changed(&safe_join(&vdir, k)?, value)?;
+                        write(&safe_join(&vdir, k)?, value)?;
                     }
                 }
             }
@@ -765,7 +846,7 @@ fn prepare_replica(
             // A volumeClaimTemplate volume (e.g. etcd `data`): a persistent local directory.
             None => {
                 let d = safe_join(&volumes_dir, &m.name)?;
-                mkdir_private(&d)?;
+                owned(&d)?;
                 d
             }
         };
@@ -773,13 +854,19 @@ fn prepare_replica(
             Some(sp) if !sp.is_empty() => safe_join(&local, sp)?,
             _ => local,
         };
+        // Relative to the working directory: a tenant user cannot walk the path above it.
+        let local = local
+            .strip_prefix(dir)
+            .map(Path::to_path_buf)
+            .unwrap_or(local);
         mounts.push((m.mount_path.trim_end_matches('/').to_string(), local));
     }
     mounts.sort_by_key(|m| std::cmp::Reverse(m.0.len()));
 
     let mut env: BTreeMap<String, String> = BTreeMap::new();
+    let pod_name = place.pod_name;
     env.insert("POD_NAME".into(), pod_name.to_string());
-    env.insert("POD_IP".into(), host.to_string());
+    env.insert("POD_IP".into(), place.host.to_string());
     env.insert("POD_NAMESPACE".into(), String::new());
     for e in container.env.iter().flatten() {
         if let Some(v) = &e.value {
@@ -802,13 +889,15 @@ fn prepare_replica(
         env,
         log: dir.join(format!("{pod_name}.log")),
         cwd: Some(dir.to_path_buf()),
+        user,
     })
 }
 
-fn pid_alive_with(pid: u32, needle: &str) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|c| String::from_utf8_lossy(&c).contains(needle))
-        .unwrap_or(false)
+/// Whether process `pid` runs in directory `dir` (a replica's process left over from an
+/// operator that was killed).
+fn pid_runs_in(pid: u32, dir: &Path) -> bool {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd == dir)
 }
 
 fn supervise(spec: child::Spec, pidfile: PathBuf) -> Replica {
@@ -821,16 +910,10 @@ fn supervise(spec: child::Spec, pidfile: PathBuf) -> Replica {
         if let Some(old) = std::fs::read_to_string(&pidfile)
             .ok()
             .and_then(|s| s.trim().parse::<u32>().ok())
+            && spec.cwd.as_deref().is_some_and(|d| pid_runs_in(old, d))
         {
-            let needle = spec
-                .cwd
-                .as_ref()
-                .map(|d| d.display().to_string())
-                .unwrap_or_default();
-            if !needle.is_empty() && pid_alive_with(old, &needle) {
-                child::kill_pid(old);
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
+            child::kill_pid(old);
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
         let mut backoff = Duration::from_millis(500);
         loop {
@@ -838,8 +921,8 @@ fn supervise(spec: child::Spec, pidfile: PathBuf) -> Replica {
                 return;
             }
             let started = tokio::time::Instant::now();
-            let mut cmd = match child::command(&spec) {
-                Ok(c) => tokio::process::Command::from(c),
+            let (mut cmd, _exe) = match child::command(&spec) {
+                Ok((c, exe)) => (tokio::process::Command::from(c), exe),
                 Err(e) => {
                     tracing::warn!(process = %spec.name, error = %e, "cannot prepare process");
                     if sleep_or_stop(&mut stopped, backoff).await {

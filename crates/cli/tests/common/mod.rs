@@ -442,7 +442,9 @@ pub async fn client_for(kubeconfig: &Path) -> kube::Client {
 }
 
 /// Start a node that joins the cluster whose admin client is `admin` (a bootstrap token is
-/// made for it), with the given images imported.
+/// made for it), with the given images imported. A node of a `process`-runtime control plane
+/// needs that control plane's isolation `group`, or its API server cannot reach the node.
+#[allow(clippy::too_many_arguments)]
 pub async fn join_node(
     admin: &kube::Client,
     name: &str,
@@ -451,6 +453,7 @@ pub async fn join_node(
     apiservers: Vec<std::net::SocketAddr>,
     api_port: u16,
     image_names: &[&str],
+    group: Option<u32>,
 ) -> nestplane_nodes::node::Node {
     use nestplane_nodes::{join, node};
     nestplane_nodes::check_prerequisites("v1.20.2").expect("node prerequisites");
@@ -472,7 +475,7 @@ pub async fn join_node(
         taints: vec![],
         cluster: Default::default(),
         version: "v1.20.2".into(),
-        group: None,
+        group,
         guard: None,
     })
     .await

@@ -187,13 +187,6 @@ async fn privileged_allowed(ctx: &Context, ns: &str) -> Result<bool, Error> {
 /// The condition type saying which pod security level a pool's nodes enforce.
 pub const POD_SECURITY: &str = "PodSecurity";
 
-/// The isolation group of a hosted cluster's nodes (every pool of the cluster shares it):
-/// 31 bits of a hash of `namespace/name`, never 0.
-pub fn isolation_group(namespace: &str, cluster: &str) -> u32 {
-    let d = Sha256::digest(format!("{namespace}/{cluster}").as_bytes());
-    (u32::from_be_bytes([d[0], d[1], d[2], d[3]]) & 0x7fff_ffff).max(1)
-}
-
 /// Check labels and taints (they reach the kubelet's flags).
 pub fn validate_pool(pool: &NodePool) -> Result<(), String> {
     let label_ok = |s: &str, max: usize| {
@@ -369,6 +362,8 @@ pub(super) struct Target {
     pub(super) client: kube::Client,
     ca_pem: String,
     apiserver: std::net::SocketAddr,
+    /// The isolation group of the control plane (and so of every node of the cluster).
+    group: u32,
 }
 
 pub(super) async fn target(ctx: &Context, hc: &HostedCluster) -> Result<Option<Target>, Error> {
@@ -434,10 +429,16 @@ pub(super) async fn target(ctx: &Context, hc: &HostedCluster) -> Result<Option<T
     // client's own backoff has retried it for a minute. Every pass here is retried anyway.
     cfg.default_retry = false;
     let client = kube::Client::try_from(cfg).map_err(|e| Error::Internal(e.to_string()))?;
+    let group =
+        nestplane_runtime::egress::isolation_group(&nestplane_runtime::process::TenantKey {
+            namespace: cp_ns.clone(),
+            cluster: crate::tenant::cluster_name(&ncp),
+        });
     Ok(Some(Target {
         client,
         ca_pem,
         apiserver: std::net::SocketAddr::new(ip, ep.port as u16),
+        group,
     }))
 }
 
@@ -969,10 +970,9 @@ async fn start_node(
         // Serving certificates from the cluster's CA are approved by [`approve`].
         cluster: cluster.clone(),
         version: version.into(),
-        group: Some(isolation_group(
-            &pool.namespace().unwrap_or_default(),
-            &pool.spec.cluster_name,
-        )),
+        // The group of the hosted cluster's control plane: its nodes reach each other, and of
+        // the control planes on this machine only that one reaches them.
+        group: Some(t.group),
         guard: Some(nestplane_nodes::guard::Setup {
             nestplane: settings.guard.clone(),
             level: guard_level(pool.spec.pod_security.unwrap_or_default()),
@@ -1300,15 +1300,6 @@ mod tests {
         assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
         assert!(parse_duration("5").is_err());
         assert!(parse_duration("5d").is_err());
-    }
-
-    #[test]
-    fn each_hosted_cluster_has_its_own_isolation_group() {
-        let a = isolation_group("default", "a");
-        assert_eq!(a, isolation_group("default", "a"));
-        assert_ne!(a, isolation_group("default", "b"));
-        assert_ne!(a, isolation_group("other", "a"));
-        assert!(a > 0 && a <= 0x7fff_ffff);
     }
 
     #[test]
