@@ -92,6 +92,7 @@ async fn main() {
         cluster: Default::default(),
         version: "v1.20.2".into(),
         group: None,
+        control_plane_user: None,
         guard: None,
     })
     .await

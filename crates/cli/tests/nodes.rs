@@ -75,13 +75,8 @@ async fn a_node_joins_a_process_tenant_by_bootstrap_token_and_runs_a_pod() {
             "registry.k8s.io/pause:3.2",
             nestplane_nodes::images::SHELL_IMAGE,
         ],
-        // The node of control plane default/nodes: its API server may reach it.
-        Some(nestplane_runtime::egress::isolation_group(
-            &nestplane_runtime::process::TenantKey {
-                namespace: "default".into(),
-                cluster: "nodes".into(),
-            },
-        )),
+        // The node of control plane default/nodes: its API server's user may reach it.
+        Some(env.uid("default", "nodes")),
     )
     .await;
     wait_node_ready(&tenant, "worker-0", &node_dir, READY);
@@ -212,6 +207,7 @@ async fn nodes_started_and_removed_100_times_leave_nothing_behind() {
                     1 | 2 => Some(7),
                     _ => Some(9),
                 },
+                control_plane_user: (cycle % 4 == 1).then_some(0x4e50_0007),
                 guard: None,
             };
             batch.push(tokio::spawn(nestplane_nodes::node::Node::start(cfg)));

@@ -517,4 +517,38 @@ async fn each_tenant_runs_as_its_own_user_and_reaches_only_its_own() {
     assert!(ok, "alpha reaches loopback: {out}");
     let (ok, out) = connect(Some(alpha), outside.local_addr().unwrap());
     assert!(!ok && out.contains("refused"), "alpha is stopped: {out}");
+
+    // A process a tenant's process forked away does not outlive the tenant (nor wait for its
+    // uid to be handed to the next one).
+    let (ok, out) = as_user(
+        alpha,
+        &cwd,
+        "/bin/sh",
+        &["-c", "setsid sleep 1000 </dev/null >/dev/null 2>&1 &"],
+    );
+    assert!(ok, "{out}");
+    let of_alpha = || {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                // A zombie is dead already; a process may go while it is read.
+                std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|s| {
+                    !s.contains("State:\tZ")
+                        && s.lines()
+                            .find_map(|l| l.strip_prefix("Uid:"))
+                            .and_then(|u| u.split_whitespace().next())
+                            == Some(alpha.uid.to_string().as_str())
+                })
+            })
+            .count()
+    };
+    assert!(of_alpha() >= 5, "the components and the forked process");
+    kubectl_ok(env.kubeconfig(), &["delete", "ncp", "alpha", "--wait=true"]);
+    eventually(
+        "nothing of alpha's user left",
+        Duration::from_secs(60),
+        || (of_alpha() == 0).then_some(()),
+    );
 }

@@ -506,6 +506,7 @@ impl LocalPlane {
                 },
                 version: DEFAULT_VERSION.into(),
                 group: None,
+                control_plane_user: None,
                 guard: None,
             })
             .await

@@ -217,8 +217,7 @@ pub fn teardown(a: &Addresses) {
 /// Keep nodes of other groups out: packets entering this machine from the node are marked
 /// with `group`, and only packets so marked are forwarded to it. Nodes of one hosted cluster
 /// share a group, so its pods reach each other across nodes, and no other cluster's pods or
-/// nodes reach them. Of the tenant control planes' processes on this machine, only those of
-/// the group's own control plane reach the node ([`nestplane_runtime::egress`]).
+/// nodes reach them.
 pub fn isolate(a: &Addresses, group: u32) -> Result<(), Error> {
     let mark = format!("{:#x}", group.max(1));
     let steps: [Vec<&str>; 2] = [
@@ -257,13 +256,6 @@ pub fn isolate(a: &Addresses, group: u32) -> Result<(), Error> {
             unisolate(a);
             return Err(e);
         }
-    }
-    if let Err(e) = nestplane_runtime::egress::allow_node(&a.host_veth, group.max(1)) {
-        unisolate(a);
-        return Err(Error::Command {
-            what: "letting the node's control plane reach it".into(),
-            output: e.to_string(),
-        });
     }
     Ok(())
 }

@@ -55,6 +55,9 @@ pub struct NodeConfig {
     /// The isolation group: nodes of a group reach each other and no other node
     /// ([`crate::net::isolate`]); `None` for a node on its own terms (no rules).
     pub group: Option<u32>,
+    /// The uid of the cluster's control-plane processes on this machine: only that user's
+    /// packets (of all tenant users) reach the node ([`nestplane_runtime::egress`]).
+    pub control_plane_user: Option<u32>,
     /// The container policy enforced below the tenant ([`crate::guard`]); `None` runs runc
     /// directly (a node only nestplane itself uses).
     pub guard: Option<crate::guard::Setup>,
@@ -247,6 +250,15 @@ impl Node {
         net::setup(addrs)?;
         if let Some(g) = cfg.group {
             net::isolate(addrs, g)?;
+        }
+        if let Some(uid) = cfg.control_plane_user {
+            nestplane_runtime::egress::allow_node(&addrs.host_veth, uid).map_err(|e| {
+                net::unisolate(addrs);
+                Error::Command {
+                    what: "letting the cluster's control plane reach the node".into(),
+                    output: e.to_string(),
+                }
+            })?;
         }
 
         // The mount namespace: a holder process keeps it; every node process joins it.

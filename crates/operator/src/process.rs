@@ -61,6 +61,14 @@ impl Runtime for Processes {
         self.run_pass(pass).boxed()
     }
 
+    fn control_plane_user(&self, ncp: &NestedControlPlane) -> Option<u32> {
+        self.processes
+            .user(&tenant_key(ncp))
+            .ok()
+            .flatten()
+            .map(|u| u.uid)
+    }
+
     fn endpoint<'a>(
         &'a self,
         _client: &'a kube::Client,

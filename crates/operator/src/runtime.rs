@@ -129,6 +129,12 @@ pub trait Runtime: Send + Sync {
     /// Let a control plane of a name removed before run again (a new object of that name).
     fn revive(&self, _ncp: &NestedControlPlane) {}
 
+    /// The uid the control plane's processes run as on this machine, if they run here as a
+    /// user of their own (its nodes let that user's packets in).
+    fn control_plane_user(&self, _ncp: &NestedControlPlane) -> Option<u32> {
+        None
+    }
+
     /// Remove what this runtime made for a deleted control plane and that owner references
     /// do not remove (processes and data; etcd's volume claims).
     fn remove<'a>(

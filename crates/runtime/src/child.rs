@@ -77,9 +77,9 @@ pub fn command(spec: &Spec) -> io::Result<(Command, Option<File>)> {
         }
         (None, _) => None,
     };
-    // SAFETY: chdir, setgroups, setgid, setuid, prctl and getppid are async-signal-safe; the
-    // closure allocates nothing (the directory's C string is made before the fork). The
-    // parent-death signal makes the kernel kill the child when the spawning thread's process
+    // SAFETY: chdir, close_range, setgroups, setgid, setuid, prctl and getppid are
+    // async-signal-safe system calls; the closure allocates nothing (the directory's C string
+    // is made before the fork). The parent-death signal makes the kernel kill the child when the spawning thread's process
     // dies, so no tenant process or management-plane process outlives a crashed operator or
     // test; it is set after the user switch, which would clear it.
     #[allow(unsafe_code)]
@@ -89,6 +89,16 @@ pub fn command(spec: &Spec) -> io::Result<(Command, Option<File>)> {
                 && libc::chdir(dir.as_ptr()) != 0
             {
                 return Err(io::Error::last_os_error());
+            }
+            if user.is_some() {
+                // No descriptor the operator inherited reaches a tenant's process (a kernel
+                // without close_range keeps them; nestplane's own are close-on-exec anyway).
+                libc::syscall(
+                    libc::SYS_close_range,
+                    3u32,
+                    u32::MAX,
+                    libc::CLOSE_RANGE_CLOEXEC,
+                );
             }
             if let Some(u) = user
                 && (libc::setgroups(0, std::ptr::null()) != 0

@@ -1,23 +1,20 @@
 //! Who a tenant's processes are, and where their packets may go.
 //!
 //! When the operator runs as root, each tenant's control-plane processes run as a user of
-//! their own: uid (and gid) [`UID_BASE`] plus the tenant's loopback block, so two tenants never
-//! share one. Their packets are confined on the host by an owner match:
-//!
-//! - `mangle OUTPUT`: packets of a tenant's uid carry its [`isolation_group`] as their mark;
-//! - `filter OUTPUT` sends every packet of a tenant uid to the [`CHAIN`] chain, which lets
-//!   through replies, loopback, and packets to a node whose group is the packet's mark (a node
-//!   adds its rule with [`allow_node`]); everything else is rejected.
+//! their own: uid (and gid) [`UID_BASE`] plus the tenant's loopback block, so no two live
+//! tenants share one (a block is allocated under a lock, and a tenant's user has no process
+//! left from before when its first process starts: [`kill_user`]). Their packets are confined
+//! on the host by an owner match: the first rule of `filter OUTPUT` sends every packet of a
+//! tenant uid to the [`CHAIN`] chain, which lets through replies, loopback (but not its DNS
+//! port), and packets of the very uid a node's rule names to that node ([`allow_node`]);
+//! everything else is rejected.
 //!
 //! So a tenant API server reaches its own nodes and pods, and loopback (where every tenant's
 //! services require client certificates of that tenant's CA), and nothing else: not another
 //! hosted cluster's nodes or pods, not the machine's other addresses, not the network outside.
+//! Nothing here is derived from a name a user chose (no hash to collide with).
 
 use std::process::Command;
-
-use sha2::{Digest, Sha256};
-
-use crate::process::TenantKey;
 
 /// The first uid (and gid) of tenant users; a tenant's is this plus its loopback block.
 pub const UID_BASE: u32 = 0x4e50_0000;
@@ -52,12 +49,25 @@ pub fn can_switch_users() -> bool {
     }
 }
 
-/// The isolation group of a control plane's cluster: its nodes share it, its processes'
-/// packets carry it. 31 bits of a hash of `namespace/name` of the `NestedControlPlane`,
-/// never 0.
-pub fn isolation_group(key: &TenantKey) -> u32 {
-    let d = Sha256::digest(format!("{}/{}", key.namespace, key.cluster).as_bytes());
-    (u32::from_be_bytes([d[0], d[1], d[2], d[3]]) & 0x7fff_ffff).max(1)
+/// Kill every process of `user`: whatever a tenant's processes forked must not outlive the
+/// tenant, nor be there when its uid is given to another tenant. A helper running as the user
+/// sends `SIGKILL` to every process it may signal (`kill -KILL -1`: the kernel walks the
+/// whole process list at once, so nothing forks past it), twice.
+pub fn kill_user(user: User) {
+    for _ in 0..2 {
+        let spec = crate::child::Spec {
+            name: "kill-user".into(),
+            program: "/bin/sh".into(),
+            args: vec!["-c".into(), "kill -KILL -1 2>/dev/null; true".into()],
+            log: std::path::PathBuf::from("/dev/null"),
+            cwd: Some(std::path::PathBuf::from("/")),
+            user: Some(user),
+            ..Default::default()
+        };
+        if let Ok((mut cmd, _exe)) = crate::child::command(&spec) {
+            let _ = cmd.status();
+        }
+    }
 }
 
 /// Trouble with the host's packet filter.
@@ -99,109 +109,130 @@ fn uid_range() -> String {
     format!("{}-{}", UID_BASE, UID_BASE + UID_COUNT - 1)
 }
 
-/// Make sure the chain exists with its closing rules, and that `OUTPUT` sends tenant users'
-/// packets through it (IPv4 and IPv6; IPv6 lets only loopback and replies through).
-/// Idempotent; rules nodes added stay.
+/// Make sure the chain exists with its closing rules, and that the first rule of `OUTPUT`
+/// sends tenant users' packets through it (IPv4, and IPv6 where the machine has it; IPv6 lets
+/// only loopback and replies through). Idempotent, and one operator at a time (several may
+/// share a machine); rules nodes added stay.
 pub fn ensure_chain() -> Result<(), EgressError> {
+    let _lock = lock();
     let range = uid_range();
-    for (program, lo) in [("iptables", "127.0.0.0/8"), ("ip6tables", "::1/128")] {
+    let families: &[(&str, &str)] = if std::path::Path::new("/proc/net/if_inet6").exists() {
+        &[("iptables", "127.0.0.0/8"), ("ip6tables", "::1/128")]
+    } else {
+        &[("iptables", "127.0.0.0/8")]
+    };
+    for (program, lo) in families {
+        let program = *program;
         if !ok(program, &["-S", CHAIN]) {
             run(program, &["-N", CHAIN])?;
         }
-        let closing = ["-A", CHAIN, "-j", "REJECT"];
-        if !ok(program, &["-C", CHAIN, "-j", "REJECT"]) {
-            run(
-                program,
-                &[
-                    "-A",
-                    CHAIN,
-                    "-m",
-                    "conntrack",
-                    "--ctstate",
-                    "ESTABLISHED,RELATED",
-                    "-j",
-                    "RETURN",
-                ],
-            )?;
-            run(program, &["-A", CHAIN, "-d", lo, "-j", "RETURN"])?;
-            run(program, &closing)?;
+        let mut closing: Vec<Vec<&str>> = vec![vec![
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "ESTABLISHED,RELATED",
+            "-j",
+            "RETURN",
+        ]];
+        // The machine's resolver would carry anything anywhere.
+        for proto in ["udp", "tcp"] {
+            closing.push(vec!["-d", lo, "-p", proto, "--dport", "53", "-j", "REJECT"]);
         }
-        let jump = ["OUTPUT", "-m", "owner", "--uid-owner", &range, "-j", CHAIN];
-        if !ok(program, &[&["-C"][..], &jump].concat()) {
-            run(
-                program,
-                &[&["-I"][..], &jump[..1], &["1"], &jump[1..]].concat(),
-            )?;
+        closing.push(vec!["-d", lo, "-j", "RETURN"]);
+        closing.push(vec!["-j", "REJECT"]);
+        let listed = list(program, CHAIN);
+        let last = listed.lines().last().unwrap_or_default();
+        let complete = last == format!("-A {CHAIN} -j REJECT").as_str()
+            || last.starts_with(&format!("-A {CHAIN} -j REJECT --reject-with"));
+        if !complete
+            || !closing
+                .iter()
+                .all(|r| ok(program, &[&["-C", CHAIN][..], r].concat()))
+        {
+            // An older or interrupted set: the closing rules again, at the end.
+            for r in &closing {
+                while ok(program, &[&["-D", CHAIN][..], r].concat()) {}
+            }
+            for r in &closing {
+                run(program, &[&["-A", CHAIN][..], r].concat())?;
+            }
+        }
+        // First in OUTPUT: a rule someone inserts above it could let the packets out.
+        let jump = ["-m", "owner", "--uid-owner", &range, "-j", CHAIN];
+        let listed = list(program, "OUTPUT");
+        let first = listed.lines().find(|l| l.starts_with("-A OUTPUT "));
+        if first != Some(format!("-A OUTPUT {}", jump.join(" ")).as_str()) {
+            while ok(program, &[&["-D", "OUTPUT"][..], &jump].concat()) {}
+            run(program, &[&["-I", "OUTPUT", "1"][..], &jump].concat())?;
         }
     }
     Ok(())
 }
 
-/// Mark the packets of `user` with the isolation group of `key`.
-pub fn mark_tenant(user: User, key: &TenantKey) -> Result<(), EgressError> {
+/// `program -S chain`.
+fn list(program: &str, chain: &str) -> String {
+    Command::new(program)
+        .args(["-w", "-S", chain])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
+/// An exclusive lock across the operators of this machine, held while it lives.
+fn lock() -> Option<std::fs::File> {
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open("/run/nestplane-egress.lock")
+        .ok()?;
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor this function owns; released when the file is closed.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::flock(f.as_raw_fd(), libc::LOCK_EX);
+    }
+    Some(f)
+}
+
+/// Let packets of `uid` (the node's control plane's user) out to the node behind `host_veth`
+/// (its address and its pods); any rule an earlier node on that interface left goes first.
+pub fn allow_node(host_veth: &str, uid: u32) -> Result<(), EgressError> {
     ensure_chain()?;
-    let (uid, mark) = (user.uid.to_string(), format!("{:#x}", isolation_group(key)));
+    let uid = uid.to_string();
     let rule = [
-        "OUTPUT",
+        "-o",
+        host_veth,
         "-m",
         "owner",
         "--uid-owner",
         &uid,
         "-j",
-        "MARK",
-        "--set-mark",
-        &mark,
+        "RETURN",
     ];
-    if !ok("iptables", &[&["-t", "mangle", "-C"][..], &rule].concat()) {
-        unmark_tenant(user);
-        run("iptables", &[&["-t", "mangle", "-A"][..], &rule].concat())?;
-    }
-    Ok(())
-}
-
-/// Remove `user`'s mark rule. Idempotent.
-pub fn unmark_tenant(user: User) {
-    delete_matching("mangle", "OUTPUT", &format!(" --uid-owner {} ", user.uid));
-}
-
-/// Let packets marked `group` out to the node behind `host_veth` (its address and its pods).
-pub fn allow_node(host_veth: &str, group: u32) -> Result<(), EgressError> {
-    ensure_chain()?;
-    let mark = format!("{group:#x}");
-    let rule = [
-        CHAIN, "-o", host_veth, "-m", "mark", "--mark", &mark, "-j", "RETURN",
-    ];
-    if !ok("iptables", &[&["-C"][..], &rule].concat()) {
-        run(
-            "iptables",
-            &[&["-I"][..], &rule[..1], &["1"], &rule[1..]].concat(),
-        )?;
+    let _lock = lock();
+    if !ok("iptables", &[&["-C", CHAIN][..], &rule].concat()) {
+        disallow_node(host_veth);
+        run("iptables", &[&["-I", CHAIN, "1"][..], &rule].concat())?;
     }
     Ok(())
 }
 
 /// Remove [`allow_node`]'s rule for `host_veth`. Idempotent.
 pub fn disallow_node(host_veth: &str) {
-    delete_matching("filter", CHAIN, &format!(" -o {host_veth} "));
-}
-
-/// Delete every rule of `table`/`chain` whose text contains `needle`.
-fn delete_matching(table: &str, chain: &str, needle: &str) {
-    let Ok(out) = Command::new("iptables")
-        .args(["-w", "-t", table, "-S", chain])
-        .output()
-    else {
+    let Ok(out) = Command::new("iptables").args(["-w", "-S", CHAIN]).output() else {
         return;
     };
-    let prefix = format!("-A {chain} ");
+    let prefix = format!("-A {CHAIN} ");
+    let needle = format!(" -o {host_veth} ");
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let Some(rule) = line.strip_prefix(&prefix) else {
             continue;
         };
-        if !format!(" {rule} ").contains(needle) {
+        if !format!(" {rule} ").contains(&needle) {
             continue;
         }
-        let mut args = vec!["-t", table, "-D", chain];
+        let mut args = vec!["-D", CHAIN];
         args.extend(rule.split_whitespace());
         let _ = run("iptables", &args);
     }
@@ -211,20 +242,8 @@ fn delete_matching(table: &str, chain: &str, needle: &str) {
 mod tests {
     use super::*;
 
-    fn key(ns: &str, c: &str) -> TenantKey {
-        TenantKey {
-            namespace: ns.into(),
-            cluster: c.into(),
-        }
-    }
-
     #[test]
-    fn each_control_plane_has_its_own_group_and_user() {
-        let a = isolation_group(&key("default", "a"));
-        assert_eq!(a, isolation_group(&key("default", "a")));
-        assert_ne!(a, isolation_group(&key("default", "b")));
-        assert_ne!(a, isolation_group(&key("other", "a")));
-        assert!(a > 0 && a <= 0x7fff_ffff);
+    fn each_block_has_its_own_user_in_the_range() {
         assert_ne!(User::for_block([64, 1]), User::for_block([65, 0]));
         let top = User::for_block([255, 255]);
         assert!(top.uid < UID_BASE + UID_COUNT && top.uid > 65535);

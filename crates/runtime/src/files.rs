@@ -17,7 +17,11 @@ pub fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
 /// [`write_private`], the file owned by `owner` (a tenant's user) from before it has its name;
 /// a file that holds `data` already but has another owner changes owner only.
 pub fn write_private_as(path: &Path, data: &[u8], owner: Option<User>) -> std::io::Result<()> {
-    if std::fs::read(path).ok().as_deref() == Some(data) {
+    // The length first: a tenant's user owns its files and could make one huge (sparse).
+    let same = std::fs::symlink_metadata(path)
+        .is_ok_and(|m| m.is_file() && m.len() == data.len() as u64)
+        && std::fs::read(path).ok().as_deref() == Some(data);
+    if same {
         let meta = std::fs::symlink_metadata(path)?;
         match owner {
             Some(u) if (meta.uid(), meta.gid()) != (u.uid, u.gid) => {

@@ -153,6 +153,8 @@ pub struct ProcessRuntime {
     /// Whether each tenant's processes run as a user of its own ([`crate::egress`]): when the
     /// operator runs as root.
     users: bool,
+    /// Tenants whose user had no process left when this operator first ran one of theirs.
+    cleaned: Mutex<std::collections::HashSet<TenantKey>>,
 }
 
 /// When a component's processes were started, and how long they took to become healthy.
@@ -189,6 +191,7 @@ impl ProcessRuntime {
             startups: Mutex::new(HashMap::new()),
             removed: Mutex::new(Default::default()),
             users: crate::egress::can_switch_users(),
+            cleaned: Mutex::new(Default::default()),
         }
     }
 
@@ -200,7 +203,19 @@ impl ProcessRuntime {
         }
         let hosts = self.hosts(key)?;
         let o = hosts[0].octets();
-        Ok(Some(User::for_block([o[1], o[2]])))
+        let user = User::for_block([o[1], o[2]]);
+        // Before the tenant's first process in this operator's life: nothing of its user may
+        // be running (a process an earlier operator's tenant forked, with the same block).
+        let _guard = self.alloc.lock().unwrap_or_else(|e| e.into_inner());
+        if self
+            .cleaned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.clone())
+        {
+            crate::egress::kill_user(user);
+        }
+        Ok(Some(user))
     }
 
     /// Allow a removed tenant to run again (its control plane exists again).
@@ -407,14 +422,13 @@ impl ProcessRuntime {
         let user = self.user(key)?;
         let specs = {
             let dir = self.tenant_dir(key)?;
-            let key = key.clone();
             let workload = rendered.workload_name.clone();
             let template = rendered.pod_template.clone();
             let (program, secrets) = (program.clone(), secrets.clone());
             let hosts = hosts.clone();
             tokio::task::spawn_blocking(move || {
-                if let Some(u) = user {
-                    crate::egress::mark_tenant(u, &key)?;
+                if user.is_some() {
+                    crate::egress::ensure_chain()?;
                 }
                 (0..replicas)
                     .map(|i| {
@@ -556,12 +570,17 @@ impl ProcessRuntime {
             stop_group(&mut *g.lock().await).await;
         }))
         .await;
+        self.cleaned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
         let dir = self.tenant_dir(key)?;
         if self.users
             && let Some(b) = read_block(&dir.join("network.json"))
         {
+            // Whatever its processes forked goes too, before anyone else may get its uid.
             let user = User::for_block(b);
-            tokio::task::spawn_blocking(move || crate::egress::unmark_tenant(user))
+            tokio::task::spawn_blocking(move || crate::egress::kill_user(user))
                 .await
                 .ok();
         }
@@ -589,8 +608,8 @@ impl ProcessRuntime {
         .map_err(|source| RuntimeError::Io { context, source })
     }
 
-    /// Stop every process of every tenant (data stays), all components at once; their users'
-    /// packet marks go with them (the next start puts them back).
+    /// Stop every process of every tenant (data stays), all components at once, and whatever
+    /// they forked.
     pub async fn shutdown(&self) {
         let groups = self.take_groups(|_| true);
         futures::future::join_all(groups.iter().map(|g| async move {
@@ -610,11 +629,9 @@ impl ProcessRuntime {
                 User::for_block([o[1], o[2]])
             })
             .collect();
-        tokio::task::spawn_blocking(move || {
-            users.into_iter().for_each(crate::egress::unmark_tenant)
-        })
-        .await
-        .ok();
+        tokio::task::spawn_blocking(move || users.into_iter().for_each(crate::egress::kill_user))
+            .await
+            .ok();
     }
 }
 

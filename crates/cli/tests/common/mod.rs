@@ -228,6 +228,21 @@ impl Env {
         out
     }
 
+    /// The uid the processes of control plane `ns/name` run as (its API server's, from
+    /// `/proc`, as `ps -o uid` shows it).
+    pub fn uid(&self, ns: &str, name: &str) -> u32 {
+        let pid = self
+            .pid(ns, name, "apiserver", 0)
+            .expect("the API server runs");
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|u| u.split_whitespace().next())
+            .and_then(|u| u.parse().ok())
+            .expect("a Uid line")
+    }
+
     /// The pid of replica `i` of `component` (`etcd`, `apiserver`, …), from its pid file.
     pub fn pid(&self, ns: &str, name: &str, component: &str, i: usize) -> Option<u32> {
         let f = self
@@ -443,7 +458,8 @@ pub async fn client_for(kubeconfig: &Path) -> kube::Client {
 
 /// Start a node that joins the cluster whose admin client is `admin` (a bootstrap token is
 /// made for it), with the given images imported. A node of a `process`-runtime control plane
-/// needs that control plane's isolation `group`, or its API server cannot reach the node.
+/// needs the uid its processes run as (`control_plane`: the node's isolation group too), or
+/// its API server cannot reach the node.
 #[allow(clippy::too_many_arguments)]
 pub async fn join_node(
     admin: &kube::Client,
@@ -453,7 +469,7 @@ pub async fn join_node(
     apiservers: Vec<std::net::SocketAddr>,
     api_port: u16,
     image_names: &[&str],
-    group: Option<u32>,
+    control_plane: Option<u32>,
 ) -> nestplane_nodes::node::Node {
     use nestplane_nodes::{join, node};
     nestplane_nodes::check_prerequisites("v1.20.2").expect("node prerequisites");
@@ -475,7 +491,8 @@ pub async fn join_node(
         taints: vec![],
         cluster: Default::default(),
         version: "v1.20.2".into(),
-        group,
+        group: control_plane,
+        control_plane_user: control_plane,
         guard: None,
     })
     .await

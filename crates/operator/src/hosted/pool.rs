@@ -362,8 +362,17 @@ pub(super) struct Target {
     pub(super) client: kube::Client,
     ca_pem: String,
     apiserver: std::net::SocketAddr,
-    /// The isolation group of the control plane (and so of every node of the cluster).
+    /// The isolation group of every node of the cluster.
     group: u32,
+    /// The user the control plane's processes run as on this machine, if they do.
+    user: Option<u32>,
+}
+
+/// The isolation group of a hosted cluster's nodes when its control plane has no user of its
+/// own on this machine: 31 bits of a hash of the control plane's `namespace/name`, never 0.
+pub fn isolation_group(namespace: &str, cluster: &str) -> u32 {
+    let d = Sha256::digest(format!("{namespace}/{cluster}").as_bytes());
+    (u32::from_be_bytes([d[0], d[1], d[2], d[3]]) & 0x7fff_ffff).max(1)
 }
 
 pub(super) async fn target(ctx: &Context, hc: &HostedCluster) -> Result<Option<Target>, Error> {
@@ -429,16 +438,16 @@ pub(super) async fn target(ctx: &Context, hc: &HostedCluster) -> Result<Option<T
     // client's own backoff has retried it for a minute. Every pass here is retried anyway.
     cfg.default_retry = false;
     let client = kube::Client::try_from(cfg).map_err(|e| Error::Internal(e.to_string()))?;
-    let group =
-        nestplane_runtime::egress::isolation_group(&nestplane_runtime::process::TenantKey {
-            namespace: cp_ns.clone(),
-            cluster: crate::tenant::cluster_name(&ncp),
-        });
+    // The control plane's user, where it has one, is unique on this machine: it is the
+    // group too. Otherwise a hash of the control plane's key.
+    let user = ctx.runtime.control_plane_user(&ncp);
+    let group = user.unwrap_or_else(|| isolation_group(&cp_ns, &name));
     Ok(Some(Target {
         client,
         ca_pem,
         apiserver: std::net::SocketAddr::new(ip, ep.port as u16),
         group,
+        user,
     }))
 }
 
@@ -973,6 +982,7 @@ async fn start_node(
         // The group of the hosted cluster's control plane: its nodes reach each other, and of
         // the control planes on this machine only that one reaches them.
         group: Some(t.group),
+        control_plane_user: t.user,
         guard: Some(nestplane_nodes::guard::Setup {
             nestplane: settings.guard.clone(),
             level: guard_level(pool.spec.pod_security.unwrap_or_default()),
@@ -1300,6 +1310,15 @@ mod tests {
         assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
         assert!(parse_duration("5").is_err());
         assert!(parse_duration("5d").is_err());
+    }
+
+    #[test]
+    fn each_hosted_cluster_without_a_user_has_its_own_isolation_group() {
+        let a = isolation_group("default", "a");
+        assert_eq!(a, isolation_group("default", "a"));
+        assert_ne!(a, isolation_group("default", "b"));
+        assert_ne!(a, isolation_group("other", "a"));
+        assert!(a > 0 && a <= 0x7fff_ffff);
     }
 
     #[test]
