@@ -61,12 +61,11 @@ impl Runtime for Processes {
         self.run_pass(pass).boxed()
     }
 
-    fn control_plane_user(&self, ncp: &NestedControlPlane) -> Option<u32> {
-        self.processes
-            .user(&tenant_key(ncp))
-            .ok()
-            .flatten()
-            .map(|u| u.uid)
+    fn control_plane_user(&self, ncp: &NestedControlPlane) -> Result<Option<u32>, Error> {
+        Ok(self
+            .processes
+            .existing_user(&tenant_key(ncp))?
+            .map(|u| u.uid))
     }
 
     fn endpoint<'a>(

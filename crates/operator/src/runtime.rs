@@ -130,9 +130,9 @@ pub trait Runtime: Send + Sync {
     fn revive(&self, _ncp: &NestedControlPlane) {}
 
     /// The uid the control plane's processes run as on this machine, if they run here as a
-    /// user of their own (its nodes let that user's packets in).
-    fn control_plane_user(&self, _ncp: &NestedControlPlane) -> Option<u32> {
-        None
+    /// user of their own (its nodes let that user's packets in). Only looks: never allocates.
+    fn control_plane_user(&self, _ncp: &NestedControlPlane) -> Result<Option<u32>, Error> {
+        Ok(None)
     }
 
     /// Remove what this runtime made for a deleted control plane and that owner references

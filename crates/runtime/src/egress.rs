@@ -53,7 +53,7 @@ pub fn can_switch_users() -> bool {
 /// tenant, nor be there when its uid is given to another tenant. A helper running as the user
 /// sends `SIGKILL` to every process it may signal (`kill -KILL -1`: the kernel walks the
 /// whole process list at once, so nothing forks past it), twice.
-pub fn kill_user(user: User) {
+pub fn kill_user(user: User) -> std::io::Result<()> {
     for _ in 0..2 {
         let spec = crate::child::Spec {
             name: "kill-user".into(),
@@ -64,10 +64,16 @@ pub fn kill_user(user: User) {
             user: Some(user),
             ..Default::default()
         };
-        if let Ok((mut cmd, _exe)) = crate::child::command(&spec) {
-            let _ = cmd.status();
+        let (mut cmd, _exe) = crate::child::command(&spec)?;
+        let status = cmd.status()?;
+        if !status.success() {
+            return Err(std::io::Error::other(format!(
+                "the helper as uid {} ended with {status}",
+                user.uid
+            )));
         }
     }
+    Ok(())
 }
 
 /// Trouble with the host's packet filter.
@@ -109,10 +115,11 @@ fn uid_range() -> String {
     format!("{}-{}", UID_BASE, UID_BASE + UID_COUNT - 1)
 }
 
-/// Make sure the chain exists with its closing rules, and that the first rule of `OUTPUT`
-/// sends tenant users' packets through it (IPv4, and IPv6 where the machine has it; IPv6 lets
-/// only loopback and replies through). Idempotent, and one operator at a time (several may
-/// share a machine); rules nodes added stay.
+/// Make sure the chain holds its closing rules, last and in order, and that the first rule
+/// of `OUTPUT` sends tenant users' packets through it (IPv4, and IPv6 where the machine has
+/// it; IPv6 lets only loopback and replies through). The chain is rewritten in one
+/// transaction (`iptables-restore --noflush`), keeping the nodes' rules: it is never open,
+/// not even for a moment. One operator at a time (several may share a machine).
 pub fn ensure_chain() -> Result<(), EgressError> {
     let _lock = lock();
     let range = uid_range();
@@ -123,50 +130,79 @@ pub fn ensure_chain() -> Result<(), EgressError> {
     };
     for (program, lo) in families {
         let program = *program;
-        if !ok(program, &["-S", CHAIN]) {
-            run(program, &["-N", CHAIN])?;
+        let mut text = format!("*filter\n:{CHAIN} - [0:0]\n");
+        // The nodes' rules stay, first.
+        for line in list(program, CHAIN).lines() {
+            if line.starts_with(&format!("-A {CHAIN} -o ")) && line.contains(" --uid-owner ") {
+                text.push_str(line);
+                text.push('\n');
+            }
         }
-        let mut closing: Vec<Vec<&str>> = vec![vec![
-            "-m",
-            "conntrack",
-            "--ctstate",
-            "ESTABLISHED,RELATED",
-            "-j",
-            "RETURN",
-        ]];
+        text.push_str(&format!(
+            "-A {CHAIN} -m conntrack --ctstate ESTABLISHED,RELATED -j RETURN\n"
+        ));
         // The machine's resolver would carry anything anywhere.
         for proto in ["udp", "tcp"] {
-            closing.push(vec!["-d", lo, "-p", proto, "--dport", "53", "-j", "REJECT"]);
+            text.push_str(&format!(
+                "-A {CHAIN} -d {lo} -p {proto} --dport 53 -j REJECT\n"
+            ));
         }
-        closing.push(vec!["-d", lo, "-j", "RETURN"]);
-        closing.push(vec!["-j", "REJECT"]);
-        let listed = list(program, CHAIN);
-        let last = listed.lines().last().unwrap_or_default();
-        let complete = last == format!("-A {CHAIN} -j REJECT").as_str()
-            || last.starts_with(&format!("-A {CHAIN} -j REJECT --reject-with"));
-        if !complete
-            || !closing
-                .iter()
-                .all(|r| ok(program, &[&["-C", CHAIN][..], r].concat()))
-        {
-            // An older or interrupted set: the closing rules again, at the end.
-            for r in &closing {
-                while ok(program, &[&["-D", CHAIN][..], r].concat()) {}
+        text.push_str(&format!(
+            "-A {CHAIN} -d {lo} -j RETURN\n-A {CHAIN} -j REJECT\nCOMMIT\n"
+        ));
+        restore(program, &text)?;
+        // First in OUTPUT: a rule someone inserts above it could let the packets out. The new
+        // jump goes in before any old one goes.
+        let jump = format!("-m owner --uid-owner {range} -j {CHAIN}");
+        let rules: Vec<String> = list(program, "OUTPUT")
+            .lines()
+            .filter(|l| l.starts_with("-A OUTPUT "))
+            .map(str::to_string)
+            .collect();
+        let ours = format!("-A OUTPUT {jump}");
+        if rules.first() != Some(&ours) {
+            let args: Vec<&str> = jump.split_whitespace().collect();
+            run(program, &[&["-I", "OUTPUT", "1"][..], &args].concat())?;
+            // Rule numbers of the old jumps, now one further down; from the last.
+            for (i, r) in rules.iter().enumerate().rev() {
+                if *r == ours {
+                    run(program, &["-D", "OUTPUT", &(i + 2).to_string()])?;
+                }
             }
-            for r in &closing {
-                run(program, &[&["-A", CHAIN][..], r].concat())?;
-            }
-        }
-        // First in OUTPUT: a rule someone inserts above it could let the packets out.
-        let jump = ["-m", "owner", "--uid-owner", &range, "-j", CHAIN];
-        let listed = list(program, "OUTPUT");
-        let first = listed.lines().find(|l| l.starts_with("-A OUTPUT "));
-        if first != Some(format!("-A OUTPUT {}", jump.join(" ")).as_str()) {
-            while ok(program, &[&["-D", "OUTPUT"][..], &jump].concat()) {}
-            run(program, &[&["-I", "OUTPUT", "1"][..], &jump].concat())?;
         }
     }
     Ok(())
+}
+
+/// `program-restore --noflush` of `text`.
+fn restore(program: &str, text: &str) -> Result<(), EgressError> {
+    use std::io::Write as _;
+    let what = format!("{program}-restore --noflush");
+    let fail = |output: String| EgressError {
+        what: what.clone(),
+        output,
+    };
+    let mut child = Command::new(format!("{program}-restore"))
+        .args(["-w", "--noflush"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| fail(format!("{e} (install iptables: apt-get install iptables)")))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(text.as_bytes())
+            .map_err(|e| fail(e.to_string()))?;
+    }
+    let out = child.wait_with_output().map_err(|e| fail(e.to_string()))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(fail(format!(
+            "{}\n{text}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
 }
 
 /// `program -S chain`.
@@ -178,8 +214,10 @@ fn list(program: &str, chain: &str) -> String {
         .unwrap_or_default()
 }
 
-/// An exclusive lock across the operators of this machine, held while it lives.
-fn lock() -> Option<std::fs::File> {
+/// An exclusive lock across the operators of this machine (the packet filter's rules, the
+/// loopback blocks), held while the file lives; `None` where `/run` is not writable (not
+/// root: no tenant users either).
+pub(crate) fn lock() -> Option<std::fs::File> {
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -187,12 +225,14 @@ fn lock() -> Option<std::fs::File> {
         .open("/run/nestplane-egress.lock")
         .ok()?;
     use std::os::fd::AsRawFd;
-    // SAFETY: flock on a descriptor this function owns; released when the file is closed.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::flock(f.as_raw_fd(), libc::LOCK_EX);
+    loop {
+        // SAFETY: flock on a descriptor this function owns; released when the file is closed.
+        #[allow(unsafe_code)]
+        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+        if rc == 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return Some(f);
+        }
     }
-    Some(f)
 }
 
 /// Let packets of `uid` (the node's control plane's user) out to the node behind `host_veth`

@@ -207,15 +207,33 @@ impl ProcessRuntime {
         // Before the tenant's first process in this operator's life: nothing of its user may
         // be running (a process an earlier operator's tenant forked, with the same block).
         let _guard = self.alloc.lock().unwrap_or_else(|e| e.into_inner());
-        if self
-            .cleaned
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key.clone())
-        {
-            crate::egress::kill_user(user);
+        let mut cleaned = self.cleaned.lock().unwrap_or_else(|e| e.into_inner());
+        if !cleaned.contains(key) {
+            crate::egress::kill_user(user).map_err(io(format!(
+                "ending what is left of {key}'s user {}",
+                user.uid
+            )))?;
+            cleaned.insert(key.clone());
         }
         Ok(Some(user))
+    }
+
+    /// The user a tenant's processes run as, if it has one already: never allocates, never
+    /// kills (for those who only need to know, such as its nodes).
+    pub fn existing_user(&self, key: &TenantKey) -> Result<Option<User>, RuntimeError> {
+        if !self.users {
+            return Ok(None);
+        }
+        if let Some(h) = self
+            .hosts_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+        {
+            let o = h[0].octets();
+            return Ok(Some(User::for_block([o[1], o[2]])));
+        }
+        Ok(read_block(&self.tenant_dir(key)?.join("network.json")).map(User::for_block))
     }
 
     /// Allow a removed tenant to run again (its control plane exists again).
@@ -285,13 +303,18 @@ impl ProcessRuntime {
         }
         let dir = self.tenant_dir(key)?;
         let file = dir.join("network.json");
+        // Blocks (and so users) are shared by every operator on the machine: reserved under a
+        // machine-wide lock.
+        let _machine = self.users.then(crate::egress::lock);
         let block = match read_block(&file) {
             Some(b) => b,
             None => {
                 let used = self.used_blocks();
-                let b = pick_block(&used).ok_or_else(|| RuntimeError::Io {
-                    context: "allocating a loopback block".into(),
-                    source: std::io::Error::other("no free 127.x.y.0/24 block"),
+                let b = pick_block(&used, |b| reserved_elsewhere(b, &dir)).ok_or_else(|| {
+                    RuntimeError::Io {
+                        context: "allocating a loopback block".into(),
+                        source: std::io::Error::other("no free 127.x.y.0/24 block"),
+                    }
                 })?;
                 std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
                 Self::mark(&dir, key)?;
@@ -302,6 +325,9 @@ impl ProcessRuntime {
         };
         // A directory made before markers existed gets one now.
         Self::mark(&dir, key)?;
+        if self.users {
+            reserve(block, &dir);
+        }
         let hosts: Vec<Ipv4Addr> = (1..=MAX_REPLICAS)
             .map(|i| Ipv4Addr::new(127, block[0], block[1], i))
             .collect();
@@ -580,9 +606,19 @@ impl ProcessRuntime {
         {
             // Whatever its processes forked goes too, before anyone else may get its uid.
             let user = User::for_block(b);
-            tokio::task::spawn_blocking(move || crate::egress::kill_user(user))
-                .await
-                .ok();
+            let held = dir.clone();
+            let killed = tokio::task::spawn_blocking(move || {
+                let killed = crate::egress::kill_user(user);
+                if killed.is_ok() {
+                    let _machine = crate::egress::lock();
+                    release(b, &held);
+                }
+                killed
+            })
+            .await
+            .map_err(|e| std::io::Error::other(e.to_string()))
+            .and_then(|r| r);
+            killed.map_err(io(format!("ending the processes of {key}'s user")))?;
         }
         let owner = key.to_string();
         let context = format!("removing {}", dir.display());
@@ -629,18 +665,68 @@ impl ProcessRuntime {
                 User::for_block([o[1], o[2]])
             })
             .collect();
-        tokio::task::spawn_blocking(move || users.into_iter().for_each(crate::egress::kill_user))
-            .await
-            .ok();
+        tokio::task::spawn_blocking(move || {
+            for u in users {
+                if let Err(e) = crate::egress::kill_user(u) {
+                    tracing::warn!(uid = u.uid, error = %e, "cannot end a tenant user's processes");
+                }
+            }
+        })
+        .await
+        .ok();
     }
 }
 
-fn pick_block(used: &[[u8; 2]]) -> Option<[u8; 2]> {
+/// Where the machine records which tenant directory holds each loopback block: every
+/// operator on the machine (each with its own state directory) shares the loopback addresses
+/// and the users derived from them.
+const BLOCKS_DIR: &str = "/run/nestplane/blocks";
+
+fn reservation(b: [u8; 2]) -> PathBuf {
+    Path::new(BLOCKS_DIR).join(format!("{}.{}", b[0], b[1]))
+}
+
+/// Whether another tenant directory that still holds block `b` reserved it (a reservation
+/// whose directory is gone, or holds another block now, is stale).
+fn reserved_elsewhere(b: [u8; 2], dir: &Path) -> bool {
+    let Ok(holder) = std::fs::read_to_string(reservation(b)) else {
+        return false;
+    };
+    let holder = Path::new(holder.trim());
+    holder != dir && read_block(&holder.join("network.json")) == Some(b)
+}
+
+/// Reserve block `b` for `dir` machine-wide (under [`crate::egress::lock`]), unless another
+/// live directory holds it (logged: two operators then share addresses and a user).
+fn reserve(b: [u8; 2], dir: &Path) {
+    if reserved_elsewhere(b, dir) {
+        tracing::warn!(block = ?b, dir = %dir.display(), "another operator's tenant holds this loopback block");
+        return;
+    }
+    let path = reservation(b);
+    if std::fs::read_to_string(&path).ok().as_deref() == Some(&dir.display().to_string()) {
+        return;
+    }
+    let _ = std::fs::create_dir_all(BLOCKS_DIR);
+    if let Err(e) = crate::files::write_private(&path, dir.display().to_string().as_bytes()) {
+        tracing::warn!(error = %e, "cannot record the loopback block {b:?}");
+    }
+}
+
+/// Release `dir`'s reservation of block `b`.
+fn release(b: [u8; 2], dir: &Path) {
+    let path = reservation(b);
+    if std::fs::read_to_string(&path).ok().as_deref() == Some(&dir.display().to_string()) {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+fn pick_block(used: &[[u8; 2]], elsewhere: impl Fn([u8; 2]) -> bool) -> Option<[u8; 2]> {
     use rand::Rng;
     let mut rng = rand::rng();
     for _ in 0..512 {
         let b = [rng.random_range(64..=126u8), rng.random_range(0..=255u8)];
-        if used.contains(&b) {
+        if used.contains(&b) || elsewhere(b) {
             continue;
         }
         // Another nestplane (another state dir, a test) may use the block: probe its ports.
@@ -1146,9 +1232,37 @@ mod tests {
     }
 
     #[test]
+    fn a_block_another_live_tenant_reserved_is_never_picked_and_a_stale_one_is() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let block = [126u8, 251u8];
+        std::fs::write(a.path().join("network.json"), "[126,251]").unwrap();
+        reserve(block, a.path());
+        assert!(
+            reserved_elsewhere(block, b.path()),
+            "another operator's tenant holds it"
+        );
+        assert!(!reserved_elsewhere(block, a.path()), "its own");
+        assert_eq!(
+            pick_block(&[], |x| x != block || reserved_elsewhere(x, b.path())).map(|_| ()),
+            None,
+            "only that block was left, and it is taken"
+        );
+        std::fs::remove_file(a.path().join("network.json")).unwrap();
+        assert!(
+            !reserved_elsewhere(block, b.path()),
+            "stale once its holder let it go"
+        );
+        reserve(block, b.path());
+        release(block, a.path());
+        assert!(reservation(block).exists(), "only its holder releases it");
+        release(block, b.path());
+        assert!(!reservation(block).exists());
+    }
+
+    #[test]
     fn blocks_are_never_reused() {
         let used = vec![[64, 0], [64, 1]];
-        let b = pick_block(&used).unwrap();
+        let b = pick_block(&used, |_| false).unwrap();
         assert!(!used.contains(&b));
         assert!((64..=126).contains(&b[0]));
     }

@@ -369,10 +369,11 @@ pub(super) struct Target {
 }
 
 /// The isolation group of a hosted cluster's nodes when its control plane has no user of its
-/// own on this machine: 31 bits of a hash of the control plane's `namespace/name`, never 0.
+/// own on this machine: 31 bits of a hash of the control plane's `namespace/name`, with the
+/// top bit set (tenant users' uids, the other groups, are below 2^31).
 pub fn isolation_group(namespace: &str, cluster: &str) -> u32 {
     let d = Sha256::digest(format!("{namespace}/{cluster}").as_bytes());
-    (u32::from_be_bytes([d[0], d[1], d[2], d[3]]) & 0x7fff_ffff).max(1)
+    u32::from_be_bytes([d[0], d[1], d[2], d[3]]) | 0x8000_0000
 }
 
 pub(super) async fn target(ctx: &Context, hc: &HostedCluster) -> Result<Option<Target>, Error> {
@@ -440,7 +441,7 @@ pub(super) async fn target(ctx: &Context, hc: &HostedCluster) -> Result<Option<T
     let client = kube::Client::try_from(cfg).map_err(|e| Error::Internal(e.to_string()))?;
     // The control plane's user, where it has one, is unique on this machine: it is the
     // group too. Otherwise a hash of the control plane's key.
-    let user = ctx.runtime.control_plane_user(&ncp);
+    let user = ctx.runtime.control_plane_user(&ncp)?;
     let group = user.unwrap_or_else(|| isolation_group(&cp_ns, &name));
     Ok(Some(Target {
         client,
@@ -1318,7 +1319,7 @@ mod tests {
         assert_eq!(a, isolation_group("default", "a"));
         assert_ne!(a, isolation_group("default", "b"));
         assert_ne!(a, isolation_group("other", "a"));
-        assert!(a > 0 && a <= 0x7fff_ffff);
+        assert!(a >= 0x8000_0000, "never a tenant user's uid");
     }
 
     #[test]
