@@ -38,6 +38,12 @@ impl User {
         let id = UID_BASE + ((block[0] as u32) << 8 | block[1] as u32);
         User { uid: id, gid: id }
     }
+
+    /// The user of the tenant one of whose replica addresses (`127.a.b.i`) is `host`.
+    pub fn for_host(host: std::net::Ipv4Addr) -> User {
+        let o = host.octets();
+        User::for_block([o[1], o[2]])
+    }
 }
 
 /// Whether this process may switch users (it runs as root).

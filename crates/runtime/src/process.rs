@@ -201,9 +201,7 @@ impl ProcessRuntime {
         if !self.users {
             return Ok(None);
         }
-        let hosts = self.hosts(key)?;
-        let o = hosts[0].octets();
-        let user = User::for_block([o[1], o[2]]);
+        let user = User::for_host(self.hosts(key)?[0]);
         // Before the tenant's first process in this operator's life: nothing of its user may
         // be running (a process an earlier operator's tenant forked, with the same block).
         let _guard = self.alloc.lock().unwrap_or_else(|e| e.into_inner());
@@ -230,8 +228,7 @@ impl ProcessRuntime {
             .unwrap_or_else(|e| e.into_inner())
             .get(key)
         {
-            let o = h[0].octets();
-            return Ok(Some(User::for_block([o[1], o[2]])));
+            return Ok(Some(User::for_host(h[0])));
         }
         Ok(read_block(&self.tenant_dir(key)?.join("network.json")).map(User::for_block))
     }
@@ -660,10 +657,7 @@ impl ProcessRuntime {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .values()
-            .map(|h| {
-                let o = h[0].octets();
-                User::for_block([o[1], o[2]])
-            })
+            .map(|h| User::for_host(h[0]))
             .collect();
         tokio::task::spawn_blocking(move || {
             for u in users {
