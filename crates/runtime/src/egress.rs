@@ -258,14 +258,22 @@ pub fn allow_node(host_veth: &str, uid: u32) -> Result<(), EgressError> {
     ];
     let _lock = lock();
     if !ok("iptables", &[&["-C", CHAIN][..], &rule].concat()) {
-        disallow_node(host_veth);
+        remove_node_rules(host_veth);
         run("iptables", &[&["-I", CHAIN, "1"][..], &rule].concat())?;
     }
     Ok(())
 }
 
-/// Remove [`allow_node`]'s rule for `host_veth`. Idempotent.
+/// Remove [`allow_node`]'s rule for `host_veth`. Idempotent. Under the machine-wide lock:
+/// [`ensure_chain`] rewrites the chain with the nodes' rules it listed, and would bring back a
+/// rule deleted in between.
 pub fn disallow_node(host_veth: &str) {
+    let _lock = lock();
+    remove_node_rules(host_veth);
+}
+
+/// [`disallow_node`] for a caller that holds the lock.
+fn remove_node_rules(host_veth: &str) {
     let Ok(out) = Command::new("iptables").args(["-w", "-S", CHAIN]).output() else {
         return;
     };
