@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install everything nestplane needs on a Debian machine (idempotent, safe to re-run).
 #
-#  - Debian packages: etcd (server + client), openssl (tests read certificates), Go, rsync,
-#    build tools;
+#  - Debian packages: openssl (tests read certificates), Go, rsync, build tools;
+#  - etcd, etcdctl and etcdutl 3.5.30 or newer, from Debian's newer suites (verified against
+#    the archive's signature), unpacked into $NESTPLANE_CACHE_DIR/etcd/bin;
 #  - Debian packages for cluster DNS: dnsmasq-base (a resolver the tests run) and dnsperf;
 #  - Debian packages for real nodes: containerd, runc, the CNI plugins, buildah (images),
 #    busybox-static (the shell image), iptables and conntrack (kube-proxy);
@@ -63,8 +64,8 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
-# 1. Runtime packages: etcd for the management plane and the tenants, etcdctl for checks.
-apt_install etcd-server etcd-client ca-certificates openssl
+# 1. Runtime packages (etcd comes from 1d).
+apt_install ca-certificates openssl
 # 1a. Building: protoc, for the etcd client's gRPC definitions (shared datastores).
 apt_install protobuf-compiler
 # 1b. Real nodes: a container runtime, pod networking, image building, a shell image.
@@ -75,6 +76,91 @@ apt_install containerd runc containernetworking-plugins buildah busybox-static i
 apt_install dnsmasq-base dnsperf
 if ! command -v kubectl >/dev/null 2>&1; then
   apt_install kubernetes-client
+fi
+
+# 1d. etcd: Debian bookworm's 3.4.23 has published authorization bypasses that break per-tenant
+# roles on a shared datastore (a lease's `--keys`, nested transactions), so every etcd
+# nestplane runs is 3.5.30 or newer, from Debian's newer suites: the packages are fetched
+# from the archive (no suite is added to apt's sources), each step verified against the
+# suite's signed InRelease (the archive keys bookworm trusts), and unpacked into the cache.
+ETCD_MIN=3.5.30
+ETCD_DIR="$CACHE_DIR/etcd/bin"
+DEBIAN_MIRROR="${NESTPLANE_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+etcd_cached_version() {
+  [ -x "$ETCD_DIR/etcd" ] && [ -x "$ETCD_DIR/etcdctl" ] && [ -x "$ETCD_DIR/etcdutl" ] || return 1
+  "$ETCD_DIR/etcd" --version 2>/dev/null | awk '/^etcd Version:/ {print $3}'
+}
+# Fetches etcd's packages into the scratch directory $1 and installs the binaries into
+# $ETCD_DIR.
+fetch_etcd() {
+  local work="$1" suite packages_sha deb_lines arch
+  arch=$(dpkg --print-architecture)
+  for suite in forky sid; do
+    curl -fsS --retry 3 -m 60 -o "$work/InRelease" "$DEBIAN_MIRROR/dists/$suite/InRelease" || continue
+    # Only the signed text is read from here on.
+    if ! gpgv --keyring /usr/share/keyrings/debian-archive-keyring.gpg --output "$work/Release" \
+         "$work/InRelease" 2>"$work/gpgv.log"; then
+      log "etcd: $suite's InRelease does not verify against Debian's archive keys:"; cat "$work/gpgv.log" >&2
+      return 1
+    fi
+    # The signed index must be the suite asked for (not an older one served in its place).
+    if ! grep -Eq "^(Suite|Codename): $suite\$" "$work/Release"; then
+      log "etcd: the InRelease served for $suite names another suite"; return 1
+    fi
+    packages_sha=$(awk -v f="main/binary-$arch/Packages.xz" '/^SHA256:/ {s=1; next} /^[^ ]/ {s=0} s && $3 == f {print $1}' "$work/Release")
+    [ -n "$packages_sha" ] || { log "etcd: $suite lists no main/binary-$arch/Packages.xz"; continue; }
+    curl -fsS --retry 3 -m 300 -o "$work/Packages.xz" "$DEBIAN_MIRROR/dists/$suite/main/binary-$arch/Packages.xz" || return 1
+    echo "$packages_sha  $work/Packages.xz" | sha256sum -c --quiet - || { log "etcd: $suite's Packages.xz does not match its InRelease"; return 1; }
+    # "<package> <version> <filename> <sha256>" for etcd-server and etcd-client.
+    deb_lines=$(xz -dc "$work/Packages.xz" | awk '
+      /^Package: / {p=$2; v=""; f=""; h=""}
+      /^Version: / {v=$2} /^Filename: / {f=$2} /^SHA256: / {h=$2}
+      /^$/ && (p == "etcd-server" || p == "etcd-client") && f != "" {print p, v, f, h; p=""}')
+    local server_version
+    server_version=$(awk '$1 == "etcd-server" {print $2}' <<<"$deb_lines")
+    if [ -z "$server_version" ] || ! dpkg --compare-versions "$server_version" ge "$ETCD_MIN"; then
+      log "etcd: $suite has etcd-server '${server_version:-none}', older than $ETCD_MIN"; continue
+    fi
+    if [ "$(awk '$1 == "etcd-client" {print $2}' <<<"$deb_lines")" != "$server_version" ]; then
+      log "etcd: $suite has no etcd-client $server_version"; continue
+    fi
+    log "etcd: fetching etcd-server and etcd-client $server_version from Debian $suite"
+    mkdir -p "$work/root"
+    local pkg version file sha
+    while read -r pkg version file sha; do
+      curl -fsS --retry 3 -m 600 -o "$work/$pkg.deb" "$DEBIAN_MIRROR/$file" || return 1
+      echo "$sha  $work/$pkg.deb" | sha256sum -c --quiet - || { log "etcd: $file does not match $suite's Packages"; return 1; }
+      dpkg-deb -x "$work/$pkg.deb" "$work/root" || return 1
+    done <<<"$deb_lines"
+    local b
+    for b in etcd etcdctl etcdutl; do
+      [ -x "$work/root/usr/bin/$b" ] || { log "etcd: the packages hold no usr/bin/$b"; return 1; }
+    done
+    # Into place as a whole: a directory beside the cache's, then renamed over it.
+    mkdir -p "$(dirname "$ETCD_DIR")" || return 1
+    rm -rf "$ETCD_DIR.new" "$ETCD_DIR.old" || return 1
+    mkdir "$ETCD_DIR.new" || return 1
+    cp "$work/root/usr/bin/etcd" "$work/root/usr/bin/etcdctl" "$work/root/usr/bin/etcdutl" "$ETCD_DIR.new/" || return 1
+    if [ -d "$ETCD_DIR" ]; then mv "$ETCD_DIR" "$ETCD_DIR.old" || return 1; fi
+    mv "$ETCD_DIR.new" "$ETCD_DIR" || return 1
+    rm -rf "$ETCD_DIR.old"
+    return 0
+  done
+  log "etcd: no Debian suite offers etcd-server $ETCD_MIN or newer"
+  return 1
+}
+if v=$(etcd_cached_version) && [ -n "$v" ] && dpkg --compare-versions "$v" ge "$ETCD_MIN"; then
+  log "etcd $v already cached in $ETCD_DIR"
+else
+  apt_install curl xz-utils gpgv debian-archive-keyring
+  etcd_work=$(mktemp -d)
+  fetch_etcd "$etcd_work" || { rm -rf "$etcd_work"; exit 1; }
+  rm -rf "$etcd_work"
+  v=$(etcd_cached_version) || true
+  if [ -z "$v" ] || ! dpkg --compare-versions "$v" ge "$ETCD_MIN"; then
+    log "etcd: $ETCD_DIR/etcd reports '${v:-nothing}' after installing, not $ETCD_MIN or newer"; exit 1
+  fi
+  log "etcd $v cached in $ETCD_DIR"
 fi
 
 # 2. Kubernetes server binaries.

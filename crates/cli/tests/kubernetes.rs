@@ -796,6 +796,16 @@ async fn three_member_etcd_from_pods_and_a_tenant_node_running_a_pod() {
         .filter(|l| l.contains(", started, "))
         .collect();
     assert_eq!(started.len(), 3, "{members}");
+    // The etcd image holds a current etcd (older ones have authorization bypasses).
+    let version = kubectl_ok(
+        &kc,
+        &["exec", "-n", NS, "trio-etcd-0", "--", "etcd", "--version"],
+    );
+    let version = version
+        .lines()
+        .find_map(|l| l.strip_prefix("etcd Version: "))
+        .unwrap_or_else(|| panic!("no version in {version:?}"));
+    assert_current_etcd("the kubernetes runtime's etcd image", version.trim());
     for i in 0..3 {
         assert!(
             members.contains(&format!("trio-etcd-{i}.trio-etcd-peer.tenants.svc")),

@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use common::*;
@@ -45,7 +45,7 @@ fn run_etcd(dir: &std::path::Path, ca: &nestplane_pki::CertKey, port: u16) -> Ki
     let f = |n: &str| dir.join(n).display().to_string();
     let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
     KillOnDrop(
-        Command::new("etcd")
+        etcd_tool("etcd")
             .arg("--name=outside")
             .arg(format!("--data-dir={}", f("data")))
             .arg(format!("--listen-client-urls=https://127.0.0.1:{port}"))
@@ -62,7 +62,7 @@ fn run_etcd(dir: &std::path::Path, ca: &nestplane_pki::CertKey, port: u16) -> Ki
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
-            .expect("etcd not found: run scripts/install-deps.sh (installs etcd-server)"),
+            .expect("etcd runs"),
     )
 }
 

@@ -125,6 +125,21 @@ async fn tenant_from_samples_works_with_kubectl_and_survives_kill_9() {
         },
     );
 
+    // A tenant's own etcd and the management plane's are current (older ones have published
+    // authorization bypasses).
+    let etcd = env.pid("default", "sample", "etcd", 0).expect("pid file");
+    let exe = std::path::PathBuf::from(format!("/proc/{etcd}/exe"));
+    assert_current_etcd("a tenant's own etcd", &etcd_version_of(&exe));
+    let management = env
+        .plane
+        .pids()
+        .into_iter()
+        .find(|(n, _)| n == "etcd")
+        .expect("the management plane's etcd")
+        .1;
+    let exe = std::path::PathBuf::from(format!("/proc/{management}/exe"));
+    assert_current_etcd("the management plane's etcd", &etcd_version_of(&exe));
+
     // kill -9 the tenant apiserver and etcd: they come back, and so does the data.
     for component in ["apiserver", "etcd"] {
         let pid = env

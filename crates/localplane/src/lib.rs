@@ -263,7 +263,7 @@ impl LocalPlane {
         } else {
             None
         };
-        let etcd_bin = binaries::on_path("etcd")?;
+        let etcd_bin = binaries::etcd("etcd")?;
         // With nodes, the plane gets a service range of its own, routed from this machine
         // through its first node (several planes with nodes coexist).
         let plane_slot = match &opts.nodes {

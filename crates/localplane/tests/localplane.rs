@@ -184,6 +184,8 @@ async fn the_management_etcd_answers_only_its_own_clients() {
         .to_string();
     assert!(url.starts_with("https://127.0.0.1:"), "{url}");
     let pki = plane.dir().join("pki");
+    let etcdctl_bin =
+        nestplane_runtime::binaries::etcd("etcdctl").unwrap_or_else(|e| panic!("{e}"));
     let etcdctl = |extra: &[String]| {
         let mut args = vec![
             format!("--endpoints={url}"),
@@ -192,11 +194,11 @@ async fn the_management_etcd_answers_only_its_own_clients() {
         ];
         args.extend_from_slice(extra);
         args.extend(["get", "/registry/namespaces/default", "--keys-only"].map(String::from));
-        let out = std::process::Command::new("etcdctl")
+        let out = std::process::Command::new(&etcdctl_bin)
             .env("ETCDCTL_API", "3")
             .args(&args)
             .output()
-            .expect("etcdctl not found: run scripts/install-deps.sh");
+            .expect("etcdctl runs");
         (
             out.status.success(),
             String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -205,7 +207,7 @@ async fn the_management_etcd_answers_only_its_own_clients() {
     let file = |n: &str| pki.join(n).display().to_string();
     // Plain HTTP: refused.
     let plain = url.replace("https://", "http://");
-    let out = std::process::Command::new("etcdctl")
+    let out = std::process::Command::new(&etcdctl_bin)
         .env("ETCDCTL_API", "3")
         .args([
             format!("--endpoints={plain}"),

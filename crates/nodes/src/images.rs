@@ -597,8 +597,8 @@ pub fn local_inputs(
     }
     Ok(Inputs {
         kubernetes,
-        etcd: binaries::on_path("etcd")?,
-        etcdctl: binaries::on_path("etcdctl")?,
+        etcd: binaries::etcd("etcd")?,
+        etcdctl: binaries::etcd("etcdctl")?,
         pause: build_pause(source_tree, &dir.join("bin/pause"))?,
         nestplane,
         containerfile,

@@ -4,12 +4,13 @@
 //! `$NESTPLANE_BIN_DIR/vX.Y.Z/`, then `$NESTPLANE_BIN_DIR/` (a user's own binaries of any
 //! version), then the cache the install script fills
 //! (`$NESTPLANE_CACHE_DIR` or `~/.cache/nestplane`, `kubernetes/vX.Y.Z/bin/`). etcd is looked
-//! up in `$NESTPLANE_BIN_DIR` and then on `PATH`.
+//! up in `$NESTPLANE_BIN_DIR`, then in the cache (`etcd/bin/`, where the install script puts
+//! a current one), then on `PATH`.
 
 use std::path::{Path, PathBuf};
 
 /// The hint printed whenever a binary is missing.
-pub const INSTALL_HINT: &str = "run scripts/install-deps.sh (builds and caches the Kubernetes binaries), or point NESTPLANE_BIN_DIR at a directory holding them";
+pub const INSTALL_HINT: &str = "run scripts/install-deps.sh (builds and caches the Kubernetes binaries and a current etcd), or point NESTPLANE_BIN_DIR at a directory holding them";
 
 /// A binary that could not be found.
 #[derive(Debug, thiserror::Error)]
@@ -113,12 +114,29 @@ pub fn kubernetes(name: &str, version: &str) -> Result<PathBuf, MissingBinary> {
     })
 }
 
-/// Find a binary on `NESTPLANE_BIN_DIR` or `PATH` (etcd, etcdctl).
+/// The directory the install script unpacks etcd, etcdctl and etcdutl into (3.5.30 or
+/// newer, from Debian's newer suites): `<cache>/etcd/bin`.
+pub fn etcd_dir() -> PathBuf {
+    cache_dir().join("etcd").join("bin")
+}
+
+/// Find one of etcd's binaries (`etcd`, `etcdctl`, `etcdutl`): in `$NESTPLANE_BIN_DIR`, then
+/// the cache the install script fills ([`etcd_dir`]), then on `PATH`.
+pub fn etcd(name: &str) -> Result<PathBuf, MissingBinary> {
+    find(name, Some(etcd_dir()))
+}
+
+/// Find a program on `NESTPLANE_BIN_DIR` or `PATH` (runc, conntrack, …).
 pub fn on_path(name: &str) -> Result<PathBuf, MissingBinary> {
+    find(name, None)
+}
+
+fn find(name: &str, cache: Option<PathBuf>) -> Result<PathBuf, MissingBinary> {
     let mut searched = Vec::new();
     if let Some(dir) = std::env::var_os("NESTPLANE_BIN_DIR") {
         searched.push(PathBuf::from(dir).join(name));
     }
+    searched.extend(cache.map(|d| d.join(name)));
     if let Some(path) = std::env::var_os("PATH") {
         searched.extend(std::env::split_paths(&path).map(|d| d.join(name)));
     }

@@ -738,7 +738,7 @@ fn pick_block(used: &[[u8; 2]], elsewhere: impl Fn([u8; 2]) -> bool) -> Option<[
 /// the Kubernetes version).
 pub fn binary_for(component: Component, version: &str) -> Result<PathBuf, MissingBinary> {
     match component {
-        Component::Etcd => binaries::on_path("etcd"),
+        Component::Etcd => binaries::etcd("etcd"),
         other => binaries::kubernetes(other.binary(), version),
     }
 }
@@ -767,7 +767,7 @@ fn program_for(container: &Container, version: &str) -> Result<PathBuf, RuntimeE
         });
     }
     if cmd == "etcd" {
-        Ok(binaries::on_path("etcd")?)
+        Ok(binaries::etcd("etcd")?)
     } else {
         Ok(binaries::kubernetes(cmd, version)?)
     }
@@ -874,7 +874,8 @@ fn read_block(file: &Path) -> Option<[u8; 2]> {
 /// With a tenant user: the replica's directory, `volumes/` and each secret volume belong to the
 /// operator and are only readable by the user's group (the user cannot put a symbolic link
 /// where the operator writes); key files are the user's, 0600; emptyDir and data volumes are
-/// the user's. Paths in the arguments are relative to the replica's directory.
+/// the user's. Paths in the arguments go through the working directory, the replica's
+/// (`/proc/self/cwd/volumes/…`).
 fn prepare_replica(
     place: &Place<'_>,
     template: &PodTemplateSpec,
@@ -951,11 +952,14 @@ fn prepare_replica(
             Some(sp) if !sp.is_empty() => safe_join(&local, sp)?,
             _ => local,
         };
-        // Relative to the working directory: a tenant user cannot walk the path above it.
-        let local = local
-            .strip_prefix(dir)
-            .map(Path::to_path_buf)
-            .unwrap_or(local);
+        // Through the working directory: a tenant user cannot walk the path above it. An
+        // absolute path through `/proc/self/cwd` rather than a relative one, since some
+        // programs make their paths absolute before they open them (etcd 3.5 its data
+        // directory), which would walk it.
+        let local = match local.strip_prefix(dir) {
+            Ok(rel) => Path::new("/proc/self/cwd").join(rel),
+            Err(_) => local,
+        };
         mounts.push((m.mount_path.trim_end_matches('/').to_string(), local));
     }
     mounts.sort_by_key(|m| std::cmp::Reverse(m.0.len()));

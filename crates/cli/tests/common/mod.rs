@@ -299,6 +299,43 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// A command running one of etcd's binaries (`etcd`, `etcdctl`, `etcdutl`) as nestplane finds
+/// them; fails the test with the install hint when it is missing.
+pub fn etcd_tool(name: &str) -> Command {
+    Command::new(nestplane_runtime::binaries::etcd(name).unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// The version an etcd binary reports (`etcd --version`: `etcd Version: 3.5.30`), or of
+/// `etcdctl version`.
+pub fn etcd_version_of(binary: &std::path::Path) -> String {
+    let out = Command::new(binary)
+        .arg("--version")
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", binary.display()));
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.strip_prefix("etcd Version: "))
+        .unwrap_or_else(|| panic!("{}: no version in {text:?}", binary.display()))
+        .trim()
+        .to_string()
+}
+
+/// Fails the test unless `version` (`3.5.30`) is at least 3.5.30: older etcds have published
+/// authorization bypasses (issue 29).
+pub fn assert_current_etcd(what: &str, version: &str) {
+    let parts: Vec<u32> = version
+        .split('.')
+        .map(|p| {
+            p.parse()
+                .unwrap_or_else(|_| panic!("{what}: version {version:?}"))
+        })
+        .collect();
+    assert!(
+        parts.as_slice() >= [3, 5, 30].as_slice(),
+        "{what} runs etcd {version}, older than 3.5.30"
+    );
+}
+
 /// `etcdctl` against a tenant's etcd members, authenticated with the API server's etcd client
 /// certificate (`<cluster>-apiserver-etcd-client`).
 pub struct Etcdctl {
@@ -311,7 +348,7 @@ impl Etcdctl {
     /// hint when etcdctl is missing.
     pub fn run(&self, args: &[&str]) -> (bool, String, String) {
         let f = |n: &str| self.dir.path().join(n).display().to_string();
-        let out = Command::new("etcdctl")
+        let out = etcd_tool("etcdctl")
             .env("ETCDCTL_API", "3")
             .arg(format!("--endpoints={}", self.endpoints.join(",")))
             .arg(format!("--cacert={}", f("ca.crt")))
@@ -319,7 +356,7 @@ impl Etcdctl {
             .arg(format!("--key={}", f("client.key")))
             .args(args)
             .output()
-            .expect("etcdctl not found: run scripts/install-deps.sh (installs etcd-client)");
+            .expect("etcdctl runs");
         (
             out.status.success(),
             String::from_utf8_lossy(&out.stdout).into_owned(),
