@@ -19,13 +19,15 @@
 #     against a local management plane without nodes; time until every one has its objects,
 #     the operator's peak memory, and the writes of 60 s of steady state afterwards
 #     (crates/cli/examples/scale_bench.rs; BENCH_SCALE_TENANTS, default 1000).
+#  8. The cost of measuring 100 tenants' usage on a shared datastore for their quotas: one
+#     pass's time and etcd's CPU (crates/cli/examples/quota_bench.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin_line=$(scripts/install-deps.sh | grep '^NESTPLANE_BIN_DIR=')
 export "${bin_line?}"
 echo "bench: building nestplane (release)" >&2
 cargo build --release -p nestplane-cli --bin nestplane --example nodes_bench --example dns_bench \
-  --example startup_bench --example scale_bench --example tenants_bench
+  --example startup_bench --example scale_bench --example tenants_bench --example quota_bench
 runs="${1:-3}"
 for i in $(seq 1 "$runs"); do
   dir=$(mktemp -d)
@@ -50,3 +52,5 @@ echo "start-up overhead (by hand against nestplane, alternately)"
 target/release/examples/startup_bench "${BENCH_STARTUP_RUNS:-11}" | sed 's/^/  /'
 echo "one operator, many control planes"
 target/release/examples/scale_bench "${BENCH_SCALE_TENANTS:-1000}" 60 | sed 's/^/  /'
+echo "measuring tenants on a shared datastore (quotas)"
+target/release/examples/quota_bench | sed 's/^/  /'

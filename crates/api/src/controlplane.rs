@@ -108,7 +108,7 @@ pub struct NestedEtcdSpec {
 }
 
 /// Which `NestedDatastore` a control plane uses.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DatastoreRef {
     /// The datastore's name.
@@ -116,6 +116,11 @@ pub struct DatastoreRef {
     /// Its namespace (the control plane's when unset).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
+    /// The bytes (keys and values) the tenant may store there: at most the datastore's
+    /// `quota.tenantMax`; its `quota.tenantDefault` when unset. At the quota the tenant's API
+    /// server refuses writes (reads keep working) until it is under again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quota: Option<k8s_openapi::apimachinery::pkg::api::resource::Quantity>,
 }
 
 /// Observed state of a `NestedEtcd`.

@@ -8,11 +8,11 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use common::*;
-use kube::api::{Api, DeleteParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use nestplane_api::{NestedDatastore, NestedEtcd};
 
 fn datastore_ready(kc: &Path, name: &str) -> bool {
@@ -63,6 +63,20 @@ async fn tenants_on_a_managed_datastore_see_only_their_own_keys() {
         ),
         "1/1"
     );
+    // Its etcd is current, as its status and the process both say.
+    assert_current_etcd(
+        "the datastore's status",
+        &jsonpath(
+            &kc,
+            &["nesteddatastore", "shared"],
+            "{.status.members[0].version}",
+        ),
+    );
+    let pid = env
+        .pid("default", "shared-datastore", "etcd", 0)
+        .expect("the datastore's etcd runs");
+    let exe = std::path::PathBuf::from(format!("/proc/{pid}/exe"));
+    assert_current_etcd("the datastore's etcd", &etcd_version_of(&exe));
     // Its etcd is a NestedEtcd the datastore controls, Ready like any other.
     let etcd = Api::<NestedEtcd>::namespaced(env.client(), "default")
         .get("shared-datastore-etcd")
@@ -252,20 +266,112 @@ async fn tenants_on_a_managed_datastore_see_only_their_own_keys() {
     // A prefix that merely starts like alpha's is not alpha's.
     denied(as_alpha.run(&["put", "/nestplane/default/alphabet", "x"]));
     denied(as_alpha.run(&["user", "list"]));
+
+    // Known bypasses of older etcds, tried with alpha's own certificate. A lease's keys: a
+    // lease holding a key of beta's (granted by root, so that it outlives the test) ...
+    let as_root = env
+        .etcdctl_as("default", "shared-datastore-root", endpoints.clone())
+        .await;
+    let (ok, granted, err) = as_root.run(&["lease", "grant", "3600"]);
+    assert!(ok, "{err}");
+    let lease_id = granted
+        .split_whitespace()
+        .nth(1)
+        .unwrap_or_else(|| panic!("no lease id in {granted:?}"))
+        .to_string();
+    let (ok, _, err) = as_root.run(&[
+        "put",
+        "/nestplane/default/beta/registry/leased-by-root",
+        "x",
+        &format!("--lease={lease_id}"),
+    ]);
+    assert!(ok, "{err}");
+    let (ok, keys, err) = as_root.run(&["lease", "timetolive", &lease_id, "--keys"]);
+    assert!(
+        ok && keys.contains("/nestplane/default/beta/"),
+        "{keys}{err}"
+    );
+    // ... asked for by alpha: refused, and no key name of beta's in the answer.
+    let (ok, out, err) = as_alpha.run(&["lease", "timetolive", &lease_id, "--keys"]);
+    assert!(
+        !out.contains("/nestplane/default/beta") && !err.contains("/nestplane/default/beta"),
+        "alpha read beta's key names through a lease: {out}{err}"
+    );
+    assert!(!ok && err.contains("permission denied"), "{out}{err}");
+    // Nested transactions: a read, a write, a delete of beta's keys, a put whose previous
+    // value is returned, and a put of alpha's own key onto beta's lease: all refused, beta's
+    // keys as they were.
+    let beta_key = "/nestplane/default/beta/registry/configmaps/same/only-in-beta";
+    let lease = i64::from_str_radix(&lease_id, 16).unwrap();
+    let mut grpc = as_alpha.client().await;
+    use etcd_client::{DeleteOptions, PutOptions, Txn, TxnOp};
+    let nested = |op: TxnOp| Txn::new().and_then([TxnOp::txn(Txn::new().and_then([op]))]);
+    for (what, txn) in [
+        ("a nested read", nested(TxnOp::get(beta_key, None))),
+        (
+            "a nested write",
+            nested(TxnOp::put(beta_key, "planted", None)),
+        ),
+        (
+            "a nested delete",
+            nested(TxnOp::delete(
+                "/nestplane/default/beta/",
+                Some(DeleteOptions::new().with_prefix()),
+            )),
+        ),
+        (
+            "a nested put returning the previous value",
+            nested(TxnOp::put(
+                beta_key,
+                "planted",
+                Some(PutOptions::new().with_prev_key()),
+            )),
+        ),
+        (
+            "a nested put onto beta's lease",
+            nested(TxnOp::put(
+                "/nestplane/default/alpha/on-betas-lease",
+                "x",
+                Some(PutOptions::new().with_lease(lease)),
+            )),
+        ),
+    ] {
+        match grpc.txn(txn).await {
+            Err(e) => assert!(e.to_string().contains("permission denied"), "{what}: {e}"),
+            Ok(r) => panic!("{what} was allowed: {r:?}"),
+        }
+    }
+    let (ok, value, err) = as_root.run(&["get", beta_key, "--print-value-only"]);
+    assert!(ok, "{err}");
+    assert!(!value.contains("planted"), "{value}");
+    let (_, attached, _) = as_root.run(&["lease", "timetolive", &lease_id, "--keys"]);
+    assert!(!attached.contains("on-betas-lease"), "{attached}");
     let (ok, _, err) = as_alpha.run(&["put", "/nestplane/default/alpha/written-by-hand", "x"]);
     assert!(ok, "{err}");
 
-    // Deleting beta deletes its keys, user and role, and nothing else.
+    // Deleting beta deletes its keys, user and role, and nothing else, even when beta's
+    // status was edited to name alpha's prefix and user: with the operator stopped, so that
+    // the deletion is the first thing it sees of the edited status.
+    let mut env = env;
+    env.operator.take().unwrap().stop().await.unwrap();
+    env.ncps("default")
+        .patch_status(
+            "beta",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"status": {"datastore": {
+                "name": "shared", "namespace": "default",
+                "user": "nestplane:default:alpha", "prefix": "/nestplane/default/alpha/"}}})),
+        )
+        .await
+        .unwrap();
     env.ncps("default")
         .delete("beta", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("beta gone", Duration::from_secs(60), || {
+    env.start_operator();
+    eventually("beta gone", Duration::from_secs(90), || {
         gone(&kc, &["nestedcontrolplane", "beta"]).then_some(())
     });
-    let as_root = env
-        .etcdctl_as("default", "shared-datastore-root", endpoints.clone())
-        .await;
     let (ok, keys, err) =
         as_root.run(&["get", "/nestplane/default/beta/", "--prefix", "--keys-only"]);
     assert!(ok, "{err}");
@@ -369,7 +475,7 @@ fn run_etcd(dir: &Path, ca: &nestplane_pki::CertKey, port: u16) -> KillOnDrop {
     let f = |n: &str| dir.join(n).display().to_string();
     let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
     KillOnDrop(
-        Command::new("etcd")
+        etcd_tool("etcd")
             .arg("--name=theirs")
             .arg(format!("--data-dir={}", f("data")))
             .arg(format!("--listen-client-urls=https://127.0.0.1:{port}"))
@@ -386,7 +492,7 @@ fn run_etcd(dir: &Path, ca: &nestplane_pki::CertKey, port: u16) -> KillOnDrop {
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
-            .expect("etcd not found: run scripts/install-deps.sh (installs etcd-server)"),
+            .expect("etcd runs"),
     )
 }
 
@@ -525,7 +631,7 @@ fn etcdctl_with(dir: &Path, endpoint: &str, cert: &nestplane_pki::CertKey, args:
     let (crt, key) = (dir.join("client.crt"), dir.join("client.key"));
     std::fs::write(&crt, &cert.cert_pem).unwrap();
     std::fs::write(&key, &cert.key_pem).unwrap();
-    let out = Command::new("etcdctl")
+    let out = etcd_tool("etcdctl")
         .env("ETCDCTL_API", "3")
         .arg(format!("--endpoints={endpoint}"))
         .arg(format!("--cacert={}", dir.join("ca.crt").display()))
@@ -533,6 +639,167 @@ fn etcdctl_with(dir: &Path, endpoint: &str, cert: &nestplane_pki::CertKey, args:
         .arg(format!("--key={}", key.display()))
         .args(args)
         .output()
-        .expect("etcdctl not found: run scripts/install-deps.sh (installs etcd-client)");
+        .expect("etcdctl runs");
     out.status.success()
+}
+
+/// Bytes (keys and values) stored under `prefix`, read as `client` in small pages.
+async fn stored_bytes(client: &mut etcd_client::Client, prefix: &str) -> i64 {
+    let mut end = prefix.as_bytes().to_vec();
+    *end.last_mut().unwrap() += 1;
+    let mut from = prefix.as_bytes().to_vec();
+    let mut total = 0i64;
+    loop {
+        let page = client
+            .get(
+                from.clone(),
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_range(end.clone())
+                        .with_limit(4),
+                ),
+            )
+            .await
+            .unwrap();
+        for kv in page.kvs() {
+            total += (kv.key().len() + kv.value().len()) as i64;
+        }
+        match page.kvs().last() {
+            Some(last) if page.more() => {
+                from = last.key().to_vec();
+                from.push(0);
+            }
+            _ => return total,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_at_its_quota_is_stopped_while_another_keeps_writing() {
+    let env = Env::start(true).await;
+    let kc = env.kubeconfig().to_path_buf();
+    env.apply(
+        "apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedDatastore\nmetadata: {name: small, namespace: default}\nspec:\n  managed: {replicas: 1}\n  quota: {tenantDefault: 24Mi, tenantMax: 64Mi}\n",
+    );
+    env.apply(&(ncp_on("hog", "small") + "---\n" + &ncp_on("calm", "small")));
+    env.wait_ready("default", "hog", Duration::from_secs(150))
+        .await;
+    env.wait_ready("default", "calm", Duration::from_secs(150))
+        .await;
+    // The datastore's etcd has room for its tenants' quotas (etcd's default would be 2 GiB).
+    let pid = env
+        .pid("default", "small-datastore", "etcd", 0)
+        .expect("the datastore's etcd runs");
+    let cmdline = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap();
+    assert!(
+        cmdline.contains(&format!("--quota-backend-bytes={}", 8i64 << 30)),
+        "{cmdline}"
+    );
+    eventually("hog's quota in the status", Duration::from_secs(60), || {
+        (jsonpath(
+            &kc,
+            &["nesteddatastore", "small"],
+            "{.status.tenants[?(@.name==\"hog\")].quotaBytes}",
+        ) == (24i64 << 20).to_string())
+        .then_some(())
+    });
+
+    // hog writes 900 kB ConfigMaps with nothing but its own admin kubeconfig, until refused.
+    let hog = env.tenant_kubeconfig("default", "hog").await;
+    let calm = env.tenant_kubeconfig("default", "calm").await;
+    let big = env.state.path().join("big");
+    std::fs::write(&big, "x".repeat(900_000)).unwrap();
+    let from_file = format!("--from-file=data={}", big.display());
+    let mut refused = None;
+    for i in 0..80 {
+        let out = kubectl(
+            &hog,
+            &["create", "configmap", &format!("big-{i}"), &from_file],
+        );
+        if !out.status.success() {
+            refused = Some((i, String::from_utf8_lossy(&out.stderr).into_owned()));
+            break;
+        }
+    }
+    let (written, error) = refused.expect("hog wrote 72 MB past a 24 MiB quota");
+    assert!(written >= 10, "refused after {written} writes: {error}");
+    assert!(error.contains("permission denied"), "{error}");
+    // It is stopped at its quota (measured every 10 s, every 2 s past half of it), not far
+    // past it: unchecked, its 80 writes would be 72 MB.
+    let endpoints: Vec<String> =
+        jsonpath(&kc, &["nesteddatastore", "small"], "{.status.endpoints[*]}")
+            .split_whitespace()
+            .map(String::from)
+            .collect();
+    let mut root = env
+        .etcdctl_as("default", "small-datastore-root", endpoints.clone())
+        .await
+        .client()
+        .await;
+    let stored = stored_bytes(&mut root, "/nestplane/default/hog/").await;
+    assert!(
+        stored < 2 * (24 << 20),
+        "hog stores {stored} bytes, far past its quota of 24 MiB"
+    );
+    // It is told why, on its control plane: a condition and an Event.
+    assert_eq!(
+        jsonpath(
+            &kc,
+            &["ncp", "hog"],
+            "{.status.conditions[?(@.type==\"DatastoreQuota\")].reason}"
+        ),
+        "QuotaExceeded"
+    );
+    assert!(
+        message(&kc, &["ncp", "hog"], "DatastoreQuota").contains("refuses writes"),
+        "{}",
+        message(&kc, &["ncp", "hog"], "DatastoreQuota")
+    );
+    assert!(events_for(&kc, "default", "hog").contains("QuotaExceeded"));
+    // Its reads keep working; nothing it stored is lost.
+    let names = kubectl_ok(&hog, &["get", "configmaps", "-o", "name"]);
+    assert!(names.contains("configmap/big-0"), "{names}");
+    // calm, on the same datastore, keeps writing, and so does hog's neighbour's API server.
+    for i in 0..5 {
+        kubectl_ok(
+            &calm,
+            &["create", "configmap", &format!("calm-{i}"), &from_file],
+        );
+    }
+    assert_eq!(
+        jsonpath(
+            &kc,
+            &["ncp", "calm"],
+            "{.status.conditions[?(@.type==\"DatastoreQuota\")].status}"
+        ),
+        "True"
+    );
+
+    // A larger quota, within the datastore's tenantMax, lets hog write again.
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "ncp",
+            "hog",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"datastoreRef":{"quota":"64Mi"}}}"#,
+        ],
+    );
+    eventually("hog may write again", Duration::from_secs(60), || {
+        kubectl(&hog, &["create", "configmap", "after-raise", &from_file])
+            .status
+            .success()
+            .then_some(())
+    });
+    eventually("hog's condition says so", Duration::from_secs(30), || {
+        (jsonpath(
+            &kc,
+            &["ncp", "hog"],
+            "{.status.conditions[?(@.type==\"DatastoreQuota\")].status}",
+        ) == "True")
+            .then_some(())
+    });
+    assert!(events_for(&kc, "default", "hog").contains("WithinQuota"));
 }

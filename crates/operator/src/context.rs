@@ -80,6 +80,9 @@ pub struct Metrics {
     failures: Family<FailureLabel, Counter>,
     duration: Family<KindLabel, Histogram>,
     tenant_ready: Family<TenantLabel, Gauge<i64, AtomicI64>>,
+    datastore_keys: Family<TenantLabel, Gauge<i64, AtomicI64>>,
+    datastore_bytes: Family<TenantLabel, Gauge<i64, AtomicI64>>,
+    datastore_quota: Family<TenantLabel, Gauge<i64, AtomicI64>>,
     watch_failures: Family<KindLabel, Counter>,
     api_requests: Family<RequestLabel, Counter>,
     registry: Arc<Registry>,
@@ -93,6 +96,9 @@ impl Default for Metrics {
             Histogram::new([0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0])
         });
         let tenant_ready = Family::<TenantLabel, Gauge<i64, AtomicI64>>::default();
+        let datastore_keys = Family::<TenantLabel, Gauge<i64, AtomicI64>>::default();
+        let datastore_bytes = Family::<TenantLabel, Gauge<i64, AtomicI64>>::default();
+        let datastore_quota = Family::<TenantLabel, Gauge<i64, AtomicI64>>::default();
         let watch_failures = Family::<KindLabel, Counter>::default();
         let api_requests = Family::<RequestLabel, Counter>::default();
         let mut registry = Registry::with_prefix("nestplane");
@@ -113,6 +119,21 @@ impl Default for Metrics {
             tenant_ready.clone(),
         );
         registry.register(
+            "datastore_tenant_keys",
+            "Keys a tenant on a shared datastore stores",
+            datastore_keys.clone(),
+        );
+        registry.register(
+            "datastore_tenant_bytes",
+            "Bytes (keys and values) a tenant on a shared datastore stores",
+            datastore_bytes.clone(),
+        );
+        registry.register(
+            "datastore_tenant_quota_bytes",
+            "The bytes a tenant on a shared datastore may store",
+            datastore_quota.clone(),
+        );
+        registry.register(
             "watch_failures",
             "Failed watches (list or watch refused, connection lost) by controller",
             watch_failures.clone(),
@@ -127,6 +148,9 @@ impl Default for Metrics {
             failures,
             duration,
             tenant_ready,
+            datastore_keys,
+            datastore_bytes,
+            datastore_quota,
             watch_failures,
             api_requests,
             registry: Arc::new(registry),
@@ -175,6 +199,35 @@ impl Metrics {
                 cluster: cluster.into(),
             })
             .set(i64::from(ready));
+    }
+
+    /// Record what a tenant on a shared datastore stores, and its quota.
+    pub fn set_datastore_usage(
+        &self,
+        namespace: &str,
+        cluster: &str,
+        keys: i64,
+        bytes: i64,
+        quota: i64,
+    ) {
+        let l = TenantLabel {
+            namespace: namespace.into(),
+            cluster: cluster.into(),
+        };
+        self.datastore_keys.get_or_create(&l).set(keys);
+        self.datastore_bytes.get_or_create(&l).set(bytes);
+        self.datastore_quota.get_or_create(&l).set(quota);
+    }
+
+    /// Forget a tenant's datastore usage (it left its datastore).
+    pub fn forget_datastore_usage(&self, namespace: &str, cluster: &str) {
+        let l = TenantLabel {
+            namespace: namespace.into(),
+            cluster: cluster.into(),
+        };
+        self.datastore_keys.remove(&l);
+        self.datastore_bytes.remove(&l);
+        self.datastore_quota.remove(&l);
     }
 
     /// Count a failed watch of a controller.

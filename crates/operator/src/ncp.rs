@@ -182,6 +182,14 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         Some(crate::datastore::Binding::Bound(b)) => Some(b.clone()),
         _ => ncp.status.as_ref().and_then(|s| s.datastore.clone()),
     };
+    if let Some(c) = crate::datastore::quota_condition(&ctx, &ncp).await? {
+        conditions::set(
+            &mut new_status.conditions,
+            c,
+            ncp.metadata.generation,
+            k8s_openapi::jiff::Timestamp::now(),
+        );
+    }
     ctx.metrics.set_tenant_ready(&ns, &name, new_status.ready);
     if ncp.status.as_ref() != Some(&new_status) {
         let before = ncp

@@ -368,6 +368,8 @@ pub struct Tenant {
     /// Whether this tenant's etcd compacts itself (a shared datastore's: its tenants' API
     /// servers do not compact).
     pub etcd_compacts_itself: bool,
+    /// etcd's space quota, for a shared datastore's etcd.
+    pub etcd_quota_backend_bytes: Option<i64>,
 }
 
 /// How much history a shared datastore's etcd keeps (what kube-apiserver's own compactor
@@ -409,6 +411,7 @@ impl Tenant {
             external_etcd: None,
             owner: None,
             etcd_compacts_itself: false,
+            etcd_quota_backend_bytes: None,
             ncp,
         })
     }
@@ -666,6 +669,7 @@ impl Tenant {
         if self.etcd_compacts_itself {
             input.etcd_auto_compaction = Some(ETCD_RETENTION.into());
         }
+        input.etcd_quota_backend_bytes = self.etcd_quota_backend_bytes;
         if let Some(d) = self.datastore() {
             input.external_etcd = Some(d.endpoints.clone());
             input.datastore_prefix = Some(d.prefix.clone());

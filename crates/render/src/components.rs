@@ -112,6 +112,9 @@ fn etcd(input: &RenderInput) -> Part {
         f.set("auto-compaction-mode", "periodic");
         f.set("auto-compaction-retention", retention.clone());
     }
+    if let Some(bytes) = input.etcd_quota_backend_bytes {
+        f.set("quota-backend-bytes", bytes.to_string());
+    }
 
     f.set("client-cert-auth", "true");
     f.set("trusted-ca-file", m.file(SecretPurpose::EtcdCa, TLS_CRT));

@@ -66,6 +66,9 @@ pub struct RenderInput {
     /// etcd compacts its own history (`--auto-compaction-mode=periodic`, this retention):
     /// a shared datastore's etcd, whose tenants' API servers do not compact.
     pub etcd_auto_compaction: Option<String>,
+    /// etcd's space quota (`--quota-backend-bytes`): a shared datastore's, sized for its
+    /// tenants' quotas. etcd's default (2 GiB) when `None`.
+    pub etcd_quota_backend_bytes: Option<i64>,
 }
 
 impl RenderInput {
@@ -91,6 +94,7 @@ impl RenderInput {
             external_etcd: None,
             datastore_prefix: None,
             etcd_auto_compaction: None,
+            etcd_quota_backend_bytes: None,
         }
     }
 

@@ -323,6 +323,9 @@ pub fn etcd_version_of(binary: &std::path::Path) -> String {
 /// Fails the test unless `version` (`3.5.30`) is at least 3.5.30: older etcds have published
 /// authorization bypasses (issue 29).
 pub fn assert_current_etcd(what: &str, version: &str) {
+    if let Some(problem) = nestplane_api::datastore::etcd_version_problem(version) {
+        panic!("{what}: {problem}");
+    }
     let parts: Vec<u32> = version
         .split('.')
         .map(|p| {
@@ -389,6 +392,26 @@ impl Env {
             std::fs::write(dir.path().join(file), &data[k].0).unwrap();
         }
         Etcdctl { dir, endpoints }
+    }
+}
+
+impl Etcdctl {
+    /// A gRPC client with the same certificate, for what etcdctl cannot send (nested
+    /// transactions).
+    pub async fn client(&self) -> etcd_client::Client {
+        let read = |n: &str| std::fs::read_to_string(self.dir.path().join(n)).unwrap();
+        let tls = etcd_client::TlsOptions::new()
+            .ca_certificate(etcd_client::Certificate::from_pem(read("ca.crt")))
+            .identity(etcd_client::Identity::from_pem(
+                read("client.crt"),
+                read("client.key"),
+            ));
+        etcd_client::Client::connect(
+            &self.endpoints,
+            Some(etcd_client::ConnectOptions::new().with_tls(tls)),
+        )
+        .await
+        .expect("connecting to etcd")
     }
 }
 

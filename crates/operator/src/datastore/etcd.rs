@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use etcd_client::{
-    Certificate, Client, ConnectOptions, DeleteOptions, Identity, Permission, TlsOptions,
-    UserAddOptions,
+    Certificate, Client, ConnectOptions, DeleteOptions, GetOptions, Identity, Permission,
+    TlsOptions, UserAddOptions,
 };
 use nestplane_api::datastore::DatastoreMember;
 
@@ -25,6 +25,18 @@ pub struct EtcdError {
     what: &'static str,
     #[source]
     source: Box<etcd_client::Error>,
+}
+
+/// Keys read per request when a tenant's usage is measured.
+pub const USAGE_PAGE: i64 = 500;
+
+/// What a tenant stores.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Its keys.
+    pub keys: i64,
+    /// Their keys' and values' bytes.
+    pub bytes: i64,
 }
 
 /// A root client of one datastore.
@@ -47,6 +59,11 @@ pub struct Credentials {
 
 fn already_exists(e: &etcd_client::Error) -> bool {
     matches!(e, etcd_client::Error::GRpcStatus(s) if s.message().contains("already exists"))
+}
+
+/// An answer larger than the client takes (tonic's 4 MiB limit on a decoded message).
+fn too_large(e: &etcd_client::Error) -> bool {
+    matches!(e, etcd_client::Error::GRpcStatus(s) if s.message().contains("message length too large"))
 }
 
 fn not_found(e: &etcd_client::Error) -> bool {
@@ -128,7 +145,8 @@ impl Admin {
     }
 
     /// Give tenant `user` a role of the same name that may read and write `prefix` and
-    /// nothing else (idempotent).
+    /// nothing else (idempotent). A role confined to `prefix` but made read-only (the tenant
+    /// is at its quota, see [`Admin::set_writable`]) is left read-only.
     pub async fn ensure_tenant(&mut self, user: &str, prefix: &str) -> Result<(), EtcdError> {
         // Read first, write only what is missing or wrong: every write to etcd's auth store
         // makes the requests then in flight of every tenant fail once (etcd compares auth
@@ -139,11 +157,12 @@ impl Admin {
             Err(e) if not_found(&e) => None,
             Err(e) => return Err(self.fail("reading the tenant's role")(e)),
         };
+        let read_only = Permission::read(prefix).get_type();
         let exact = |g: &[Permission]| {
             g.len() == 1
                 && g[0].key() == prefix.as_bytes()
                 && g[0].range_end() == permission.range_end()
-                && g[0].get_type() == permission.get_type()
+                && (g[0].get_type() == permission.get_type() || g[0].get_type() == read_only)
         };
         match granted {
             Some(g) if exact(&g) => {}
@@ -202,6 +221,89 @@ impl Admin {
                 .await
                 .map_err(self.fail("granting the tenant's role"))?;
         }
+        Ok(())
+    }
+
+    /// What tenant `prefix` stores: its keys, and their bytes (keys and values), read at one
+    /// revision in pages from the member answering (serializable reads, no consensus round).
+    /// A page starts at [`USAGE_PAGE`] keys and is halved while its answer is larger than the
+    /// client takes (4 MiB: a tenant's large values cannot stop the measuring).
+    pub async fn usage(&mut self, prefix: &str) -> Result<Usage, EtcdError> {
+        let end = prefix_end(prefix);
+        let mut from = prefix.as_bytes().to_vec();
+        let mut usage = Usage::default();
+        let mut limit = USAGE_PAGE;
+        let mut revision = 0;
+        loop {
+            let mut options = GetOptions::new()
+                .with_range(end.clone())
+                .with_limit(limit)
+                .with_serializable();
+            if revision > 0 {
+                options = options.with_revision(revision);
+            }
+            let page = match self.client.get(from.clone(), Some(options)).await {
+                Ok(p) => p,
+                Err(e) if too_large(&e) && limit > 1 => {
+                    limit = (limit / 2).max(1);
+                    continue;
+                }
+                Err(e) => return Err(self.fail("measuring the tenant's keys")(e)),
+            };
+            if revision == 0 {
+                revision = page.header().map(|h| h.revision()).unwrap_or_default();
+            }
+            for kv in page.kvs() {
+                usage.keys += 1;
+                usage.bytes = usage
+                    .bytes
+                    .saturating_add((kv.key().len() + kv.value().len()) as i64);
+            }
+            match page.kvs().last() {
+                Some(last) if page.more() => {
+                    from = last.key().to_vec();
+                    from.push(0);
+                }
+                _ => return Ok(usage),
+            }
+        }
+    }
+
+    /// Whether tenant `user`'s role may write `prefix` (`Some(false)`: read-only), or `None`
+    /// when it has no such role (not a tenant, or one being removed).
+    pub async fn writable(&mut self, user: &str, prefix: &str) -> Result<Option<bool>, EtcdError> {
+        let granted = match self.client.role_get(user).await {
+            Ok(r) => r.permissions(),
+            Err(e) if not_found(&e) => return Ok(None),
+            Err(e) => return Err(self.fail("reading the tenant's role")(e)),
+        };
+        let end = prefix_end(prefix);
+        let read_only = Permission::read(prefix).get_type();
+        Ok(granted
+            .iter()
+            .find(|p| p.key() == prefix.as_bytes() && p.range_end() == end.as_slice())
+            .map(|p| p.get_type() != read_only))
+    }
+
+    /// Let tenant `user` write `prefix` again (`true`), or only read it (`false`: at its
+    /// quota): one write to etcd's auth store, so call it only for a change ([`Admin::writable`]
+    /// says what is granted). Granting the same range again replaces its type.
+    pub async fn set_writable(
+        &mut self,
+        user: &str,
+        prefix: &str,
+        writable: bool,
+    ) -> Result<(), EtcdError> {
+        let want = if writable {
+            Permission::read_write(prefix)
+        } else {
+            Permission::read(prefix)
+        }
+        .with_range_end(prefix_end(prefix));
+        self.client
+            .role_grant_permission(user, want)
+            .await
+            .map_err(self.fail("changing the tenant's permission"))?;
         Ok(())
     }
 

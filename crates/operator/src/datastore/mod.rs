@@ -27,7 +27,8 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use nestplane_api::conditions::{self, reasons, types};
 use nestplane_api::datastore::{
-    DatastoreTenant, TenantDatastoreStatus, datastore_cluster, tenant_prefix, tenant_user,
+    DatastoreTenant, Quotas, TenantDatastoreStatus, datastore_cluster, over_quota, tenant_prefix,
+    tenant_user,
 };
 use nestplane_api::names::{self, Component, SecretPurpose};
 use nestplane_api::{
@@ -52,11 +53,27 @@ pub const WAITING_FOR_ETCD: &str = "WaitingForEtcd";
 pub const UNREACHABLE: &str = "Unreachable";
 /// Reason: tenants still use the datastore being deleted.
 pub const IN_USE: &str = "InUse";
+/// Reason: the datastore's etcd has published authorization bypasses; it is not shared.
+pub const OUTDATED_ETCD: &str = "OutdatedEtcd";
 /// Reason: a control plane waits for its datastore.
 pub const WAITING_FOR_DATASTORE: &str = "WaitingForDatastore";
 
-/// How often a Ready datastore's members are asked how they are.
+/// How often a Ready datastore without tenants is asked how it is.
 pub const HEALTH_INTERVAL: Duration = Duration::from_secs(30);
+/// How often a datastore's tenants are measured (and its members asked how they are).
+pub const MEASURE_INTERVAL: Duration = Duration::from_secs(10);
+/// How often they are measured while one of them stores half its quota or more: a tenant
+/// writing `r` bytes a second passes its quota by at most about `2 s × r` (plus what
+/// [`MEASURE_INTERVAL`] lets it write past half of it).
+pub const QUOTA_NEAR_INTERVAL: Duration = Duration::from_secs(2);
+/// Reason: a tenant stores its quota; its role may only read.
+pub const QUOTA_EXCEEDED: &str = "QuotaExceeded";
+/// Reason: a tenant is under its quota again.
+pub const WITHIN_QUOTA: &str = "WithinQuota";
+/// Reason: the datastore cannot take a tenant's quota besides those it has.
+pub const DATASTORE_FULL: &str = "DatastoreFull";
+/// The condition of a control plane on a shared datastore that says whether it may write.
+pub const QUOTA_CONDITION: &str = "DatastoreQuota";
 
 /// The `(namespace, name)` of the datastore `ncp` uses, if any.
 pub fn referenced(ncp: &NestedControlPlane) -> Option<(String, String)> {
@@ -105,6 +122,11 @@ pub fn etcd_tenant(ds: &NestedDatastore, etcd: NestedEtcd) -> Tenant {
         external_etcd: None,
         owner: Some(owner(ds)),
         etcd_compacts_itself: true,
+        etcd_quota_backend_bytes: Some(
+            Quotas::of(&ds.spec)
+                .map(|q| q.backend)
+                .unwrap_or(nestplane_api::datastore::DEFAULT_MANAGED_BACKEND),
+        ),
     }
 }
 
@@ -353,16 +375,28 @@ pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Ac
     let mut status = NestedDatastoreStatus {
         r#type: Some(kind.into()),
         observed_generation: ds.metadata.generation,
+        // A tenant's user and prefix are computed from its namespace and name, never read
+        // from its status (quotas act on them).
         tenants: tenants
             .iter()
+            .filter(|t| {
+                t.status
+                    .as_ref()
+                    .and_then(|s| s.datastore.as_ref())
+                    .is_some()
+            })
             .filter_map(|t| {
-                let s = t.status.as_ref()?.datastore.clone()?;
-                Some(DatastoreTenant {
-                    namespace: t.namespace().unwrap_or_default(),
-                    name: t.name_any(),
-                    user: s.user,
-                    prefix: s.prefix,
-                })
+                let ns = t.namespace().unwrap_or_default();
+                let cluster = crate::tenant::cluster_name(t);
+                names::dns_label_problem(&cluster, names::MAX_CLUSTER_NAME_LEN)
+                    .is_none()
+                    .then(|| DatastoreTenant {
+                        user: tenant_user(&ns, &cluster),
+                        prefix: tenant_prefix(&ns, &cluster),
+                        namespace: ns,
+                        name: t.name_any(),
+                        ..Default::default()
+                    })
             })
             .collect(),
         conditions: ds
@@ -373,6 +407,19 @@ pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Ac
         ..Default::default()
     };
     status.tenant_count = status.tenants.len() as i32;
+    // What the last measuring found stays until this pass measures again.
+    for t in status.tenants.iter_mut() {
+        if let Some(p) = ds
+            .status
+            .iter()
+            .flat_map(|s| &s.tenants)
+            .find(|p| p.namespace == t.namespace && p.name == t.name)
+        {
+            t.quota_bytes = p.quota_bytes;
+            t.read_only = p.read_only;
+        }
+    }
+    let mut near_quota = false;
     let verdict: Result<(), (&'static str, String, Option<EventType>)> = match problem(&ds) {
         Some(m) => Err((reasons::INVALID_SPEC, m, Some(EventType::Warning))),
         None => {
@@ -406,9 +453,32 @@ pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Ac
                                     )
                                 })
                                 .collect();
+                            let outdated = members.iter().find_map(|m| {
+                                let v = m.version.as_deref()?;
+                                nestplane_api::datastore::etcd_version_problem(v)
+                                    .map(|p| format!("{}: {p}", m.endpoint))
+                            });
                             status.members = members;
-                            if all {
-                                Ok(())
+                            if let Some(problem) = outdated {
+                                Err((
+                                    OUTDATED_ETCD,
+                                    format!(
+                                        "{problem}; no new tenant is admitted, tenants already on it keep running"
+                                    ),
+                                    Some(EventType::Warning),
+                                ))
+                            } else if all {
+                                match enforce_quotas(&ctx, &ds, &a, &tenants, &mut status).await {
+                                    Ok(near) => {
+                                        near_quota = near;
+                                        Ok(())
+                                    }
+                                    Err(e) => Err((
+                                        UNREACHABLE,
+                                        format!("measuring tenants: {e}"),
+                                        Some(EventType::Warning),
+                                    )),
+                                }
                             } else {
                                 Err((
                                     reasons::UNHEALTHY,
@@ -472,8 +542,15 @@ pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Ac
     Ok(match verdict {
         Ok(()) => {
             ctx.pacing.succeeded(&key);
-            Action::requeue(HEALTH_INTERVAL)
+            Action::requeue(if near_quota {
+                QUOTA_NEAR_INTERVAL
+            } else if status.tenants.is_empty() {
+                HEALTH_INTERVAL
+            } else {
+                MEASURE_INTERVAL
+            })
         }
+        Err((OUTDATED_ETCD, ..)) => Action::requeue(HEALTH_INTERVAL),
         Err((reasons::INVALID_SPEC, ..)) => Action::await_change(),
         Err((WAITING_FOR_ETCD, ..)) => Action::requeue(ctx.pacing.starting(&key)),
         Err(_) => Action::requeue(ctx.pacing.error(&key)),
@@ -482,6 +559,9 @@ pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Ac
 
 /// What is wrong with a datastore's spec, said for a person.
 fn problem(ds: &NestedDatastore) -> Option<String> {
+    if let Err(e) = Quotas::of(&ds.spec) {
+        return Some(e);
+    }
     match (&ds.spec.managed, &ds.spec.external) {
         (Some(_), Some(_)) => Some("set either managed or external, not both".into()),
         (_, Some(e)) if e.endpoints.is_empty() => {
@@ -646,6 +726,218 @@ async fn delete(
     Ok(Action::await_change())
 }
 
+/// The quota a tenant holds: what it asks for (`spec.datastoreRef.quota`) when that is valid
+/// and, if it is more than it held, the datastore can take it besides the others' quotas;
+/// else what it held (`held`; the datastore's default for a tenant never measured). Pure.
+pub fn granted_quota(
+    quotas: &Quotas,
+    asked: Option<&k8s_openapi::apimachinery::pkg::api::resource::Quantity>,
+    held: Option<i64>,
+    others: i64,
+) -> i64 {
+    let held = held.unwrap_or(quotas.tenant_default);
+    match quotas.for_tenant(asked) {
+        Ok(want) if want <= held || others.saturating_add(want) <= quotas.capacity() => want,
+        _ => held,
+    }
+}
+
+/// Measure each tenant of `ds` and make a tenant at its quota read-only (writable again once
+/// it is under); records each tenant's quota and state in `status` and its usage in the
+/// metrics. A tenant that cannot be measured is skipped (and said in the log), never the
+/// others. Returns whether a tenant is near its quota (measured again sooner).
+async fn enforce_quotas(
+    ctx: &Context,
+    ds: &NestedDatastore,
+    a: &Access,
+    ncps: &[Arc<NestedControlPlane>],
+    status: &mut NestedDatastoreStatus,
+) -> Result<bool, Error> {
+    let Ok(quotas) = Quotas::of(&ds.spec) else {
+        return Ok(false);
+    };
+    if status.tenants.is_empty() {
+        return Ok(false);
+    }
+    let held = |t: &DatastoreTenant| {
+        ds.status
+            .iter()
+            .flat_map(|s| &s.tenants)
+            .find(|p| p.namespace == t.namespace && p.name == t.name)
+            .and_then(|p| p.quota_bytes)
+    };
+    // Each tenant's quota: what it holds, raised only while the datastore can take it.
+    let mut granted: Vec<i64> = status
+        .tenants
+        .iter()
+        .map(|t| held(t).unwrap_or(quotas.tenant_default))
+        .collect();
+    for i in 0..status.tenants.len() {
+        let t = &status.tenants[i];
+        let asked = ncps
+            .iter()
+            .find(|n| n.namespace().as_deref() == Some(&t.namespace) && n.name_any() == t.name)
+            .and_then(|n| n.spec.datastore_ref.as_ref())
+            .and_then(|r| r.quota.as_ref());
+        let others = granted
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .fold(0i64, |sum, (_, q)| sum.saturating_add(*q));
+        granted[i] = granted_quota(&quotas, asked, held(t), others);
+    }
+    let mut admin = etcd::Admin::connect(&a.endpoints, &a.creds).await?;
+    let mut near = false;
+    let mut done: Vec<String> = Vec::new();
+    for i in 0..status.tenants.len() {
+        let t = status.tenants[i].clone();
+        // Two control planes naming one cluster share a prefix: the smaller quota holds.
+        let quota = status
+            .tenants
+            .iter()
+            .zip(&granted)
+            .filter(|(o, _)| o.prefix == t.prefix)
+            .map(|(_, q)| *q)
+            .min()
+            .unwrap_or(granted[i]);
+        status.tenants[i].quota_bytes = Some(quota);
+        if done.contains(&t.prefix) {
+            continue;
+        }
+        done.push(t.prefix.clone());
+        let Some(ncp) = ncps
+            .iter()
+            .find(|n| n.namespace().as_deref() == Some(&t.namespace) && n.name_any() == t.name)
+            .filter(|n| n.metadata.deletion_timestamp.is_none())
+        else {
+            continue;
+        };
+        let measured = async {
+            let Some(writable) = admin.writable(&t.user, &t.prefix).await? else {
+                return Ok::<_, etcd::EtcdError>(None);
+            };
+            let usage = admin.usage(&t.prefix).await?;
+            let read_only = over_quota(usage.bytes, quota, !writable);
+            if read_only == writable {
+                admin.set_writable(&t.user, &t.prefix, !read_only).await?;
+            }
+            Ok(Some((usage, read_only, read_only == writable)))
+        }
+        .await;
+        let (usage, read_only, changed) = match measured {
+            Ok(Some(m)) => m,
+            Ok(None) => continue,
+            Err(e) => {
+                tracing::warn!(namespace = %t.namespace, cluster = %t.name, error = %e, "measuring a tenant failed");
+                continue;
+            }
+        };
+        ctx.metrics
+            .set_datastore_usage(&t.namespace, &t.name, usage.keys, usage.bytes, quota);
+        near |= usage.bytes >= quota / 2;
+        for o in status.tenants.iter_mut().filter(|o| o.prefix == t.prefix) {
+            o.read_only = read_only;
+        }
+        if changed {
+            let (kind, reason, note) = if read_only {
+                (
+                    EventType::Warning,
+                    QUOTA_EXCEEDED,
+                    format!(
+                        "the tenant stores {} bytes in {} keys, at its quota of {quota} bytes: its API server refuses writes until it stores less than {} bytes; reads keep working",
+                        usage.bytes,
+                        usage.keys,
+                        nestplane_api::datastore::quota_floor(quota)
+                    ),
+                )
+            } else {
+                (
+                    EventType::Normal,
+                    WITHIN_QUOTA,
+                    format!(
+                        "the tenant stores {} bytes, under its quota of {quota} bytes: it may write again",
+                        usage.bytes
+                    ),
+                )
+            };
+            tracing::info!(namespace = %t.namespace, cluster = %t.name, bytes = usage.bytes, quota, read_only, "tenant quota state changed");
+            ctx.event(ncp.object_ref(&()), kind, reason, &note).await;
+            ctx.event(
+                ds.object_ref(&()),
+                kind,
+                reason,
+                &format!("{}/{}: {note}", t.namespace, t.name),
+            )
+            .await;
+        }
+    }
+    Ok(near)
+}
+
+/// The `DatastoreQuota` condition of a control plane on a shared datastore: whether it may
+/// write, from its datastore's status. `None` for a control plane on no datastore.
+pub async fn quota_condition(
+    ctx: &Context,
+    ncp: &NestedControlPlane,
+) -> Result<Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>, Error> {
+    let Some((ds_ns, ds_name)) = referenced(ncp) else {
+        return Ok(None);
+    };
+    if ncp
+        .status
+        .as_ref()
+        .and_then(|s| s.datastore.as_ref())
+        .is_none()
+    {
+        return Ok(None);
+    }
+    let Some(ds) = get(ctx, &ds_ns, &ds_name).await? else {
+        return Ok(None);
+    };
+    let ns = ncp.namespace().unwrap_or_default();
+    let Some(t) = ds
+        .status
+        .iter()
+        .flat_map(|s| &s.tenants)
+        .find(|t| t.namespace == ns && t.name == ncp.name_any())
+    else {
+        return Ok(None);
+    };
+    let Some(quota) = t.quota_bytes else {
+        return Ok(None);
+    };
+    let asked = ncp
+        .spec
+        .datastore_ref
+        .as_ref()
+        .and_then(|r| r.quota.as_ref());
+    let unmet = match Quotas::of(&ds.spec).map(|q| q.for_tenant(asked)) {
+        Ok(Err(e)) => format!(" ({e}; the quota it held stays)"),
+        Ok(Ok(want)) if want != quota => format!(
+            " (spec.datastoreRef.quota asks for {want} bytes, more than the datastore can take besides its other tenants' quotas)"
+        ),
+        _ => String::new(),
+    };
+    Ok(Some(if t.read_only {
+        conditions::new(
+            QUOTA_CONDITION,
+            false,
+            QUOTA_EXCEEDED,
+            format!(
+                "the tenant stores its quota of {quota} bytes on NestedDatastore {ds_ns}/{ds_name}{unmet}: its API server refuses writes until it stores less than {} bytes; reads keep working; raise spec.datastoreRef.quota to write again",
+                nestplane_api::datastore::quota_floor(quota)
+            ),
+        )
+    } else {
+        conditions::new(
+            QUOTA_CONDITION,
+            true,
+            reasons::AS_EXPECTED,
+            format!("under its quota of {quota} bytes on NestedDatastore {ds_ns}/{ds_name}{unmet}"),
+        )
+    }))
+}
+
 /// What a control plane's pass learns from its datastore.
 pub enum Binding {
     /// The tenant's user, role and credentials are in place.
@@ -735,7 +1027,56 @@ pub async fn bind(ctx: &Context, t: &Tenant) -> Result<Binding, Error> {
             "NestedDatastore {ds_ns}/{ds_name} is being deleted"
         )));
     }
+    if bound.is_none() {
+        let quotas = match Quotas::of(&ds.spec) {
+            Ok(q) => q,
+            Err(e) => {
+                return Ok(Binding::Waiting(format!(
+                    "NestedDatastore {ds_ns}/{ds_name} has an invalid quota: {e}"
+                )));
+            }
+        };
+        let asked = t
+            .ncp
+            .spec
+            .datastore_ref
+            .as_ref()
+            .and_then(|r| r.quota.as_ref());
+        let own = match quotas.for_tenant(asked) {
+            Ok(q) => q,
+            Err(e) => return Ok(Binding::Problem(reasons::INVALID_SPEC, e)),
+        };
+        let committed: i64 = ds
+            .status
+            .iter()
+            .flat_map(|s| &s.tenants)
+            .filter(|o| !(o.namespace == ns && o.name == t.ncp.name_any()))
+            .map(|o| o.quota_bytes.unwrap_or(quotas.tenant_default))
+            .fold(0, i64::saturating_add);
+        if committed.saturating_add(own) > quotas.capacity() {
+            return Ok(Binding::Problem(
+                DATASTORE_FULL,
+                format!(
+                    "NestedDatastore {ds_ns}/{ds_name} cannot take a quota of {own} bytes: its tenants' quotas hold {committed} of the {} bytes they may hold together (three quarters of its quota.backend)",
+                    quotas.capacity()
+                ),
+            ));
+        }
+    }
     let ready = ds.status.as_ref().is_some_and(|s| s.ready);
+    if !ready
+        && bound.is_none()
+        && let Some(c) = ds
+            .status
+            .as_ref()
+            .and_then(|s| conditions::get(&s.conditions, types::READY))
+            .filter(|c| c.reason == OUTDATED_ETCD)
+    {
+        return Ok(Binding::Problem(
+            OUTDATED_ETCD,
+            format!("NestedDatastore {ds_ns}/{ds_name}: {}", c.message),
+        ));
+    }
     let a = match access(ctx, &ds, false).await? {
         Ok(a) if ready || bound.is_some() => a,
         Ok(_) | Err(_) => {
@@ -827,6 +1168,7 @@ pub async fn unbind(ctx: &Context, ncp: &NestedControlPlane) -> Result<(), Error
     };
     let mut admin = etcd::Admin::connect(&a.endpoints, &a.creds).await?;
     let deleted = admin.remove_tenant(&bound.user, &bound.prefix).await?;
+    ctx.metrics.forget_datastore_usage(&ns, &ncp.name_any());
     tracing::info!(
         namespace = %ncp.namespace().unwrap_or_default(),
         cluster = %ncp.name_any(),
@@ -834,4 +1176,35 @@ pub async fn unbind(ctx: &Context, ncp: &NestedControlPlane) -> Result<(), Error
         "tenant removed from its datastore"
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+    #[test]
+    fn a_tenant_keeps_its_quota_unless_a_new_one_fits() {
+        let q = Quotas {
+            tenant_default: 100,
+            tenant_max: 400,
+            backend: 1000,
+        };
+        let ask = |s: &str| Quantity(s.into());
+        // Nothing asked: the default, for a new tenant and one that held more.
+        assert_eq!(granted_quota(&q, None, None, 0), 100);
+        // Less than held: always.
+        assert_eq!(granted_quota(&q, Some(&ask("50")), Some(300), 700), 50);
+        // More: only while the others' quotas leave room (capacity 750).
+        assert_eq!(granted_quota(&q, Some(&ask("300")), Some(100), 450), 300);
+        assert_eq!(granted_quota(&q, Some(&ask("300")), Some(100), 451), 100);
+        // Above tenantMax, or unreadable: what it held stays.
+        assert_eq!(granted_quota(&q, Some(&ask("500")), Some(200), 0), 200);
+        assert_eq!(granted_quota(&q, Some(&ask("junk")), Some(200), 0), 200);
+        // Sums that would overflow do not.
+        assert_eq!(
+            granted_quota(&q, Some(&ask("300")), Some(100), i64::MAX),
+            100
+        );
+    }
 }
