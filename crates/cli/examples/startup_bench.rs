@@ -254,7 +254,12 @@ async fn main() -> anyhow::Result<()> {
             let pid = operator.runtime().pids(&key, c).await[0].expect("a running replica");
             procs.push((c, capture(pid)));
         }
-        let etcd_data = PathBuf::from(flag(&procs[0].1.args, "data-dir").expect("etcd --data-dir"));
+        // Paths go through the process's working directory (`/proc/self/cwd/…`).
+        let etcd_data = flag(&procs[0].1.args, "data-dir").expect("etcd --data-dir");
+        let etcd_data = match Path::new(&etcd_data).strip_prefix("/proc/self/cwd") {
+            Ok(rel) => procs[0].1.cwd.join(rel),
+            Err(_) => procs[0].1.cwd.join(etcd_data),
+        };
         let tenant_dir = operator.runtime().tenant_dir(&key)?;
         let copy = work.path().join(format!("bare-{run}"));
         copy_dir(&tenant_dir, &copy, std::slice::from_ref(&etcd_data));

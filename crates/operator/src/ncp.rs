@@ -182,13 +182,16 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         Some(crate::datastore::Binding::Bound(b)) => Some(b.clone()),
         _ => ncp.status.as_ref().and_then(|s| s.datastore.clone()),
     };
-    if let Some(c) = crate::datastore::quota_condition(&ctx, &ncp).await? {
-        conditions::set(
+    match crate::datastore::quota_condition(&ctx, &ncp).await? {
+        Some(c) => conditions::set(
             &mut new_status.conditions,
             c,
             ncp.metadata.generation,
             k8s_openapi::jiff::Timestamp::now(),
-        );
+        ),
+        None => new_status
+            .conditions
+            .retain(|c| c.type_ != crate::datastore::QUOTA_CONDITION),
     }
     ctx.metrics.set_tenant_ready(&ns, &name, new_status.ready);
     if ncp.status.as_ref() != Some(&new_status) {

@@ -30,7 +30,7 @@ pub struct Spec {
     pub cwd: Option<PathBuf>,
     /// Run as this user (and group, with no supplementary groups) instead of the caller's. The
     /// working directory is entered before the switch, so the user needs no access to the
-    /// directories above it: paths in `args` are relative to it.
+    /// directories above it: paths in `args` go through it (`/proc/self/cwd/…`).
     pub user: Option<crate::egress::User>,
 }
 

@@ -225,7 +225,7 @@ impl Admin {
     }
 
     /// What tenant `prefix` stores: its keys, and their bytes (keys and values), read at one
-    /// revision in pages from the member answering (serializable reads, no consensus round).
+    /// revision in pages (linearizable: a lagging member answers only once it has caught up).
     /// A page starts at [`USAGE_PAGE`] keys and is halved while its answer is larger than the
     /// client takes (4 MiB: a tenant's large values cannot stop the measuring).
     pub async fn usage(&mut self, prefix: &str) -> Result<Usage, EtcdError> {
@@ -235,10 +235,7 @@ impl Admin {
         let mut limit = USAGE_PAGE;
         let mut revision = 0;
         loop {
-            let mut options = GetOptions::new()
-                .with_range(end.clone())
-                .with_limit(limit)
-                .with_serializable();
+            let mut options = GetOptions::new().with_range(end.clone()).with_limit(limit);
             if revision > 0 {
                 options = options.with_revision(revision);
             }

@@ -459,6 +459,13 @@ pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Ac
                                     .map(|p| format!("{}: {p}", m.endpoint))
                             });
                             status.members = members;
+                            // Quotas hold whatever the admission verdict: a member down or
+                            // an old etcd admits no new tenant, but those on it are measured.
+                            let measured =
+                                enforce_quotas(&ctx, &ds, &a, &tenants, &mut status).await;
+                            if let Ok(near) = measured {
+                                near_quota = near;
+                            }
                             if let Some(problem) = outdated {
                                 Err((
                                     OUTDATED_ETCD,
@@ -468,11 +475,8 @@ pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Ac
                                     Some(EventType::Warning),
                                 ))
                             } else if all {
-                                match enforce_quotas(&ctx, &ds, &a, &tenants, &mut status).await {
-                                    Ok(near) => {
-                                        near_quota = near;
-                                        Ok(())
-                                    }
+                                match measured {
+                                    Ok(_) => Ok(()),
                                     Err(e) => Err((
                                         UNREACHABLE,
                                         format!("measuring tenants: {e}"),
@@ -514,10 +518,17 @@ pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Ac
         k8s_openapi::jiff::Timestamp::now(),
     );
     if ds.status.as_ref() != Some(&status) {
+        // A merge patch: lists that became empty are sent as such, or the old ones would stay.
+        let mut body = serde_json::to_value(&status).map_err(|e| Error::Internal(e.to_string()))?;
+        for list in ["tenants", "members", "endpoints"] {
+            if body.get(list).is_none() {
+                body[list] = serde_json::json!([]);
+            }
+        }
         api.patch_status(
             &name,
             &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({ "status": status })),
+            &Patch::Merge(serde_json::json!({ "status": body })),
         )
         .await?;
         let after = (
@@ -804,7 +815,6 @@ async fn enforce_quotas(
         if done.contains(&t.prefix) {
             continue;
         }
-        done.push(t.prefix.clone());
         let Some(ncp) = ncps
             .iter()
             .find(|n| n.namespace().as_deref() == Some(&t.namespace) && n.name_any() == t.name)
@@ -812,6 +822,7 @@ async fn enforce_quotas(
         else {
             continue;
         };
+        done.push(t.prefix.clone());
         let measured = async {
             let Some(writable) = admin.writable(&t.user, &t.prefix).await? else {
                 return Ok::<_, etcd::EtcdError>(None);
@@ -834,7 +845,8 @@ async fn enforce_quotas(
         };
         ctx.metrics
             .set_datastore_usage(&t.namespace, &t.name, usage.keys, usage.bytes, quota);
-        near |= usage.bytes >= quota / 2;
+        // A read-only tenant cannot grow: it does not need the fast cadence.
+        near |= !read_only && usage.bytes >= quota / 2;
         for o in status.tenants.iter_mut().filter(|o| o.prefix == t.prefix) {
             o.read_only = read_only;
         }
@@ -913,7 +925,7 @@ pub async fn quota_condition(
         .and_then(|r| r.quota.as_ref());
     let unmet = match Quotas::of(&ds.spec).map(|q| q.for_tenant(asked)) {
         Ok(Err(e)) => format!(" ({e}; the quota it held stays)"),
-        Ok(Ok(want)) if want != quota => format!(
+        Ok(Ok(want)) if want > quota => format!(
             " (spec.datastoreRef.quota asks for {want} bytes, more than the datastore can take besides its other tenants' quotas)"
         ),
         _ => String::new(),
