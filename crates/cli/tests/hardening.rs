@@ -1089,3 +1089,53 @@ async fn a_steady_tenant_is_watched_not_polled() {
     let ncp = env.ncps("default").get("quiet").await.unwrap();
     assert!(ncp.status.unwrap().ready);
 }
+
+/// Two replicas whose clocks differ by far more than the lease duration: the one behind
+/// leads and renews, and the one ahead (or behind) never takes the Lease from it; it does once
+/// the leader stops renewing, after the record stood still for the lease duration by its own
+/// clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_with_a_skewed_clock_never_takes_the_lease_from_a_healthy_leader() {
+    use nestplane_operator::leader::{self, LeaderElection};
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicI64;
+    use tokio_util::sync::CancellationToken;
+    let env = Env::start(false).await;
+    let le = |id: &str, skew: i64| LeaderElection {
+        lease_duration: Duration::from_secs(4),
+        renew_deadline: Duration::from_secs(3),
+        retry_period: Duration::from_millis(500),
+        clock: nestplane_operator::clock::Clock::offset(Arc::new(AtomicI64::new(skew))),
+        ..LeaderElection::new("default", "skewed", id)
+    };
+    let shutdown = CancellationToken::new();
+    assert!(leader::acquire(&env.client(), &le("a", 0), &shutdown).await);
+    let (lost, release) = (CancellationToken::new(), CancellationToken::new());
+    let keeper = tokio::spawn(leader::keep(
+        env.client(),
+        le("a", 0),
+        lost.clone(),
+        release.clone(),
+    ));
+    for skew in [3_600, -3_600] {
+        let b = le("b", skew);
+        let took = tokio::time::timeout(
+            Duration::from_secs(12),
+            leader::acquire(&env.client(), &b, &shutdown),
+        )
+        .await;
+        assert!(
+            took.is_err(),
+            "b, its clock {skew} s off, took the lease from a healthy leader"
+        );
+        assert!(!lost.is_cancelled(), "a lost its lease");
+    }
+    // a stops renewing without releasing (as if it hung): b takes over, by its own clock.
+    keeper.abort();
+    let took = tokio::time::timeout(
+        Duration::from_secs(20),
+        leader::acquire(&env.client(), &le("b", 3_600), &shutdown),
+    )
+    .await;
+    assert!(matches!(took, Ok(true)), "b never took over: {took:?}");
+}

@@ -3,7 +3,10 @@
 //! leader issues certificates, runs processes and writes status.
 //!
 //! The same protocol as client-go's leaderelection: a candidate takes the Lease when it is
-//! free or its holder has not renewed it for `lease_duration`; the leader renews every
+//! free or when the record has not changed for `lease_duration` **as the candidate itself
+//! timed it** (from when it first saw that record, on its own monotonic clock: the times in
+//! the Lease are another machine's and are never compared with ours, so clock skew between
+//! replicas cannot make a healthy leader look expired). The leader renews every
 //! `retry_period` and gives up leadership (stops its controllers) when it could not renew for
 //! `renew_deadline`. Every write carries the Lease's resourceVersion, so two candidates never
 //! both win. A leader that stops cleanly releases the Lease so the next one takes over at once.
@@ -12,12 +15,12 @@ use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use tokio_util::sync::CancellationToken;
 
 /// Leader election settings.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct LeaderElection {
     /// Namespace of the Lease.
     pub namespace: String,
@@ -31,6 +34,9 @@ pub struct LeaderElection {
     pub renew_deadline: Duration,
     /// How often candidates retry and the leader renews.
     pub retry_period: Duration,
+    /// The wall clock written into the Lease (`acquireTime`, `renewTime`) for people to
+    /// read; no decision depends on it.
+    pub clock: crate::clock::Clock,
 }
 
 impl LeaderElection {
@@ -43,6 +49,7 @@ impl LeaderElection {
             lease_duration: Duration::from_secs(15),
             renew_deadline: Duration::from_secs(10),
             retry_period: Duration::from_secs(2),
+            clock: crate::clock::Clock::default(),
         }
     }
 }
@@ -60,8 +67,9 @@ pub enum Decision {
     Wait,
 }
 
-/// Pure: what `me` does with `spec` at `now`.
-pub fn decide(spec: Option<&LeaseSpec>, me: &str, now: Timestamp) -> Decision {
+/// Pure: what `me` does with `spec`, a record unchanged for `unchanged_for` as this candidate
+/// timed it (see [`Observed`]).
+pub fn decide(spec: Option<&LeaseSpec>, me: &str, unchanged_for: Duration) -> Decision {
     let Some(spec) = spec else {
         return Decision::Create;
     };
@@ -72,15 +80,33 @@ pub fn decide(spec: Option<&LeaseSpec>, me: &str, now: Timestamp) -> Decision {
     if holder.is_empty() {
         return Decision::TakeOver;
     }
-    let renewed = spec
-        .renew_time
-        .as_ref()
-        .or(spec.acquire_time.as_ref())
-        .map(|t| t.0);
-    let duration = SignedDuration::from_secs(i64::from(spec.lease_duration_seconds.unwrap_or(15)));
-    match renewed {
-        Some(t) if t + duration > now => Decision::Wait,
-        _ => Decision::TakeOver,
+    let duration = Duration::from_secs(spec.lease_duration_seconds.unwrap_or(15).max(1) as u64);
+    if unchanged_for >= duration {
+        Decision::TakeOver
+    } else {
+        Decision::Wait
+    }
+}
+
+/// The Lease record a candidate last saw and when it first saw it, by its own monotonic
+/// clock (client-go's `observedRecord` and `observedTime`).
+#[derive(Debug, Default)]
+pub struct Observed {
+    record: Option<LeaseSpec>,
+    since: Option<tokio::time::Instant>,
+}
+
+impl Observed {
+    /// Record what was read at `now`; returns how long that record has been unchanged.
+    pub fn see(&mut self, spec: Option<&LeaseSpec>, now: tokio::time::Instant) -> Duration {
+        match self.since {
+            Some(since) if self.record.as_ref() == spec => now.saturating_duration_since(since),
+            _ => {
+                self.record = spec.cloned();
+                self.since = Some(now);
+                Duration::ZERO
+            }
+        }
     }
 }
 
@@ -106,14 +132,16 @@ fn held_spec(cfg: &LeaderElection, previous: Option<&LeaseSpec>, now: Timestamp)
 }
 
 /// One attempt to acquire or renew; true when we hold the Lease afterwards.
-async fn try_hold(api: &Api<Lease>, cfg: &LeaderElection) -> Result<bool, kube::Error> {
-    let now = Timestamp::now();
+async fn try_hold(
+    api: &Api<Lease>,
+    cfg: &LeaderElection,
+    observed: &mut Observed,
+) -> Result<bool, kube::Error> {
     let current = api.get_opt(&cfg.name).await?;
-    let decision = decide(
-        current.as_ref().and_then(|l| l.spec.as_ref()),
-        &cfg.identity,
-        now,
-    );
+    let spec = current.as_ref().and_then(|l| l.spec.as_ref());
+    let unchanged_for = observed.see(spec, tokio::time::Instant::now());
+    let decision = decide(spec, &cfg.identity, unchanged_for);
+    let now = to_timestamp(cfg.clock.now());
     match (decision, current) {
         (Decision::Wait, _) => Ok(false),
         (Decision::Create, _) => {
@@ -152,8 +180,9 @@ pub async fn acquire(
 ) -> bool {
     let api: Api<Lease> = Api::namespaced(client.clone(), &cfg.namespace);
     let mut waiting_logged = false;
+    let mut observed = Observed::default();
     loop {
-        match try_hold(&api, cfg).await {
+        match try_hold(&api, cfg, &mut observed).await {
             Ok(true) => {
                 tracing::info!(lease = %cfg.name, identity = %cfg.identity, "became the leader");
                 return true;
@@ -185,6 +214,7 @@ pub async fn keep(
 ) {
     let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
     let mut last_renewal = tokio::time::Instant::now();
+    let mut observed = Observed::default();
     loop {
         tokio::select! {
             _ = tokio::time::sleep(cfg.retry_period) => {}
@@ -193,7 +223,7 @@ pub async fn keep(
                 return;
             }
         }
-        match try_hold(&api, &cfg).await {
+        match try_hold(&api, &cfg, &mut observed).await {
             Ok(true) => last_renewal = tokio::time::Instant::now(),
             Ok(false) => {
                 tracing::error!(lease = %cfg.name, "another replica took the lease; stopping");
@@ -208,6 +238,11 @@ pub async fn keep(
             return;
         }
     }
+}
+
+/// A `time` instant as the Lease's timestamp type.
+fn to_timestamp(t: time::OffsetDateTime) -> Timestamp {
+    Timestamp::from_nanosecond(t.unix_timestamp_nanos()).unwrap_or(Timestamp::UNIX_EPOCH)
 }
 
 /// Give the Lease up (holder cleared), so a standby takes over without waiting for expiry.
@@ -247,16 +282,35 @@ mod tests {
     }
 
     #[test]
-    fn a_fresh_lease_of_another_is_respected_and_an_expired_one_taken() {
-        assert_eq!(decide(None, "a", at(100)), Decision::Create);
-        assert_eq!(decide(Some(&held("a", 90)), "a", at(100)), Decision::Renew);
-        assert_eq!(decide(Some(&held("b", 90)), "a", at(100)), Decision::Wait);
-        assert_eq!(
-            decide(Some(&held("b", 80)), "a", at(100)),
-            Decision::TakeOver
-        );
+    fn a_lease_of_another_is_taken_only_once_it_stood_still_for_its_duration() {
+        let s = Duration::from_secs;
+        assert_eq!(decide(None, "a", s(0)), Decision::Create);
+        assert_eq!(decide(Some(&held("a", 90)), "a", s(0)), Decision::Renew);
+        assert_eq!(decide(Some(&held("b", 90)), "a", s(14)), Decision::Wait);
+        assert_eq!(decide(Some(&held("b", 90)), "a", s(15)), Decision::TakeOver);
         let released = LeaseSpec::default();
-        assert_eq!(decide(Some(&released), "a", at(100)), Decision::TakeOver);
+        assert_eq!(decide(Some(&released), "a", s(0)), Decision::TakeOver);
+    }
+
+    #[test]
+    fn the_holders_clock_never_decides() {
+        // A holder whose clock is an hour behind (or ahead) renews: each renewal is a new
+        // record, so the lease never stands still long enough to be taken.
+        let mut seen = Observed::default();
+        let t0 = tokio::time::Instant::now();
+        for i in 0..20u64 {
+            let record = held("b", 1_000 - 3_600 + i as i64 * 2);
+            let still = seen.see(Some(&record), t0 + Duration::from_secs(2 * i));
+            assert_eq!(still, Duration::ZERO);
+            assert_eq!(decide(Some(&record), "a", still), Decision::Wait);
+        }
+        // A record that stops changing is taken after the lease duration, by our own clock,
+        // whatever its renewTime says (here: the future).
+        let stuck = held("b", 10_000_000);
+        let t1 = t0 + Duration::from_secs(100);
+        assert_eq!(seen.see(Some(&stuck), t1), Duration::ZERO);
+        let still = seen.see(Some(&stuck), t1 + Duration::from_secs(15));
+        assert_eq!(decide(Some(&stuck), "a", still), Decision::TakeOver);
     }
 
     #[test]
