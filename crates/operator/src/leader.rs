@@ -223,7 +223,19 @@ pub async fn keep(
                 return;
             }
         }
-        match try_hold(&api, &cfg, &mut observed).await {
+        // A renewal that hangs must not outlive the deadline: a standby takes over once the
+        // record stood still for the lease duration, whatever this replica is waiting for.
+        let left = (last_renewal + cfg.renew_deadline)
+            .saturating_duration_since(tokio::time::Instant::now());
+        let attempt = match tokio::time::timeout(left, try_hold(&api, &cfg, &mut observed)).await {
+            Ok(r) => r,
+            Err(_) => {
+                tracing::error!(lease = %cfg.name, "could not renew the lease in time; stopping");
+                lost.cancel();
+                return;
+            }
+        };
+        match attempt {
             Ok(true) => last_renewal = tokio::time::Instant::now(),
             Ok(false) => {
                 tracing::error!(lease = %cfg.name, "another replica took the lease; stopping");
