@@ -37,8 +37,9 @@ enum Command {
         /// Address for DNS over UDP and TCP.
         #[arg(long, default_value = "0.0.0.0:5353")]
         listen: std::net::SocketAddr,
-        /// Address of `/healthz`, `/readyz` and `/metrics`.
-        #[arg(long, default_value = "0.0.0.0:8081")]
+        /// Address of `/healthz`, `/readyz` and `/metrics` (loopback by default; the
+        /// `kube-dns` Deployment gives its pod's address).
+        #[arg(long, default_value = "127.0.0.1:8081")]
         health: std::net::SocketAddr,
         /// Resolvers for names outside the zone (repeat for more; `none` for no forwarding);
         /// by default the name servers of /etc/resolv.conf (a pod with `dnsPolicy: Default`

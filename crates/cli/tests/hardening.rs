@@ -637,6 +637,65 @@ fn free_addr() -> std::net::SocketAddr {
         .unwrap()
 }
 
+/// A client that opens connections to a health endpoint and sends nothing cannot stop it
+/// from answering a prober, even when the process has few file descriptors to spare: the
+/// `nestplane dns` binary (health endpoints on loopback, no upstreams, an API server that is
+/// not there), with 128 descriptors and 300 idle connections.
+#[test]
+fn idle_connections_cannot_stop_healthz_from_answering() {
+    let state = tempfile::tempdir().unwrap();
+    // A kubeconfig for an API server that is not there (loopback, nothing listens): the
+    // health endpoints answer whether or not the caches ever fill.
+    let kubeconfig = state.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: \"http://127.0.0.1:9\"}}]\nusers: [{name: u, user: {}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\ncurrent-context: c\n",
+    )
+    .unwrap();
+    let (dns, health) = (free_addr(), free_addr());
+    let mut cmd = std::process::Command::new("prlimit");
+    cmd.arg("--nofile=128:128")
+        .arg(env!("CARGO_BIN_EXE_nestplane"))
+        .args(["dns", "--upstream", "none"])
+        .arg(format!("--listen={dns}"))
+        .arg(format!("--health={health}"))
+        .env("KUBECONFIG", &kubeconfig)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let _server = KillOnDrop(
+        cmd.spawn()
+            .expect("prlimit not found: apt-get install util-linux"),
+    );
+    eventually("/healthz answers", Duration::from_secs(30), || {
+        http_get(health, "/healthz")
+            .starts_with("HTTP/1.1 200")
+            .then_some(())
+    });
+    // Not ready: its caches never list.
+    assert!(
+        http_get(health, "/readyz").starts_with("HTTP/1.1 503"),
+        "readyz"
+    );
+
+    let held: Vec<std::net::TcpStream> = (0..300)
+        .map(|_| std::net::TcpStream::connect(health).expect("connect"))
+        .collect();
+    for _ in 0..3 {
+        let started = std::time::Instant::now();
+        let r = http_get(health, "/healthz");
+        assert!(
+            r.starts_with("HTTP/1.1 200"),
+            "/healthz with 300 idle connections held: {r:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    drop(held);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_watch_fails_readyz_and_is_counted() {
     let env = Env::start(false).await;

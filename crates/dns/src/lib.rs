@@ -72,8 +72,11 @@ pub fn manifests(d: &Deployment) -> Vec<Value> {
                                 "dns",
                                 format!("--zone={}", d.zone),
                                 format!("--listen=0.0.0.0:{POD_PORT}"),
-                                format!("--health=0.0.0.0:{HEALTH_PORT}"),
+                                // Probes come to the pod's address: not every address of
+                                // the pod (the pod may have others) serves them.
+                                format!("--health=$(POD_IP):{HEALTH_PORT}"),
                             ],
+                            "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
                             "ports": [
                                 {"name": "dns", "containerPort": POD_PORT, "protocol": "UDP"},
                                 {"name": "dns-tcp", "containerPort": POD_PORT, "protocol": "TCP"},
@@ -129,5 +132,12 @@ mod tests {
             .expect("deployment");
         assert_eq!(dep["spec"]["replicas"], 2);
         assert_eq!(dep["spec"]["template"]["spec"]["dnsPolicy"], "Default");
+        let args = &dep["spec"]["template"]["spec"]["containers"][0]["args"];
+        assert!(
+            args.as_array()
+                .expect("args")
+                .contains(&json!(format!("--health=$(POD_IP):{HEALTH_PORT}"))),
+            "{args}"
+        );
     }
 }

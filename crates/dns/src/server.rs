@@ -2,25 +2,31 @@
 //! query), over UDP and TCP; forwards names outside the zone to upstream resolvers; serves
 //! `/healthz`, `/readyz` and Prometheus `/metrics`.
 
-use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use hickory_proto::op::{Header, Message, MessageType, OpCode, Query, ResponseCode};
+use hickory_proto::op::{Edns, Header, Metadata, ResponseCode};
 use hickory_proto::rr::rdata::{A, AAAA, CNAME, PTR, SOA, SRV, TXT};
 use hickory_proto::rr::{Name, RData, Record, RecordType};
-use hickory_server::ServerFuture;
-use hickory_server::authority::MessageResponseBuilder;
+use hickory_resolver::Resolver;
+use hickory_resolver::config::{ConnectionConfig, NameServerConfig, ResolveHosts, ResolverConfig};
+use hickory_resolver::net::runtime::{Time, TokioRuntimeProvider};
+use hickory_resolver::net::{DnsError, NetError};
+use hickory_server::Server;
 use hickory_server::server::{Request, RequestHandler, ResponseHandler, ResponseInfo};
+use hickory_server::zone_handler::MessageResponseBuilder;
 use k8s_openapi::api::core::v1::{Endpoints, Service};
 use kube::Api;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
 
 use crate::records::{self, Answer, Kind, View};
 
@@ -98,17 +104,75 @@ impl Caches {
     }
 }
 
-/// How long an upstream resolver has to answer a forwarded query.
+/// How long one upstream resolver has to answer one attempt of a forwarded query.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
+/// Forwarded answers kept, each for the TTL it carries up to [`CACHE_MAX_TTL`] (CoreDNS's
+/// `cache 30`); few, because an answer fetched over TCP may be 64 KiB.
+const CACHE_ENTRIES: u64 = 256;
+const CACHE_MAX_TTL: Duration = Duration::from_secs(30);
+/// The largest answer sent over UDP, whatever size a client's EDNS asks for (the DNS flag
+/// day's 1232 bytes: no fragments, and little to amplify); larger answers go out truncated
+/// and the client asks again over TCP.
+const MAX_UDP_PAYLOAD: u16 = 1232;
+
+/// What a forwarded query came back with.
+struct Forwarded {
+    code: ResponseCode,
+    answers: Vec<Record>,
+    authority: Vec<Record>,
+}
+
+/// The resolver that forwards names outside the zone to `upstreams`: `hickory-resolver`,
+/// which sends EDNS, retries over TCP when an answer comes back truncated, caches answers
+/// for the TTLs they carry, asks two upstreams at once and orders them by how they answer,
+/// and uses random query IDs and source ports. `None` without upstreams.
+fn forwarder(upstreams: &[SocketAddr]) -> Option<Resolver<TokioRuntimeProvider>> {
+    if upstreams.is_empty() {
+        return None;
+    }
+    let servers = upstreams
+        .iter()
+        .map(|u| {
+            let mut udp = ConnectionConfig::udp();
+            udp.port = u.port();
+            let mut tcp = ConnectionConfig::tcp();
+            tcp.port = u.port();
+            let mut s = NameServerConfig::udp_and_tcp(u.ip());
+            s.connections = vec![udp, tcp];
+            s
+        })
+        .collect();
+    let mut builder = Resolver::builder_with_config(
+        ResolverConfig::from_parts(None, vec![], servers),
+        TokioRuntimeProvider::default(),
+    );
+    let o = builder.options_mut();
+    o.timeout = UPSTREAM_TIMEOUT;
+    o.attempts = 2;
+    o.cache_size = CACHE_ENTRIES;
+    o.positive_max_ttl = Some(CACHE_MAX_TTL);
+    o.negative_max_ttl = Some(CACHE_MAX_TTL);
+    o.edns0 = true;
+    // A forwarder passes on the aliases it followed (RFC 1034 4.3.2).
+    o.preserve_intermediates = true;
+    o.use_hosts_file = ResolveHosts::Never;
+    o.ndots = 0;
+    match builder.build() {
+        Ok(r) => Some(r),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot build the forwarding resolver");
+            None
+        }
+    }
+}
 
 /// Answers queries in `zone` from a [`View`]; forwards everything else to `upstreams`.
 pub struct Handler<V> {
     view: V,
     zone: String,
     soa: Record,
-    upstreams: Vec<SocketAddr>,
+    forwarder: Option<Resolver<TokioRuntimeProvider>>,
     metrics: Arc<Metrics>,
-    next_id: AtomicU16,
 }
 
 impl<V: View + Send + Sync + Unpin + 'static> Handler<V> {
@@ -131,65 +195,62 @@ impl<V: View + Send + Sync + Unpin + 'static> Handler<V> {
             TTL,
             RData::SOA(SOA::new(ns, mbox, 1, 7200, 1800, 86400, TTL)),
         );
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos() as u16)
-            .unwrap_or(1);
         Ok(Handler {
             view,
             zone,
             soa,
-            upstreams,
+            forwarder: forwarder(&upstreams),
             metrics,
-            next_id: AtomicU16::new(seed),
         })
     }
 
-    /// Ask the upstream resolvers, one after the other, for `name` (`rtype`): the first
-    /// answer wins. `None` when none answers.
-    async fn forward(&self, name: &Name, rtype: RecordType) -> Option<Message> {
-        for upstream in &self.upstreams {
-            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-            let mut m = Message::new();
-            m.set_id(id)
-                .set_message_type(MessageType::Query)
-                .set_op_code(OpCode::Query)
-                .set_recursion_desired(true)
-                .add_query(Query::query(name.clone(), rtype));
-            let Ok(bytes) = m.to_vec() else {
-                return None;
-            };
-            let local: SocketAddr = if upstream.is_ipv4() {
-                ([0, 0, 0, 0], 0).into()
-            } else {
-                (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
-            };
-            let Ok(sock) = tokio::net::UdpSocket::bind(local).await else {
-                continue;
-            };
-            if sock.send_to(&bytes, upstream).await.is_err() {
-                continue;
+    /// Ask the upstream resolvers for `name` (`rtype`). `None` without upstreams.
+    async fn forward(&self, name: &Name, rtype: RecordType) -> Option<Forwarded> {
+        let resolver = self.forwarder.as_ref()?;
+        let mut name = name.clone();
+        name.set_fqdn(true);
+        let (outcome, forwarded) = match resolver.lookup(name.clone(), rtype).await {
+            Ok(lookup) => (
+                "answered",
+                Forwarded {
+                    code: ResponseCode::NoError,
+                    answers: lookup.answers().to_vec(),
+                    authority: lookup.authorities().to_vec(),
+                },
+            ),
+            Err(NetError::Dns(DnsError::NoRecordsFound(none))) => (
+                "negative",
+                Forwarded {
+                    code: none.response_code,
+                    answers: vec![],
+                    authority: none
+                        .soa
+                        .map(|soa| vec![soa.into_record_of_rdata()])
+                        .unwrap_or_default(),
+                },
+            ),
+            Err(NetError::Dns(DnsError::ResponseCode(code))) => (
+                "error",
+                Forwarded {
+                    code,
+                    answers: vec![],
+                    authority: vec![],
+                },
+            ),
+            Err(e) => {
+                tracing::debug!(%name, error = %e, "no upstream resolver answered");
+                (
+                    "failed",
+                    Forwarded {
+                        code: ResponseCode::ServFail,
+                        answers: vec![],
+                        authority: vec![],
+                    },
+                )
             }
-            let mut buf = vec![0u8; 4096];
-            let answer = tokio::time::timeout(UPSTREAM_TIMEOUT, async {
-                loop {
-                    let (n, from) = sock.recv_from(&mut buf).await.ok()?;
-                    if from != *upstream {
-                        continue;
-                    }
-                    match Message::from_vec(&buf[..n]) {
-                        Ok(r) if r.id() == id => return Some(r),
-                        _ => continue,
-                    }
-                }
-            })
-            .await;
-            match answer {
-                Ok(Some(r)) => return Some(r),
-                _ => tracing::debug!(%upstream, %name, "upstream resolver did not answer"),
-            }
-        }
-        None
+        };
+        self.metrics.forwarded(outcome);
+        Some(forwarded)
     }
 
     /// The answer records of `answer` for `name`, and the response code and authority
@@ -249,7 +310,7 @@ impl<V: View + Send + Sync + Unpin + 'static> Handler<V> {
                     match records::lookup(&self.view, &self.zone, &target.to_ascii(), kind) {
                         Answer::NotInZone => {
                             if let Some(r) = self.forward(&target, rtype).await {
-                                records.extend(r.answers().iter().cloned());
+                                records.extend(r.answers);
                             }
                         }
                         Answer::Addresses(ips) => {
@@ -271,17 +332,9 @@ impl<V: View + Send + Sync + Unpin + 'static> Handler<V> {
                 );
             }
             Answer::NotInZone => {
-                if self.upstreams.is_empty() {
-                    return (ResponseCode::Refused, false, records, vec![]);
-                }
                 return match self.forward(name, rtype).await {
-                    Some(r) => (
-                        r.response_code(),
-                        false,
-                        r.answers().to_vec(),
-                        r.name_servers().to_vec(),
-                    ),
-                    None => (ResponseCode::ServFail, false, records, vec![]),
+                    Some(r) => (r.code, false, r.answers, r.authority),
+                    None => (ResponseCode::Refused, false, records, vec![]),
                 };
             }
         }
@@ -298,6 +351,24 @@ fn address(name: &Name, ip: IpAddr) -> Record {
     Record::from_rdata(name.clone(), TTL, rdata)
 }
 
+/// The `type` label of a query: the common types by name, every other one `other` (a client
+/// chooses the type; the label's values stay few).
+fn qtype_label(rtype: RecordType) -> &'static str {
+    match rtype {
+        RecordType::A => "a",
+        RecordType::AAAA => "aaaa",
+        RecordType::SRV => "srv",
+        RecordType::PTR => "ptr",
+        RecordType::TXT => "txt",
+        RecordType::CNAME => "cname",
+        RecordType::SOA => "soa",
+        RecordType::NS => "ns",
+        RecordType::MX => "mx",
+        RecordType::ANY => "any",
+        _ => "other",
+    }
+}
+
 fn kind_of(rtype: RecordType) -> Kind {
     match rtype {
         RecordType::A => Kind::A,
@@ -312,35 +383,52 @@ fn kind_of(rtype: RecordType) -> Kind {
 
 #[async_trait::async_trait]
 impl<V: View + Send + Sync + Unpin + 'static> RequestHandler for Handler<V> {
-    async fn handle_request<R: ResponseHandler>(
+    async fn handle_request<R: ResponseHandler, T: Time>(
         &self,
         request: &Request,
         mut response: R,
     ) -> ResponseInfo {
         let started = Instant::now();
-        let builder = MessageResponseBuilder::from_message_request(request);
-        let mut header = Header::response_from_request(request.header());
+        // The client's EDNS decides how large an answer over UDP may be (512 bytes without
+        // it); what does not fit is sent truncated, and the client asks again over TCP.
+        let edns = request.edns.as_ref().map(|asked| {
+            let mut e = Edns::new();
+            e.set_max_payload(asked.max_payload().clamp(512, MAX_UDP_PAYLOAD));
+            e
+        });
+        let mut builder = MessageResponseBuilder::from_message_request(request);
+        if let Some(e) = &edns {
+            builder.edns(e);
+        }
+        let mut meta = Metadata::response_from_request(&request.metadata);
         let Ok(info) = request.request_info() else {
-            header.set_response_code(ResponseCode::FormErr);
+            meta.response_code = ResponseCode::FormErr;
             self.metrics
                 .observe("other", ResponseCode::FormErr, started.elapsed());
-            let msg = builder.build_no_records(header);
-            return response.send_response(msg).await.unwrap_or(header.into());
+            let msg = builder.build_no_records(meta);
+            return response.send_response(msg).await.unwrap_or_else(|_| {
+                ResponseInfo::from(Header {
+                    metadata: meta,
+                    counts: Default::default(),
+                })
+            });
         };
         let name = info.query.original().name().clone();
         let rtype = info.query.query_type();
         let answer = records::lookup(&self.view, &self.zone, &name.to_ascii(), kind_of(rtype));
         let (code, authoritative, answers, authority) = self.answer(&name, rtype, answer).await;
-        header.set_response_code(code);
-        header.set_authoritative(authoritative);
-        header.set_recursion_available(!self.upstreams.is_empty());
-        self.metrics.observe(
-            &rtype.to_string().to_ascii_lowercase(),
-            code,
-            started.elapsed(),
-        );
-        let msg = builder.build(header, answers.iter(), [], authority.iter(), []);
-        response.send_response(msg).await.unwrap_or(header.into())
+        meta.response_code = code;
+        meta.authoritative = authoritative;
+        meta.recursion_available = self.forwarder.is_some();
+        self.metrics
+            .observe(qtype_label(rtype), code, started.elapsed());
+        let msg = builder.build(meta, answers.iter(), [], authority.iter(), []);
+        response.send_response(msg).await.unwrap_or_else(|_| {
+            ResponseInfo::from(Header {
+                metadata: meta,
+                counts: Default::default(),
+            })
+        })
     }
 }
 
@@ -349,13 +437,48 @@ const BUCKETS: [f64; 12] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0,
 ];
 
-/// Prometheus metrics of the server: queries by type and response code, and latency.
-#[derive(Debug, Default)]
+type Labels = Vec<(&'static str, String)>;
+
+/// Prometheus metrics of the server (on `prometheus-client`): queries by type and response
+/// code, latency, and how forwarded queries ended.
+#[derive(Debug)]
 pub struct Metrics {
-    queries: Mutex<BTreeMap<(String, String), u64>>,
-    buckets: [AtomicU64; BUCKETS.len()],
-    count: AtomicU64,
-    sum_micros: AtomicU64,
+    registry: Registry,
+    queries: Family<Labels, Counter>,
+    duration: Histogram,
+    forwarded: Family<Labels, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let queries = Family::<Labels, Counter>::default();
+        registry.register(
+            "nestplane_dns_queries",
+            "DNS queries answered, by query type and response code",
+            queries.clone(),
+        );
+        let duration = Histogram::new(BUCKETS);
+        registry.register_with_unit(
+            "nestplane_dns_request_duration",
+            "Time to answer a query",
+            Unit::Seconds,
+            duration.clone(),
+        );
+        let forwarded = Family::<Labels, Counter>::default();
+        registry.register(
+            "nestplane_dns_forwarded",
+            "Queries for names outside the zone, by how the upstream resolvers answered \
+             (answered, negative, error, failed)",
+            forwarded.clone(),
+        );
+        Metrics {
+            registry,
+            queries,
+            duration,
+            forwarded,
+        }
+    }
 }
 
 impl Metrics {
@@ -370,58 +493,39 @@ impl Metrics {
             ResponseCode::Refused => "REFUSED".into(),
             other => u16::from(other).to_string(),
         };
-        if let Ok(mut q) = self.queries.lock() {
-            *q.entry((qtype.to_string(), rcode)).or_default() += 1;
-        }
-        let secs = took.as_secs_f64();
-        for (i, b) in BUCKETS.iter().enumerate() {
-            if secs <= *b {
-                self.buckets[i].fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_micros
-            .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+        self.queries
+            .get_or_create(&vec![("type", qtype.to_string()), ("rcode", rcode)])
+            .inc();
+        self.duration.observe(took.as_secs_f64());
     }
 
-    /// The metrics in Prometheus' text format.
+    /// Count one forwarded query by how it ended.
+    fn forwarded(&self, outcome: &str) {
+        self.forwarded
+            .get_or_create(&vec![("outcome", outcome.to_string())])
+            .inc();
+    }
+
+    /// The metrics in the OpenMetrics text format.
     pub fn render(&self) -> String {
-        let mut out = String::from(
-            "# HELP nestplane_dns_queries_total DNS queries answered, by query type and response code.\n# TYPE nestplane_dns_queries_total counter\n",
-        );
-        if let Ok(q) = self.queries.lock() {
-            for ((t, r), n) in q.iter() {
-                out.push_str(&format!(
-                    "nestplane_dns_queries_total{{type=\"{t}\",rcode=\"{r}\"}} {n}\n"
-                ));
-            }
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::error!(error = %e, "encoding metrics");
         }
-        out.push_str("# HELP nestplane_dns_request_duration_seconds Time to answer a query.\n# TYPE nestplane_dns_request_duration_seconds histogram\n");
-        for (i, b) in BUCKETS.iter().enumerate() {
-            out.push_str(&format!(
-                "nestplane_dns_request_duration_seconds_bucket{{le=\"{b}\"}} {}\n",
-                self.buckets[i].load(Ordering::Relaxed)
-            ));
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        out.push_str(&format!(
-            "nestplane_dns_request_duration_seconds_bucket{{le=\"+Inf\"}} {count}\nnestplane_dns_request_duration_seconds_sum {}\nnestplane_dns_request_duration_seconds_count {count}\n",
-            self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6
-        ));
         out
     }
 }
 
-/// The name servers of a `resolv.conf` (port 53), leaving out `except` (this server's own
-/// address, so that it never forwards to itself). Pure.
+/// The name servers of a `resolv.conf` (as `hickory-resolver` reads it; port 53), leaving
+/// out `except` (this server's own address, so that it never forwards to itself). Pure.
 pub fn upstreams_from_resolv_conf(text: &str, except: SocketAddr) -> Vec<SocketAddr> {
-    text.lines()
-        .filter_map(|l| {
-            let mut w = l.split_whitespace();
-            (w.next() == Some("nameserver")).then(|| w.next())?
-        })
-        .filter_map(|a| a.parse::<IpAddr>().ok())
-        .map(|ip| SocketAddr::new(ip, 53))
+    let Ok((config, _)) = hickory_resolver::system_conf::parse_resolv_conf(text) else {
+        return vec![];
+    };
+    config
+        .name_servers()
+        .iter()
+        .map(|s| SocketAddr::new(s.ip, 53))
         .filter(|a| *a != except)
         .collect()
 }
@@ -442,12 +546,16 @@ pub async fn serve(
     let health_listener = tokio::net::TcpListener::bind(health)
         .await
         .map_err(|e| Error::Io(format!("binding {health}"), e))?;
-    tokio::spawn(serve_health(
+    tokio::spawn(nestplane_health::serve(
         health_listener,
-        ready.clone(),
-        metrics.clone(),
+        Arc::new(Probe {
+            ready: ready.clone(),
+            metrics: metrics.clone(),
+        }),
+        nestplane_health::Limits::default(),
+        tokio_util::sync::CancellationToken::new(),
     ));
-    let mut server = ServerFuture::new(Handler::new(
+    let mut server = Server::new(Handler::new(
         caches.clone(),
         zone,
         upstreams.clone(),
@@ -460,7 +568,7 @@ pub async fn serve(
         .await
         .map_err(|e| Error::Io(format!("binding {dns}/tcp"), e))?;
     server.register_socket(udp);
-    server.register_listener(tcp, Duration::from_secs(5));
+    server.register_listener(tcp, Duration::from_secs(5), 16);
     caches.ready().await;
     ready.store(true, Ordering::Relaxed);
     tracing::info!(%dns, zone, ?upstreams, "serving cluster DNS");
@@ -470,42 +578,22 @@ pub async fn serve(
         .map_err(|e| Error::Io("serving".into(), std::io::Error::other(e.to_string())))
 }
 
-async fn serve_health(
-    listener: tokio::net::TcpListener,
+/// What the DNS server's `/readyz` and `/metrics` report.
+struct Probe {
     ready: Arc<AtomicBool>,
     metrics: Arc<Metrics>,
-) {
-    loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
-        let ready = ready.clone();
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            let mut buf = [0u8; 1024];
-            let n = sock.read(&mut buf).await.unwrap_or(0);
-            let req = String::from_utf8_lossy(&buf[..n]);
-            let path = req.split_whitespace().nth(1).unwrap_or("/");
-            let ok = match path {
-                "/healthz" | "/livez" | "/metrics" => true,
-                "/readyz" => ready.load(Ordering::Relaxed),
-                _ => false,
-            };
-            let (status, body) = match (ok, path) {
-                (true, "/metrics") => ("200 OK", metrics.render()),
-                (true, _) => ("200 OK", "ok".to_string()),
-                _ => ("503 Service Unavailable", "not ready".to_string()),
-            };
-            let _ = sock
-                .write_all(
-                    format!(
-                        "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                        body.len()
-                    )
-                    .as_bytes(),
-                )
-                .await;
-        });
+}
+
+impl nestplane_health::Probe for Probe {
+    fn metrics(&self) -> String {
+        self.metrics.render()
+    }
+    fn problems(&self) -> Vec<String> {
+        if self.ready.load(Ordering::Relaxed) {
+            vec![]
+        } else {
+            vec!["the Service and Endpoints caches have not listed yet".into()]
+        }
     }
 }
 

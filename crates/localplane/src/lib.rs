@@ -662,7 +662,7 @@ impl LocalPlane {
                 .map_err(|e| Error::Client(e.to_string()))?;
             if let Some(token) = s.data.as_ref().and_then(|d| d.get("token")) {
                 let token = String::from_utf8_lossy(&token.0).into_owned();
-                let ca = base64_encode(self.ca_pem.as_bytes());
+                let ca = nestplane_pki::base64(self.ca_pem.as_bytes());
                 return Ok(format!(
                     "apiVersion: v1\nkind: Config\nclusters:\n- name: management\n  cluster:\n    server: {}\n    certificate-authority-data: {ca}\nusers:\n- name: {name}\n  user:\n    token: {token}\ncontexts:\n- name: {name}@management\n  context:\n    cluster: management\n    user: {name}\n    namespace: {namespace}\ncurrent-context: {name}@management\n",
                     self.server
@@ -702,27 +702,6 @@ impl Drop for LocalPlane {
     fn drop(&mut self) {
         self.stop();
     }
-}
-
-fn base64_encode(input: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(input.len().div_ceil(3) * 4);
-    for chunk in input.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(T[((n >> (18 - 6 * i)) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
 }
 
 /// A `kube::Client` for a kubeconfig (YAML text).

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
 use nestplane_api::names::Component;
 use nestplane_runtime::process::ProcessRuntime;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -84,6 +85,7 @@ pub struct Metrics {
     datastore_bytes: Family<TenantLabel, Gauge<i64, AtomicI64>>,
     datastore_quota: Family<TenantLabel, Gauge<i64, AtomicI64>>,
     watch_failures: Family<KindLabel, Counter>,
+    watch_relists: Family<KindLabel, Counter>,
     api_requests: Family<RequestLabel, Counter>,
     registry: Arc<Registry>,
 }
@@ -100,6 +102,7 @@ impl Default for Metrics {
         let datastore_bytes = Family::<TenantLabel, Gauge<i64, AtomicI64>>::default();
         let datastore_quota = Family::<TenantLabel, Gauge<i64, AtomicI64>>::default();
         let watch_failures = Family::<KindLabel, Counter>::default();
+        let watch_relists = Family::<KindLabel, Counter>::default();
         let api_requests = Family::<RequestLabel, Counter>::default();
         let mut registry = Registry::with_prefix("nestplane");
         registry.register("reconciles", "Reconcile passes by kind", reconciles.clone());
@@ -139,6 +142,11 @@ impl Default for Metrics {
             watch_failures.clone(),
         );
         registry.register(
+            "watch_relists",
+            "Watches that expired (410 Gone: the API server no longer had their resource version) and listed again, by controller; normal after bursts of writes",
+            watch_relists.clone(),
+        );
+        registry.register(
             "api_requests",
             "Requests sent to the management cluster's API server, by HTTP method (POST, PUT, PATCH and DELETE are writes) and resource",
             api_requests.clone(),
@@ -152,6 +160,7 @@ impl Default for Metrics {
             datastore_bytes,
             datastore_quota,
             watch_failures,
+            watch_relists,
             api_requests,
             registry: Arc::new(registry),
         }
@@ -239,6 +248,24 @@ impl Metrics {
             .inc();
     }
 
+    /// What to make of a watch's error: an expired watch (410 Gone) that the watcher answers
+    /// by listing again is counted and logged as the routine it is; anything else is a
+    /// failure, logged as an error, counted, and fails `/readyz` for a while.
+    pub fn watch_error(&self, health: &Health, controller: &str, e: &watcher::Error) {
+        if expired(e) {
+            tracing::info!(controller, "watch expired; listing again");
+            self.watch_relists
+                .get_or_create(&KindLabel {
+                    kind: controller.into(),
+                })
+                .inc();
+        } else {
+            tracing::error!(controller, error = %e, "watch failed");
+            self.watch_failed(controller);
+            health.watch_failed(controller, e.to_string());
+        }
+    }
+
     /// `client`, counting every request it sends in
     /// `nestplane_api_requests_total{method,resource}` (watches count once, when they start).
     pub fn counted(&self, client: kube::Client) -> kube::Client {
@@ -270,6 +297,18 @@ impl Metrics {
         let mut out = String::new();
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// Whether a watch error is a watch (or a paginated list's continue token) that expired (410
+/// Gone), which the watcher recovers from by listing again. Pure.
+pub fn expired(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::WatchError(status) => status.code == 410,
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => status.code == 410,
+        _ => false,
     }
 }
 
@@ -562,5 +601,51 @@ mod request_tests {
         ] {
             assert_eq!(request_resource(path), want, "{path}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn watch_error(code: u16) -> watcher::Error {
+        watcher::Error::WatchError(Box::new(kube::core::Status {
+            code,
+            message: "too old resource version: 1 (300)".into(),
+            reason: "Expired".into(),
+            ..Default::default()
+        }))
+    }
+
+    #[test]
+    fn an_expired_watch_is_counted_as_a_relist_and_leaves_readyz_alone() {
+        let (metrics, health) = (Metrics::default(), Health::default());
+        metrics.watch_error(&health, "Cluster", &watch_error(410));
+        assert!(health.problems().is_empty(), "{:?}", health.problems());
+        let text = metrics.encode();
+        assert!(
+            text.contains("nestplane_watch_relists_total{kind=\"Cluster\"} 1"),
+            "{text}"
+        );
+        assert!(!text.contains("nestplane_watch_failures_total{"), "{text}");
+
+        // So is an expired continue token while listing.
+        let list =
+            watcher::Error::InitialListFailed(kube::Error::Api(Box::new(kube::core::Status {
+                code: 410,
+                reason: "Expired".into(),
+                ..Default::default()
+            })));
+        metrics.watch_error(&health, "Cluster", &list);
+        assert!(health.problems().is_empty());
+
+        // Anything else is a failure until the watch recovers.
+        metrics.watch_error(&health, "Cluster", &watch_error(403));
+        assert_eq!(health.problems().len(), 1);
+        assert!(
+            metrics
+                .encode()
+                .contains("nestplane_watch_failures_total{kind=\"Cluster\"} 1")
+        );
     }
 }

@@ -129,7 +129,8 @@ where
 pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// What a controller's stream yields, made visible: a failed watch (an RBAC refusal, a lost
-/// connection) is logged, counted, and fails `/readyz`; reconcile errors are already counted
+/// connection) is logged, counted, and fails `/readyz` (an expired watch that relists is only
+/// counted); reconcile errors are already counted
 /// and backed off by the error policy.
 fn report<T, E: std::fmt::Display>(
     controller: impl Into<String>,
@@ -140,9 +141,7 @@ fn report<T, E: std::fmt::Display>(
     let ctx = ctx.clone();
     move |r| {
         if let Err(kube::runtime::controller::Error::QueueError(e)) = r {
-            tracing::error!(controller = %controller, error = %e, "watch failed");
-            ctx.metrics.watch_failed(&controller);
-            ctx.health.watch_failed(&controller, e.to_string());
+            ctx.metrics.watch_error(&ctx.health, &controller, &e);
         }
         std::future::ready(())
     }

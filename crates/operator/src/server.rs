@@ -1,11 +1,25 @@
-//! `/metrics`, `/healthz` and `/readyz` over plain HTTP/1.1 (no framework needed).
+//! `/metrics`, `/healthz` and `/readyz` of the operator, on the shared health server.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::{Health, Metrics};
+
+struct Operator {
+    metrics: Metrics,
+    health: Health,
+}
+
+impl nestplane_health::Probe for Operator {
+    fn metrics(&self) -> String {
+        self.metrics.encode()
+    }
+    fn problems(&self) -> Vec<String> {
+        self.health.problems()
+    }
+}
 
 /// Serve until `shutdown` is cancelled.
 pub async fn serve(
@@ -15,40 +29,12 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
-    loop {
-        let (mut sock, _) = tokio::select! {
-            r = listener.accept() => r?,
-            _ = shutdown.cancelled() => return Ok(()),
-        };
-        let metrics = metrics.clone();
-        let health = health.clone();
-        tokio::spawn(async move {
-            let mut buf = [0u8; 2048];
-            let n = sock.read(&mut buf).await.unwrap_or(0);
-            let req = String::from_utf8_lossy(&buf[..n]);
-            let path = req.split_whitespace().nth(1).unwrap_or("/");
-            let (status, ctype, body) = match path {
-                "/metrics" => (
-                    "200 OK",
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    metrics.encode(),
-                ),
-                "/healthz" | "/livez" => ("200 OK", "text/plain", "ok".to_string()),
-                "/readyz" => match health.problems() {
-                    p if p.is_empty() => ("200 OK", "text/plain", "ok".to_string()),
-                    p => (
-                        "503 Service Unavailable",
-                        "text/plain",
-                        format!("not ready:\n{}\n", p.join("\n")),
-                    ),
-                },
-                _ => ("404 Not Found", "text/plain", "not found".to_string()),
-            };
-            let resp = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = sock.write_all(resp.as_bytes()).await;
-        });
-    }
+    nestplane_health::serve(
+        listener,
+        Arc::new(Operator { metrics, health }),
+        nestplane_health::Limits::default(),
+        shutdown,
+    )
+    .await;
+    Ok(())
 }

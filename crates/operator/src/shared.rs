@@ -82,7 +82,7 @@ where
     /// Watch with `config` until `shutdown`, each object passed through `slim` before it is
     /// cached (managed fields are always dropped: no pass reads them, and they are the largest
     /// part of an applied object). A failed watch is logged, counted and fails `/readyz`, and
-    /// is retried with backoff.
+    /// is retried with backoff; an expired one relists ([`crate::context::Metrics::watch_error`]).
     pub fn run(
         self,
         ctx: &Arc<Context>,
@@ -119,9 +119,7 @@ where
                     Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => continue,
                     Ok(watcher::Event::InitDone) => reader.state(),
                     Err(e) => {
-                        tracing::error!(error = %e, kind, "watch failed");
-                        ctx.metrics.watch_failed(kind);
-                        ctx.health.watch_failed(kind, e.to_string());
+                        ctx.metrics.watch_error(&ctx.health, kind, &e);
                         continue;
                     }
                 };

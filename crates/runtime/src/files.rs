@@ -2,14 +2,15 @@
 //! restricted after), replaced atomically, and directories that hold them 0700.
 
 use std::io::Write;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 
 use crate::egress::User;
 
 /// Write `data` to `path` so that no other user can ever read it: the bytes go to a temporary
-/// file in the same directory that is created with mode 0600 (`O_CREAT|O_EXCL`, whatever the
-/// umask), then renamed over `path`. Nothing is written when `path` already holds `data`.
+/// file with a random name in the same directory, created with mode 0600 (`O_CREAT|O_EXCL`,
+/// by `tempfile`), then renamed over `path`; two writers never share a temporary file.
+/// Nothing is written when `path` already holds `data`.
 pub fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
     write_private_as(path, data, None)
 }
@@ -30,33 +31,34 @@ pub fn write_private_as(path: &Path, data: &[u8], owner: Option<User>) -> std::i
             _ => return Ok(()),
         }
     }
-    let tmp = path.with_extension("nestplane-tmp");
-    // A temporary file left by a crash may have any mode: never write into it.
-    match std::fs::remove_file(&tmp) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-        _ => {}
-    }
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .suffix(".nestplane-tmp")
+        .permissions(std::fs::Permissions::from_mode(0o600))
+        .tempfile_in(dir)?;
     // The mode given to open() is masked by the umask; it can only lose bits, so 0600 stays
     // 0600 or less. Assert it rather than trust it.
-    let mode = f.metadata()?.permissions().mode() & 0o777;
+    let mode = tmp.as_file().metadata()?.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
         return Err(std::io::Error::other(format!(
             "{} was created with mode {mode:o}",
-            tmp.display()
+            tmp.path().display()
         )));
     }
     if let Some(u) = owner {
-        std::os::unix::fs::fchown(&f, Some(u.uid), Some(u.gid))?;
+        std::os::unix::fs::fchown(tmp.as_file(), Some(u.uid), Some(u.gid))?;
     }
-    f.write_all(data)?;
-    f.sync_all()?;
-    drop(f);
-    std::fs::rename(&tmp, path)
+    tmp.write_all(data)?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map(|_| ()).map_err(|e| e.error)
 }
 
 /// Create `dir` (and its parents) and restrict it to its owner (0700).
@@ -111,15 +113,37 @@ mod tests {
         write_private(&path, b"one").unwrap();
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
-        // A world-readable leftover temporary file is never written into.
-        let tmp = path.with_extension("nestplane-tmp");
-        std::fs::write(&tmp, b"stale").unwrap();
-        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644)).unwrap();
         write_private(&path, b"two").unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"two");
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
-        assert!(!tmp.exists());
+        // No temporary file is left behind.
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("tls.key")]);
+    }
+
+    #[test]
+    fn two_writers_never_tear_each_others_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("admin.kubeconfig");
+        let one = vec![b'1'; 64 * 1024];
+        let two = vec![b'2'; 64 * 1024];
+        std::thread::scope(|s| {
+            for data in [&one, &two] {
+                let path = &path;
+                s.spawn(move || {
+                    for _ in 0..100 {
+                        write_private(path, data).unwrap();
+                    }
+                });
+            }
+        });
+        let got = std::fs::read(&path).unwrap();
+        assert!(got == one || got == two, "a whole file from one writer");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 
     #[test]

@@ -716,7 +716,7 @@ fn release(b: [u8; 2], dir: &Path) {
 }
 
 fn pick_block(used: &[[u8; 2]], elsewhere: impl Fn([u8; 2]) -> bool) -> Option<[u8; 2]> {
-    use rand::Rng;
+    use rand::RngExt;
     let mut rng = rand::rng();
     for _ in 0..512 {
         let b = [rng.random_range(64..=126u8), rng.random_range(0..=255u8)];
@@ -1117,19 +1117,45 @@ async fn wait_healthy(probe: &Probe, i: usize) {
     tracing::warn!(endpoint = %ep.url, "replica not healthy after {ROLL_WAIT:?}; rolling on");
 }
 
+/// Probe clients, one per CA (the TLS configuration and its roots built once, not per
+/// probe). At most [`PROBE_CLIENTS`] are kept: past that (CAs of deleted tenants, rotations),
+/// the set starts over.
+static CLIENTS: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::HashMap<Option<String>, reqwest::Client>>,
+> = std::sync::LazyLock::new(Default::default);
+const PROBE_CLIENTS: usize = 1024;
+
+/// The probe client that trusts `ca_pem` (none: no roots, for plain HTTP endpoints).
+fn probe_client(ca_pem: Option<&str>) -> Option<reqwest::Client> {
+    let key = ca_pem.map(str::to_string);
+    let mut clients = CLIENTS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = clients.get(&key) {
+        return Some(c.clone());
+    }
+    // Every probe opens its own connection, as a kubelet's does: a kept-alive one to a process
+    // that was just replaced would fail a probe the new process passes.
+    let mut builder = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .pool_max_idle_per_host(0)
+        .use_rustls_tls();
+    if let Some(ca) = ca_pem.and_then(|p| reqwest::Certificate::from_pem(p.as_bytes()).ok()) {
+        builder = builder.add_root_certificate(ca);
+    }
+    let client = builder.build().ok()?;
+    if clients.len() >= PROBE_CLIENTS {
+        clients.clear();
+    }
+    clients.insert(key, client.clone());
+    Some(client)
+}
+
 /// Check the health endpoints of a component; returns how many answered healthy.
 /// `ca_pem` verifies HTTPS endpoints.
 pub async fn healthy_count(
     endpoints: &[nestplane_render::HealthEndpoint],
     ca_pem: Option<&str>,
 ) -> usize {
-    let mut builder = reqwest::Client::builder()
-        .timeout(Duration::from_secs(2))
-        .use_rustls_tls();
-    if let Some(ca) = ca_pem.and_then(|p| reqwest::Certificate::from_pem(p.as_bytes()).ok()) {
-        builder = builder.add_root_certificate(ca);
-    }
-    let Ok(client) = builder.build() else {
+    let Some(client) = probe_client(ca_pem) else {
         return 0;
     };
     // Every replica is probed at once: a component's check takes one timeout at most, not one

@@ -27,7 +27,7 @@ use nestplane_api::hosted::{
 use nestplane_api::names;
 use nestplane_nodes::join::{self, BootstrapToken};
 use nestplane_nodes::node::{Node, NodeConfig};
-use rand::Rng;
+use rand::RngExt;
 use sha2::{Digest, Sha256};
 
 use super::{cluster, plan};
@@ -232,32 +232,18 @@ pub fn validate_pool(pool: &NodePool) -> Result<(), String> {
     Ok(())
 }
 
-/// `90s`, `5m`, `1h`, `1m30s`.
+/// A Go duration as Kubernetes writes them (`90s`, `1m30s`, `300ms`, `1.5h`, `0`), read by
+/// `kube::core::Duration`; negative ones are refused.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let mut total = 0u64;
-    let mut num = String::new();
-    for c in s.trim().chars() {
-        if c.is_ascii_digit() {
-            num.push(c);
-            continue;
-        }
-        let n: u64 = num
-            .parse()
-            .map_err(|_| format!("{s:?} is not a duration (like 90s, 5m)"))?;
-        num.clear();
-        total += n * match c {
-            's' => 1,
-            'm' => 60,
-            'h' => 3600,
-            _ => return Err(format!("{s:?} is not a duration (like 90s, 5m)")),
-        };
+    let s = s.trim();
+    if s == "0" {
+        return Ok(Duration::ZERO);
     }
-    if !num.is_empty() {
-        return Err(format!(
-            "{s:?} is not a duration (like 90s, 5m): a unit is missing"
-        ));
+    match s.parse::<kube::core::Duration>() {
+        Ok(d) if !d.is_negative() => Ok(d.into()),
+        Ok(_) => Err(format!("{s:?} is negative")),
+        Err(e) => Err(format!("{s:?} is not a duration (like 90s, 5m): {e}")),
     }
-    Ok(Duration::from_secs(total))
 }
 
 fn pool_key(pool: &NodePool) -> String {
@@ -1309,8 +1295,12 @@ mod tests {
             .is_err()
         );
         assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("300ms"), Ok(Duration::from_millis(300)));
+        assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
         assert!(parse_duration("5").is_err());
         assert!(parse_duration("5d").is_err());
+        assert!(parse_duration("-5s").is_err());
     }
 
     #[test]
