@@ -40,7 +40,7 @@ else
   cp -r "$copy" "$DB.new"
   chmod -R u+w "$DB.new"
   rm -rf "$DB.new/.git"
-  newest=$(grep -rhs '^date = "' "$DB.new/crates" | sort | tail -n1 | cut -d'"' -f2)
+  newest=$(grep -rhs '^date = "' "$DB.new/crates" | sort | tail -n1 | cut -d'"' -f2) || true
   newest=${newest:-1970-01-01}
   (cd "$DB.new" && git init -q && git add -A \
     && GIT_AUTHOR_DATE="${newest}T00:00:00Z" GIT_COMMITTER_DATE="${newest}T00:00:00Z" \

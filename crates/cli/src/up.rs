@@ -110,10 +110,10 @@ fn build_images() -> anyhow::Result<Vec<nestplane_nodes::images::Built>> {
 
 /// Install the operator from the release manifest and wait until its pod is available.
 async fn install_operator(plane: &LocalPlane) -> anyhow::Result<()> {
-    use serde::Deserialize;
     let mut objects = Vec::new();
-    for doc in serde_norway::Deserializer::from_str(RELEASE_MANIFEST) {
-        let v = serde_json::Value::deserialize(doc).context("reading the release manifest")?;
+    let docs: Vec<serde_json::Value> =
+        serde_saphyr::from_multiple(RELEASE_MANIFEST).context("reading the release manifest")?;
+    for v in docs {
         // The CRDs are installed (and established) already.
         if v.is_object() && v["kind"] != "CustomResourceDefinition" {
             objects.push(v);

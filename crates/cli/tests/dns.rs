@@ -303,7 +303,7 @@ async fn cluster_dns_answers_a_pod_on_a_real_node_by_the_specification() {
     );
     let yaml: Vec<String> = coredns
         .iter()
-        .map(|o| serde_norway::to_string(o).unwrap())
+        .map(|o| serde_saphyr::to_string(o).unwrap())
         .collect();
     let out = kubectl_stdin(
         &hosted,

@@ -345,7 +345,7 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
         });
     }
     let stranger = env.state.path().join("stranger.kubeconfig");
-    std::fs::write(&stranger, serde_norway::to_string(&kc_stranger).unwrap()).unwrap();
+    std::fs::write(&stranger, serde_saphyr::to_string(&kc_stranger).unwrap()).unwrap();
     let whoami = kubectl(&stranger, &["get", "nodes"]);
     assert!(!whoami.status.success(), "the stranger is not an admin");
     let out = kubectl_stdin(

@@ -491,7 +491,8 @@ impl Metrics {
             ResponseCode::NXDomain => "NXDOMAIN".into(),
             ResponseCode::NotImp => "NOTIMP".into(),
             ResponseCode::Refused => "REFUSED".into(),
-            other => u16::from(other).to_string(),
+            ResponseCode::NotAuth => "NOTAUTH".into(),
+            _ => "other".into(),
         };
         self.queries
             .get_or_create(&vec![("type", qtype.to_string()), ("rcode", rcode)])

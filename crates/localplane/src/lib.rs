@@ -662,11 +662,15 @@ impl LocalPlane {
                 .map_err(|e| Error::Client(e.to_string()))?;
             if let Some(token) = s.data.as_ref().and_then(|d| d.get("token")) {
                 let token = String::from_utf8_lossy(&token.0).into_owned();
-                let ca = nestplane_pki::base64(self.ca_pem.as_bytes());
-                return Ok(format!(
-                    "apiVersion: v1\nkind: Config\nclusters:\n- name: management\n  cluster:\n    server: {}\n    certificate-authority-data: {ca}\nusers:\n- name: {name}\n  user:\n    token: {token}\ncontexts:\n- name: {name}@management\n  context:\n    cluster: management\n    user: {name}\n    namespace: {namespace}\ncurrent-context: {name}@management\n",
-                    self.server
-                ));
+                return nestplane_pki::write_kubeconfig(&nestplane_pki::KubeconfigSpec {
+                    cluster: "management",
+                    server: &self.server,
+                    authority: nestplane_pki::Authority::Pem(&self.ca_pem),
+                    user: name,
+                    credential: nestplane_pki::Credential::Token(&token),
+                    namespace: Some(namespace),
+                })
+                .map_err(|e| Error::Client(e.to_string()));
             }
             if Instant::now() > deadline {
                 return Err(Error::Client(format!(

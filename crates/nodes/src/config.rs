@@ -332,17 +332,15 @@ pub fn kube_proxy_config(layout: &Layout, node_name: &str) -> String {
 /// The kubelet's bootstrap kubeconfig: the node-local API address, the cluster CA, and a
 /// bootstrap token (the only credential a node is given).
 pub fn bootstrap_kubeconfig(layout: &Layout, port: u16, token: &str) -> String {
-    serde_json::to_string_pretty(&json!({
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "cluster", "cluster": {
-            "server": format!("https://{NODE_LOCAL_APISERVER}:{port}"),
-            "certificate-authority": layout.ca().to_string_lossy()
-        }}],
-        "users": [{"name": "kubelet-bootstrap", "user": {"token": token}}],
-        "contexts": [{"name": "bootstrap", "context": {"cluster": "cluster", "user": "kubelet-bootstrap"}}],
-        "current-context": "bootstrap"
-    }))
+    let ca = layout.ca();
+    nestplane_pki::write_kubeconfig(&nestplane_pki::KubeconfigSpec {
+        cluster: "cluster",
+        server: &format!("https://{NODE_LOCAL_APISERVER}:{port}"),
+        authority: nestplane_pki::Authority::File(&ca.to_string_lossy()),
+        user: "kubelet-bootstrap",
+        credential: nestplane_pki::Credential::Token(token),
+        namespace: None,
+    })
     .unwrap_or_default()
 }
 
@@ -481,17 +479,22 @@ mod tests {
 
     #[test]
     fn the_bootstrap_kubeconfig_holds_a_token_and_the_node_local_address() {
-        let v: Value = serde_json::from_str(&bootstrap_kubeconfig(
+        let v: Value = serde_saphyr::from_str(&bootstrap_kubeconfig(
             &layout(),
             6443,
             "abcdef.0123456789abcdef",
         ))
-        .expect("json");
+        .expect("yaml");
         assert_eq!(
             v["clusters"][0]["cluster"]["server"],
             "https://172.20.0.1:6443"
         );
         assert_eq!(v["users"][0]["user"]["token"], "abcdef.0123456789abcdef");
         assert!(v["users"][0]["user"].get("client-certificate").is_none());
+        assert_eq!(
+            v["clusters"][0]["cluster"]["certificate-authority"],
+            layout().ca().to_string_lossy().as_ref()
+        );
+        assert_eq!(v["current-context"], "kubelet-bootstrap@cluster");
     }
 }

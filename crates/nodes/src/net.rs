@@ -3,6 +3,7 @@
 //! machine; nothing is routed off it (the addresses are private ranges reached only through
 //! the host's veths).
 
+use ipnet::Ipv4Net;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -314,21 +315,19 @@ pub const PRIVATE: &[&str] = &["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"];
 /// (anyone's real route) wins, and every more specific route wins anyway.
 pub const UNREACHABLE_METRIC: &str = "4242";
 
-fn parse_v4(cidr: &str) -> Option<(u32, u32)> {
-    let (addr, len) = cidr.split_once('/').unwrap_or((cidr, "32"));
-    let addr: std::net::Ipv4Addr = addr.parse().ok()?;
-    let len: u32 = len.parse().ok().filter(|l| *l <= 32)?;
-    Some((u32::from(addr), len))
+/// An IPv4 range (`a.b.c.d/n`, host bits allowed as routes print them; a bare address is a
+/// `/32`).
+fn parse_v4(cidr: &str) -> Option<Ipv4Net> {
+    match cidr.parse::<Ipv4Net>() {
+        Ok(net) => Some(net.trunc()),
+        Err(_) => cidr.parse::<std::net::Ipv4Addr>().ok().map(Ipv4Net::from),
+    }
 }
 
 /// Whether two IPv4 ranges share an address. Pure.
 pub fn overlaps(a: &str, b: &str) -> bool {
     match (parse_v4(a), parse_v4(b)) {
-        (Some((a, la)), Some((b, lb))) => {
-            let len = la.min(lb);
-            let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
-            a & mask == b & mask
-        }
+        (Some(a), Some(b)) => a.contains(&b.network()) || b.contains(&a.network()),
         _ => false,
     }
 }
@@ -336,7 +335,7 @@ pub fn overlaps(a: &str, b: &str) -> bool {
 /// Whether range `outer` holds every address of range `inner`. Pure.
 pub fn holds(outer: &str, inner: &str) -> bool {
     match (parse_v4(outer), parse_v4(inner)) {
-        (Some((_, lo)), Some((_, li))) => lo <= li && overlaps(outer, inner),
+        (Some(outer), Some(inner)) => outer.contains(&inner),
         _ => false,
     }
 }

@@ -20,15 +20,15 @@ fn bind_in_netns(netns: PathBuf, addr: SocketAddr) -> Result<TcpListener, Error>
     std::thread::spawn(move || -> Result<TcpListener, Error> {
         let f = std::fs::File::open(&netns)
             .map_err(|e| Error::io(format!("opening {}", netns.display()), e))?;
-        use std::os::fd::AsRawFd;
-        // SAFETY: setns on a valid namespace file descriptor affects only this thread, which
-        // binds one socket and ends; no memory is shared with the call.
-        #[allow(unsafe_code)]
-        let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-        if rc != 0 {
+        // Only this thread enters the namespace; it binds one socket and ends.
+        use std::os::fd::AsFd;
+        if let Err(e) = rustix::thread::move_into_link_name_space(
+            f.as_fd(),
+            Some(rustix::thread::LinkNameSpaceType::Network),
+        ) {
             return Err(Error::io(
                 "entering the node's network namespace",
-                std::io::Error::last_os_error(),
+                std::io::Error::from(e),
             ));
         }
         let l = TcpListener::bind(addr)

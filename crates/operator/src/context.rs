@@ -305,9 +305,9 @@ impl Metrics {
 pub fn expired(e: &watcher::Error) -> bool {
     match e {
         watcher::Error::WatchError(status) => status.code == 410,
-        watcher::Error::InitialListFailed(kube::Error::Api(status))
-        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
-        | watcher::Error::WatchFailed(kube::Error::Api(status)) => status.code == 410,
+        // Only these two make the watcher list again; a failed watch start or stream keeps
+        // its resource version, so a 410 there repeats until it is a failure.
+        watcher::Error::InitialListFailed(kube::Error::Api(status)) => status.code == 410,
         _ => false,
     }
 }

@@ -44,11 +44,11 @@ pub fn established(crd: &CustomResourceDefinition) -> bool {
 
 /// Every CRD as one multi-document YAML (what `nestplane crds` prints and `config/crd/`
 /// holds).
-pub fn yaml() -> Result<String, serde_norway::Error> {
+pub fn yaml() -> Result<String, serde_saphyr::ser::Error> {
     let mut out = String::new();
     for crd in nestplane_api::crds::all() {
         out.push_str("---\n");
-        out.push_str(&serde_norway::to_string(&crd)?);
+        out.push_str(&serde_saphyr::to_string(&crd)?);
     }
     Ok(out)
 }

@@ -4,7 +4,7 @@
 //! paths), or send traffic elsewhere (`proxy-url`) on the reader's machine is refused. It is
 //! an allow-list: a field it does not know is refused too. Pure.
 
-use serde_norway::Value;
+use serde_json::Value;
 
 use crate::CertKey;
 
@@ -36,26 +36,52 @@ const TOP_FIELDS: &[&str] = &[
     "preferences",
 ];
 
+/// How YAML that a user wrote is read (kubeconfigs in their Secrets, addon manifests): a
+/// budget that stops alias bombs and deep nesting early (a manifest nests a few dozen levels,
+/// names a few anchors), merge keys (`<<`) kept as ordinary keys so a check sees them (a reader
+/// that expands them, as Kubernetes' does, sets `merge_keys` back), no snippet of the text in
+/// an error (it is a Secret's), and duplicate keys refused.
+pub fn untrusted_yaml() -> serde_saphyr::Options {
+    serde_saphyr::options! {
+        budget: serde_saphyr::budget! {
+            max_depth: 64,
+            flow_nesting_limit: 64,
+            max_nodes: 200_000,
+            max_aliases: 10_000,
+            max_anchors: 10_000,
+            max_total_scalar_bytes: 8 << 20,
+            max_recorded_anchor_bytes: 8 << 20,
+        },
+        alias_limits: serde_saphyr::alias_limits! {
+            max_total_replayed_events: 100_000,
+        },
+        merge_keys: serde_saphyr::MergeKeyPolicy::AsOrdinary,
+        duplicate_keys: serde_saphyr::DuplicateKeyPolicy::Error,
+        with_snippet: false,
+    }
+}
+
 /// Whether `yaml` is a kubeconfig of inline credentials only; the error names every field
 /// that is refused (never a value: kubeconfigs hold secrets).
 pub fn check_kubeconfig(yaml: &str) -> Result<(), String> {
-    let doc: Value = serde_norway::from_str(yaml).map_err(|e| {
+    let doc: Value = serde_saphyr::from_str_with_options(yaml, untrusted_yaml()).map_err(|e| {
         format!(
             "the kubeconfig is not YAML: {}",
             e.to_string().lines().next().unwrap_or_default()
         )
     })?;
-    let Value::Mapping(top) = &doc else {
+    let Value::Object(top) = &doc else {
         return Err("the kubeconfig is not a mapping".into());
     };
     let mut bad = Vec::new();
-    // A YAML merge key (`<<`) is applied by client-go's parser and not by this one: whatever
-    // it would bring in is unseen here, so it is refused wherever it stands.
+    // A YAML merge key (`<<`) is applied by client-go's parser; it is read here as an ordinary
+    // key (see `untrusted_yaml`) and refused wherever it stands, so what it would bring in is
+    // never unseen.
     if has_merge_key(&doc) {
         bad.push("a YAML merge key (<<)".to_string());
     }
     for (k, v) in top {
-        let k = k.as_str().unwrap_or("?");
+        let k = k.as_str();
         if !TOP_FIELDS.contains(&k) {
             bad.push(format!("field {k:?}"));
             continue;
@@ -66,23 +92,23 @@ pub fn check_kubeconfig(yaml: &str) -> Result<(), String> {
             "contexts" => ("context", CONTEXT_FIELDS),
             _ => continue,
         };
-        for entry in v.as_sequence().into_iter().flatten() {
+        for entry in v.as_array().into_iter().flatten() {
             let name = entry
                 .get("name")
                 .and_then(Value::as_str)
                 .unwrap_or("?")
                 .to_string();
-            for f in entry.as_mapping().into_iter().flat_map(|m| m.keys()) {
-                let f = f.as_str().unwrap_or("?");
+            for f in entry.as_object().into_iter().flat_map(|m| m.keys()) {
+                let f = f.as_str();
                 if f != "name" && f != inner {
                     bad.push(format!("{inner} entry {name:?} has field {f:?}"));
                 }
             }
-            let Some(Value::Mapping(fields)) = entry.get(inner) else {
+            let Some(Value::Object(fields)) = entry.get(inner) else {
                 continue;
             };
             for f in fields.keys() {
-                let f = f.as_str().unwrap_or("?");
+                let f = f.as_str();
                 if !allowed.contains(&f) {
                     bad.push(format!("{inner} {name:?} uses {f}"));
                 }
@@ -101,11 +127,8 @@ pub fn check_kubeconfig(yaml: &str) -> Result<(), String> {
 
 fn has_merge_key(v: &Value) -> bool {
     match v {
-        Value::Mapping(m) => m
-            .iter()
-            .any(|(k, v)| k.as_str() == Some("<<") || has_merge_key(v)),
-        Value::Sequence(s) => s.iter().any(has_merge_key),
-        Value::Tagged(t) => has_merge_key(&t.value),
+        Value::Object(m) => m.iter().any(|(k, v)| k == "<<" || has_merge_key(v)),
+        Value::Array(s) => s.iter().any(has_merge_key),
         _ => false,
     }
 }
@@ -113,8 +136,8 @@ fn has_merge_key(v: &Value) -> bool {
 /// The client certificate and key of a kubeconfig's first user, when it has inline ones.
 pub fn kubeconfig_client(yaml: &str) -> Option<CertKey> {
     use base64::Engine as _;
-    let doc: Value = serde_norway::from_str(yaml).ok()?;
-    let user = doc.get("users")?.as_sequence()?.first()?.get("user")?;
+    let doc: Value = serde_saphyr::from_str_with_options(yaml, untrusted_yaml()).ok()?;
+    let user = doc.get("users")?.as_array()?.first()?.get("user")?;
     let decode = |field: &str| -> Option<String> {
         let b64 = user.get(field)?.as_str()?;
         let raw = base64::engine::general_purpose::STANDARD.decode(b64).ok()?;
@@ -224,6 +247,26 @@ mod tests {
         let err = check_kubeconfig(&merged).unwrap_err();
         assert!(err.contains("merge key"), "{err}");
         assert!(check_kubeconfig(&format!("{INLINE}extensions: []\n")).is_err());
+        // kube merges the documents of a kubeconfig: a second one could bring in an exec
+        // user, so a kubeconfig of several documents is refused whole.
+        let second =
+            format!("{INLINE}---\nusers:\n- name: u\n  user: {{exec: {{command: /bin/sh}}}}\n");
+        assert!(check_kubeconfig(&second).is_err());
+        // Duplicate keys (a reader that keeps the last one would see another user).
+        let dup = INLINE.replace(
+            "client-key-data: a2V5}",
+            "client-key-data: a2V5, client-key-data: a2V5}",
+        );
+        assert!(check_kubeconfig(&dup).is_err());
+        // An alias bomb stops the parser early.
+        let mut bomb = String::from("a0: &a0 [x, x, x, x, x, x, x, x, x]\n");
+        for i in 1..10 {
+            let p = i - 1;
+            bomb.push_str(&format!(
+                "a{i}: &a{i} [*a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}]\n"
+            ));
+        }
+        assert!(check_kubeconfig(&bomb).unwrap_err().contains("not YAML"));
     }
 
     #[test]

@@ -384,113 +384,17 @@ pub fn key_matches(cert_pem: &str, key_pem: &str) -> Result<bool, PkiError> {
     })
 }
 
-#[derive(serde::Serialize)]
-struct Kubeconfig<'a> {
-    #[serde(rename = "apiVersion")]
-    api_version: &'a str,
-    kind: &'a str,
-    clusters: Vec<Named<'a, ClusterEntry<'a>>>,
-    users: Vec<Named<'a, UserEntry>>,
-    contexts: Vec<Named<'a, ContextEntry<'a>>>,
-    #[serde(rename = "current-context")]
-    current_context: &'a str,
-}
-
-#[derive(serde::Serialize)]
-struct Named<'a, T> {
-    name: &'a str,
-    #[serde(flatten)]
-    value: T,
-}
-
-#[derive(serde::Serialize)]
-struct ClusterEntry<'a> {
-    cluster: ClusterData<'a>,
-}
-
-#[derive(serde::Serialize)]
-struct ClusterData<'a> {
-    server: &'a str,
-    #[serde(rename = "certificate-authority-data")]
-    ca: String,
-}
-
-#[derive(serde::Serialize)]
-struct UserEntry {
-    user: UserData,
-}
-
-#[derive(serde::Serialize)]
-struct UserData {
-    #[serde(rename = "client-certificate-data")]
-    cert: String,
-    #[serde(rename = "client-key-data")]
-    key: String,
-}
-
-#[derive(serde::Serialize)]
-struct ContextEntry<'a> {
-    context: ContextData<'a>,
-}
-
-#[derive(serde::Serialize)]
-struct ContextData<'a> {
-    cluster: &'a str,
-    user: &'a str,
-}
-
 /// Base64 (standard alphabet, padded), as kubeconfigs use.
 pub fn base64(data: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(data)
 }
 
-/// A kubeconfig with one cluster, one client-certificate user and one current context
-/// (`<user>@<cluster>`). Deterministic for the same input.
-pub fn kubeconfig(
-    cluster_name: &str,
-    server: &str,
-    ca_pem: &str,
-    user_name: &str,
-    client: &CertKey,
-) -> Result<String, PkiError> {
-    let context = format!("{user_name}@{cluster_name}");
-    let kc = Kubeconfig {
-        api_version: "v1",
-        kind: "Config",
-        clusters: vec![Named {
-            name: cluster_name,
-            value: ClusterEntry {
-                cluster: ClusterData {
-                    server,
-                    ca: base64(ca_pem.as_bytes()),
-                },
-            },
-        }],
-        users: vec![Named {
-            name: user_name,
-            value: UserEntry {
-                user: UserData {
-                    cert: base64(client.cert_pem.as_bytes()),
-                    key: base64(client.key_pem.as_bytes()),
-                },
-            },
-        }],
-        contexts: vec![Named {
-            name: &context,
-            value: ContextEntry {
-                context: ContextData {
-                    cluster: cluster_name,
-                    user: user_name,
-                },
-            },
-        }],
-        current_context: &context,
-    };
-    serde_norway::to_string(&kc).map_err(|e| PkiError::Kubeconfig(e.to_string()))
-}
-
+mod kubeconfig;
+pub use kubeconfig::{Authority, Credential, KubeconfigSpec, kubeconfig, write_kubeconfig};
 mod kubeconfig_check;
-pub use kubeconfig_check::{Issued, check_kubeconfig, kubeconfig_client, verify_issued_kubeconfig};
+pub use kubeconfig_check::{
+    Issued, check_kubeconfig, kubeconfig_client, untrusted_yaml, verify_issued_kubeconfig,
+};
 
 #[cfg(test)]
 mod tests;

@@ -167,13 +167,13 @@ fn kubeconfig_round_trips() {
         )
         .unwrap()
     );
-    let v: serde_norway::Value = serde_norway::from_str(&kc).unwrap();
+    let v: serde_json::Value = serde_saphyr::from_str(&kc).unwrap();
     assert_eq!(v["current-context"].as_str(), Some("admin@demo"));
     assert_eq!(
         v["clusters"][0]["cluster"]["server"].as_str(),
         Some("https://127.64.1.1:6443")
     );
-    let decode = |s: &serde_norway::Value| {
+    let decode = |s: &serde_json::Value| {
         String::from_utf8(
             base64::engine::general_purpose::STANDARD
                 .decode(s.as_str().unwrap())

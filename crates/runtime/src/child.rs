@@ -77,18 +77,22 @@ pub fn command(spec: &Spec) -> io::Result<(Command, Option<File>)> {
         }
         (None, _) => None,
     };
-    // SAFETY: chdir, close_range, setgroups, setgid, setuid, prctl and getppid are
-    // async-signal-safe system calls; the closure allocates nothing (the directory's C string
-    // is made before the fork). The parent-death signal makes the kernel kill the child when the spawning thread's process
+    // SAFETY: the closure runs between fork and exec, so it may only make async-signal-safe
+    // system calls and must not allocate: rustix's calls below are single system calls (the
+    // user switch is per thread, and the child has one thread), the directory's C string is
+    // made before the fork, and close_range (which rustix lacks) is a raw syscall. The
+    // parent-death signal makes the kernel kill the child when the spawning thread's process
     // dies, so no tenant process or management-plane process outlives a crashed operator or
     // test; it is set after the user switch, which would clear it.
     #[allow(unsafe_code)]
     unsafe {
         cmd.pre_exec(move || {
-            if let Some(dir) = &enter
-                && libc::chdir(dir.as_ptr()) != 0
-            {
-                return Err(io::Error::last_os_error());
+            use rustix::process::{Pid, Signal, getppid, set_parent_process_death_signal};
+            use rustix::thread::{
+                set_no_new_privs, set_thread_gid, set_thread_groups, set_thread_uid,
+            };
+            if let Some(dir) = &enter {
+                rustix::process::chdir(dir.as_c_str())?;
             }
             if user.is_some() {
                 // No descriptor the operator inherited reaches a tenant's process (a kernel
@@ -100,19 +104,15 @@ pub fn command(spec: &Spec) -> io::Result<(Command, Option<File>)> {
                     libc::CLOSE_RANGE_CLOEXEC,
                 );
             }
-            if let Some(u) = user
-                && (libc::setgroups(0, std::ptr::null()) != 0
-                    || libc::setgid(u.gid) != 0
-                    || libc::setuid(u.uid) != 0
-                    || libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
-            {
-                return Err(io::Error::last_os_error());
+            if let Some(u) = user {
+                set_thread_groups(&[])?;
+                set_thread_gid(rustix::process::Gid::from_raw(u.gid))?;
+                set_thread_uid(rustix::process::Uid::from_raw(u.uid))?;
+                set_no_new_privs(true)?;
             }
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-                return Err(io::Error::last_os_error());
-            }
+            set_parent_process_death_signal(Some(Signal::KILL))?;
             // The parent may have died between fork and prctl.
-            if libc::getppid() == 1 {
+            if getppid() == Some(Pid::INIT) {
                 return Err(io::Error::other("parent exited before the child started"));
             }
             Ok(())
@@ -201,23 +201,22 @@ impl Drop for Child {
 
 /// Send SIGTERM to `pid`.
 pub fn terminate(pid: u32) {
-    if let Ok(pid) = i32::try_from(pid) {
-        // SAFETY: kill(2) with a valid signal number has no memory-safety requirements.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::kill(pid, libc::SIGTERM);
-        }
-    }
+    signal(pid, rustix::process::Signal::TERM);
 }
 
 /// Send SIGKILL to `pid`.
 pub fn kill_pid(pid: u32) {
-    if let Ok(pid) = i32::try_from(pid) {
-        // SAFETY: kill(2) with a valid signal number has no memory-safety requirements.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::kill(pid, libc::SIGKILL);
-        }
+    signal(pid, rustix::process::Signal::KILL);
+}
+
+/// Send `sig` to the process `pid` (never to a group: 0 and values past `i32::MAX` name no
+/// process).
+fn signal(pid: u32, sig: rustix::process::Signal) {
+    if let Some(pid) = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+    {
+        let _ = rustix::process::kill_process(pid, sig);
     }
 }
 

@@ -48,11 +48,7 @@ impl User {
 
 /// Whether this process may switch users (it runs as root).
 pub fn can_switch_users() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::geteuid() == 0
-    }
+    rustix::process::geteuid().is_root()
 }
 
 /// Kill every process of `user`: whatever a tenant's processes forked must not outlive the
@@ -230,13 +226,11 @@ pub(crate) fn lock() -> Option<std::fs::File> {
         .write(true)
         .open("/run/nestplane-egress.lock")
         .ok()?;
-    use std::os::fd::AsRawFd;
+    // Released when the file is closed.
     loop {
-        // SAFETY: flock on a descriptor this function owns; released when the file is closed.
-        #[allow(unsafe_code)]
-        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
-        if rc == 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-            return Some(f);
+        match rustix::fs::flock(&f, rustix::fs::FlockOperation::LockExclusive) {
+            Err(rustix::io::Errno::INTR) => continue,
+            _ => return Some(f),
         }
     }
 }

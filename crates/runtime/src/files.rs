@@ -35,13 +35,10 @@ pub fn write_private_as(path: &Path, data: &[u8], owner: Option<User>) -> std::i
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    // A short name: a Secret's key may itself be 253 bytes long.
     let mut tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}."))
-        .suffix(".nestplane-tmp")
+        .prefix(".np-")
+        .suffix(".tmp")
         .permissions(std::fs::Permissions::from_mode(0o600))
         .tempfile_in(dir)?;
     // The mode given to open() is masked by the umask; it can only lose bits, so 0600 stays
@@ -72,7 +69,9 @@ pub fn mkdir_private(dir: &Path) -> std::io::Result<()> {
 pub fn mkdir_readable_by(dir: &Path, user: Option<User>) -> std::io::Result<()> {
     mkdir_private(dir)?;
     if let Some(u) = user {
-        std::os::unix::fs::lchown(dir, None, Some(u.gid))?;
+        // Owned by the caller again, whoever owned it before (a directory the user once
+        // wrote in, e.g. an emptyDir that became a Secret's volume, is theirs no more).
+        std::os::unix::fs::lchown(dir, Some(rustix::process::geteuid().as_raw()), Some(u.gid))?;
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750))?;
     }
     Ok(())

@@ -1,6 +1,7 @@
 //! The pure core of hosted clusters: validation, pause, version skew, the names of what a
 //! HostedCluster makes, and how a NodePool rolls its nodes. No IO.
 
+use ipnet::Ipv4Net;
 use std::net::Ipv4Addr;
 
 use k8s_openapi::jiff::Timestamp;
@@ -19,61 +20,39 @@ pub fn version(v: &str) -> String {
     }
 }
 
-/// An IPv4 CIDR.
+/// An IPv4 CIDR (on `ipnet`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Cidr {
-    base: u32,
-    prefix: u8,
-}
+pub struct Cidr(Ipv4Net);
 
 impl Cidr {
     /// Parse `a.b.c.d/n` (the address must be the network's first).
     pub fn parse(s: &str) -> Result<Cidr, String> {
-        let (ip, prefix) = s
-            .split_once('/')
-            .ok_or_else(|| format!("{s:?} is not a CIDR (a.b.c.d/n)"))?;
-        let ip: Ipv4Addr = ip
+        let net: Ipv4Net = s
             .parse()
-            .map_err(|_| format!("{s:?}: {ip:?} is not an IPv4 address"))?;
-        let prefix: u8 = prefix
-            .parse()
-            .ok()
-            .filter(|p| *p <= 32)
-            .ok_or_else(|| format!("{s:?}: the prefix is not 0-32"))?;
-        let base = u32::from(ip);
-        let mask = Self::mask(prefix);
-        if base & !mask != 0 {
+            .map_err(|_| format!("{s:?} is not an IPv4 CIDR (a.b.c.d/n, the prefix 0-32)"))?;
+        if net != net.trunc() {
             return Err(format!(
-                "{s:?}: host bits are set (the network is {}/{prefix})",
-                Ipv4Addr::from(base & mask)
+                "{s:?}: host bits are set (the network is {})",
+                net.trunc()
             ));
         }
-        Ok(Cidr { base, prefix })
-    }
-
-    fn mask(prefix: u8) -> u32 {
-        if prefix == 0 {
-            0
-        } else {
-            u32::MAX << (32 - prefix)
-        }
+        Ok(Cidr(net))
     }
 
     /// The `n`th address of the network (`None` past its end).
     pub fn nth(&self, n: u32) -> Option<Ipv4Addr> {
-        let size = if self.prefix == 0 {
-            u64::from(u32::MAX) + 1
-        } else {
-            1u64 << (32 - self.prefix)
-        };
-        (u64::from(n) < size).then(|| Ipv4Addr::from(self.base.wrapping_add(n)))
+        let size = 1u64 << (32 - u32::from(self.0.prefix_len()));
+        (u64::from(n) < size).then(|| Ipv4Addr::from(u32::from(self.0.network()).wrapping_add(n)))
+    }
+
+    /// The prefix length.
+    pub fn prefix_len(&self) -> u8 {
+        self.0.prefix_len()
     }
 
     /// Whether two networks share an address.
     pub fn overlaps(&self, other: &Cidr) -> bool {
-        let p = self.prefix.min(other.prefix);
-        let m = Self::mask(p);
-        self.base & m == other.base & m
+        self.0.contains(&other.0.network()) || other.0.contains(&self.0.network())
     }
 }
 
@@ -152,7 +131,7 @@ pub fn validate(spec: &HostedClusterSpec) -> Result<(), String> {
             "networking.clusterNetwork must be {POD_NETWORK}: nestplane's nodes on this machine take their pod ranges from it"
         ));
     }
-    if services.prefix < 12 || services.prefix > 24 {
+    if !(12..=24).contains(&services.prefix_len()) {
         return Err(format!(
             "networking.serviceNetwork {}: the prefix must be from /12 to /24",
             n.service_network[0].cidr

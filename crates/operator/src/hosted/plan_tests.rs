@@ -2,6 +2,7 @@
 
 use super::*;
 use nestplane_api::hosted::Release;
+use std::net::Ipv4Addr;
 
 fn spec(pods: &str, services: &str) -> HostedClusterSpec {
     HostedClusterSpec {
@@ -48,6 +49,16 @@ fn cidrs_overlap_when_they_share_an_address() {
     assert!(a.overlaps(&Cidr::parse("10.96.0.0/12").unwrap()));
     assert!(!a.overlaps(&Cidr::parse("172.16.0.0/12").unwrap()));
     assert!(Cidr::parse("10.0.0.0/33").is_err());
+    assert!(
+        Cidr::parse("10.96.0.1/12")
+            .unwrap_err()
+            .contains("host bits")
+    );
+    let svc = Cidr::parse("10.96.0.0/12").unwrap();
+    assert_eq!(svc.nth(10), Some(Ipv4Addr::new(10, 96, 0, 10)));
+    let small = Cidr::parse("192.0.2.0/30").unwrap();
+    assert_eq!(small.nth(3), Some(Ipv4Addr::new(192, 0, 2, 3)));
+    assert_eq!(small.nth(4), None);
 }
 
 #[test]

@@ -232,18 +232,63 @@ pub fn validate_pool(pool: &NodePool) -> Result<(), String> {
     Ok(())
 }
 
+/// The longest duration a spec may give (a drain timeout longer than this is a mistake).
+pub const MAX_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
+
 /// A Go duration as Kubernetes writes them (`90s`, `1m30s`, `300ms`, `1.5h`, `0`), read by
-/// `kube::core::Duration`; negative ones are refused.
+/// `kube::core::Duration`, at most [`MAX_DURATION`]. The text is checked first (at most four
+/// parts of up to nine digits, a fraction of up to nine, and a unit; no sign), so nothing a
+/// user writes can overflow the parser.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     if s == "0" {
         return Ok(Duration::ZERO);
     }
-    match s.parse::<kube::core::Duration>() {
-        Ok(d) if !d.is_negative() => Ok(d.into()),
-        Ok(_) => Err(format!("{s:?} is negative")),
-        Err(e) => Err(format!("{s:?} is not a duration (like 90s, 5m): {e}")),
+    let bad = || format!("{s:?} is not a duration (like 90s, 5m, 1m30s, 300ms)");
+    if !plain_duration(s) {
+        return Err(bad());
     }
+    let d: Duration = s.parse::<kube::core::Duration>().map_err(|_| bad())?.into();
+    if d > MAX_DURATION {
+        return Err(format!(
+            "{s:?} is longer than {}h",
+            MAX_DURATION.as_secs() / 3600
+        ));
+    }
+    Ok(d)
+}
+
+/// Whether `s` is 1 to 4 parts `<digits>[.<digits>]<unit>` (1-9 digits each; units `ns`,
+/// `us`, `µs`, `ms`, `s`, `m`, `h`). Pure.
+fn plain_duration(s: &str) -> bool {
+    let mut rest = s;
+    let mut parts = 0;
+    while !rest.is_empty() {
+        parts += 1;
+        if parts > 4 {
+            return false;
+        }
+        let int = rest.chars().take_while(char::is_ascii_digit).count();
+        if !(1..=9).contains(&int) {
+            return false;
+        }
+        rest = &rest[int..];
+        if let Some(r) = rest.strip_prefix('.') {
+            let frac = r.chars().take_while(char::is_ascii_digit).count();
+            if !(1..=9).contains(&frac) {
+                return false;
+            }
+            rest = &r[frac..];
+        }
+        let Some(unit) = ["ns", "us", "µs", "ms", "s", "m", "h"]
+            .iter()
+            .find(|u| rest.starts_with(**u))
+        else {
+            return false;
+        };
+        rest = &rest[unit.len()..];
+    }
+    parts > 0
 }
 
 fn pool_key(pool: &NodePool) -> String {
@@ -1301,6 +1346,21 @@ mod tests {
         assert!(parse_duration("5").is_err());
         assert!(parse_duration("5d").is_err());
         assert!(parse_duration("-5s").is_err());
+        // Nothing a user writes panics the parser, or overflows a deadline.
+        for bad in [
+            "1s-1s",
+            "6000000000000000h",
+            &"9".repeat(400),
+            "1e9h",
+            "999999999h",
+            "1h1h1h1h1h",
+            "",
+            ".5s",
+            "5.s",
+        ] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(parse_duration("720h"), Ok(MAX_DURATION));
     }
 
     #[test]

@@ -9,7 +9,6 @@ use nestplane_api::postcreate::{
     ADDON_KEY, AppliedResources, ClusterRef, PostCreateConfig, PostCreateConfigStatus,
     SHARED_LABEL, Strategy, reasons, types,
 };
-use serde::Deserialize;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -158,12 +157,55 @@ pub fn documents(
     })
 }
 
-/// The objects of a multi-document YAML, each with its index; empty documents are skipped.
-/// An error names the index of the first bad document.
+/// How an `addon.yaml` is read: as YAML a user wrote ([`nestplane_pki::untrusted_yaml`]:
+/// alias bombs and deep nesting stop the parser, not the operator; nothing of the text in an
+/// error), with merge keys (`<<`) expanded as Kubernetes' own YAML reader does.
+fn addon_yaml() -> serde_saphyr::Options {
+    let mut options = nestplane_pki::untrusted_yaml();
+    options.merge_keys = serde_saphyr::MergeKeyPolicy::Merge;
+    options
+}
+
+/// A YAML stream cut where its documents begin and end: at every line that starts with `---`
+/// or `...` followed by a blank or the line's end. Such a line can be nothing else (YAML 1.2,
+/// rule 206 `c-forbidden`: no scalar may hold one). Each piece keeps its `---` line; a
+/// piece is `counted` unless it precedes the first `---` or follows a `...` (where a blank
+/// piece is no document). Pure.
+fn pieces(yaml: &str) -> Vec<(&str, bool)> {
+    let marker = |line: &str, m: &str| {
+        line.strip_prefix(m)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with([' ', '\t', '\r', '\n']))
+    };
+    let mut out = Vec::new();
+    let (mut start, mut counted) = (0, false);
+    let mut at = 0;
+    for line in yaml.split_inclusive('\n') {
+        if marker(line, "---") {
+            out.push((&yaml[start..at], counted));
+            (start, counted) = (at, true);
+        } else if marker(line, "...") {
+            out.push((&yaml[start..at], counted));
+            (start, counted) = (at + line.len(), false);
+        }
+        at += line.len();
+    }
+    out.push((&yaml[start..], counted));
+    out
+}
+
+/// The objects of a multi-document YAML, each with its index; empty documents are skipped
+/// (and counted). An error names the index of the first bad document.
 pub fn parse(yaml: &str) -> Result<Vec<(usize, Value)>, (usize, String)> {
     let mut out = Vec::new();
-    for (index, doc) in serde_norway::Deserializer::from_str(yaml).enumerate() {
-        let v = Value::deserialize(doc).map_err(|e| (index, e.to_string()))?;
+    let mut next = 0;
+    for (piece, counted) in pieces(yaml) {
+        let v: Value = serde_saphyr::from_str_with_options(piece, addon_yaml())
+            .map_err(|e| (next, e.to_string()))?;
+        if v.is_null() && !counted {
+            continue;
+        }
+        let index = next;
+        next += 1;
         if v.is_null() {
             continue;
         }
@@ -190,26 +232,15 @@ pub fn parse(yaml: &str) -> Result<Vec<(usize, Value)>, (usize, String)> {
     Ok(out)
 }
 
-/// Whether `selector` matches `labels`. An empty selector matches nothing (unlike
-/// Kubernetes' own selectors): a PostCreateConfig must say which clusters it is for.
+/// Whether `selector` matches `labels` (Kubernetes' rules, by `kube::core::Selector`). An
+/// empty selector matches nothing (unlike Kubernetes' own selectors): a PostCreateConfig must
+/// say which clusters it is for; nor does one with an operator Kubernetes does not know.
 pub fn selects(selector: &LabelSelector, labels: &BTreeMap<String, String>) -> bool {
-    let match_labels = selector.match_labels.clone().unwrap_or_default();
-    let exprs = selector.match_expressions.clone().unwrap_or_default();
-    if match_labels.is_empty() && exprs.is_empty() {
-        return false;
+    use kube::core::SelectorExt;
+    match kube::core::Selector::try_from(selector.clone()) {
+        Ok(s) if !s.selects_all() => s.matches(labels),
+        _ => false,
     }
-    match_labels.iter().all(|(k, v)| labels.get(k) == Some(v))
-        && exprs.iter().all(|e| {
-            let values = e.values.clone().unwrap_or_default();
-            let have = labels.get(&e.key);
-            match e.operator.as_str() {
-                "In" => have.is_some_and(|v| values.contains(v)),
-                "NotIn" => have.is_none_or(|v| !values.contains(v)),
-                "Exists" => have.is_some(),
-                "DoesNotExist" => have.is_none(),
-                _ => false,
-            }
-        })
 }
 
 /// A cluster in the PostCreateConfig's namespace.

@@ -114,6 +114,48 @@ fn documents_without_kind_or_name_are_refused_with_their_index() {
     let e = parse("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n---\napiVersion: v1\nmetadata: {name: b}\n").unwrap_err();
     assert_eq!(e, (1, "no kind".to_string()));
     assert_eq!(parse("- 1\n- 2\n").unwrap_err().0, 0);
+    // Documents are counted as a reader of the stream counts them: a leading `---` starts the
+    // first, `---` alone makes an empty one, `...` ends one, `---` with content on its line,
+    // and a `---` inside an indented block scalar is text.
+    let stream = "# addons\n---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\ndata:\n  x: |\n    ---\n    y\n---\n---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: b}\n...\n--- {apiVersion: v1, kind: ConfigMap, metadata: {name: c}}\n";
+    let docs = parse(stream).unwrap();
+    let seen: Vec<_> = docs
+        .iter()
+        .map(|(i, v)| (*i, v["metadata"]["name"].as_str().unwrap()))
+        .collect();
+    assert_eq!(seen, [(0, "a"), (2, "b"), (3, "c")]);
+    assert_eq!(docs[0].1["data"]["x"], "---\ny\n");
+}
+
+/// An addon Secret is written by a namespace user: YAML that expands aliases into billions
+/// of nodes, or nests deeper than any manifest does, is refused with its document's index,
+/// quickly and in little memory, before anything is applied.
+#[test]
+fn yaml_bombs_in_an_addon_secret_are_refused() {
+    let mut laughs = String::from(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: lol}\n---\na0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n",
+    );
+    for i in 1..10 {
+        let p = i - 1;
+        laughs.push_str(&format!(
+            "a{i}: &a{i} [*a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}]\n"
+        ));
+    }
+    laughs.push_str("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: boom}\ndata: {x: *a9}\n");
+    let started = std::time::Instant::now();
+    let (index, why) = parse(&laughs).unwrap_err();
+    assert_eq!(index, 1);
+    assert!(why.contains("alias replay limit"), "{why}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+
+    let deep = format!(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: deep}}\ndata: {{x: {}{}}}\n",
+        "[".repeat(100_000),
+        "]".repeat(100_000)
+    );
+    let (index, why) = parse(&deep).unwrap_err();
+    assert_eq!(index, 0);
+    assert!(why.contains("recursion limit"), "{why}");
 }
 
 #[test]
@@ -133,6 +175,11 @@ fn an_empty_selector_matches_nothing() {
     let mut prod = labels.clone();
     prod.insert("env".into(), "prod".into());
     assert!(!selects(&e, &prod));
+    let odd: LabelSelector = serde_json::from_value(serde_json::json!({"matchExpressions": [
+        {"key": "cni", "operator": "Resembles", "values": ["calico"]}
+    ]}))
+    .unwrap();
+    assert!(!selects(&odd, &labels));
 }
 
 fn target(name: &str, uid: &str, waiting: Option<&str>) -> Target {
