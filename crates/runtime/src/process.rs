@@ -1117,36 +1117,90 @@ async fn wait_healthy(probe: &Probe, i: usize) {
     tracing::warn!(endpoint = %ep.url, "replica not healthy after {ROLL_WAIT:?}; rolling on");
 }
 
+/// A probe client: HTTP/1 on hyper with rustls, the stack kube's own client is built on.
+type ProbeClient = hyper_util::client::legacy::Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    http_body_util::Empty<bytes::Bytes>,
+>;
+
 /// Probe clients, one per CA (the TLS configuration and its roots built once, not per
 /// probe). At most [`PROBE_CLIENTS`] are kept: past that (CAs of deleted tenants, rotations),
 /// the set starts over.
 static CLIENTS: std::sync::LazyLock<
-    std::sync::Mutex<std::collections::HashMap<Option<String>, reqwest::Client>>,
+    std::sync::Mutex<std::collections::HashMap<Option<String>, ProbeClient>>,
 > = std::sync::LazyLock::new(Default::default);
 const PROBE_CLIENTS: usize = 1024;
+/// How long one probe may take, answer read included.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// The most of an answer a probe reads (`ok`, or etcd's `{"health":"true"}`).
+const PROBE_BODY_LIMIT: usize = 64 * 1024;
 
-/// The probe client that trusts `ca_pem` (none: no roots, for plain HTTP endpoints).
-fn probe_client(ca_pem: Option<&str>) -> Option<reqwest::Client> {
+/// The probe client that trusts `ca_pem` (none, or no certificate in it: no roots, for plain
+/// HTTP endpoints).
+fn probe_client(ca_pem: Option<&str>) -> Option<ProbeClient> {
+    use rustls::pki_types::{CertificateDer, pem::PemObject};
     let key = ca_pem.map(str::to_string);
     let mut clients = CLIENTS.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(c) = clients.get(&key) {
         return Some(c.clone());
     }
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in ca_pem
+        .into_iter()
+        .flat_map(|p| CertificateDer::pem_slice_iter(p.as_bytes()))
+        .flatten()
+    {
+        roots.add(cert).ok()?;
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .ok()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .build();
     // Every probe opens its own connection, as a kubelet's does: a kept-alive one to a process
     // that was just replaced would fail a probe the new process passes.
-    let mut builder = reqwest::Client::builder()
-        .timeout(Duration::from_secs(2))
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .pool_max_idle_per_host(0)
-        .use_rustls_tls();
-    if let Some(ca) = ca_pem.and_then(|p| reqwest::Certificate::from_pem(p.as_bytes()).ok()) {
-        builder = builder.add_root_certificate(ca);
-    }
-    let client = builder.build().ok()?;
+        .build(https);
     if clients.len() >= PROBE_CLIENTS {
         clients.clear();
     }
     clients.insert(key, client.clone());
     Some(client)
+}
+
+/// Whether `url` answers a GET with a success status and a body that is not etcd's
+/// `{"health":"false"}`, within [`PROBE_TIMEOUT`].
+async fn probe(client: &ProbeClient, url: &str) -> bool {
+    use http_body_util::BodyExt;
+    let Ok(uri) = url.parse::<hyper::Uri>() else {
+        return false;
+    };
+    let answer = async {
+        let resp = client.get(uri).await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        let body = http_body_util::Limited::new(resp.into_body(), PROBE_BODY_LIMIT)
+            .collect()
+            .await
+            .ok()?
+            .to_bytes();
+        // etcd answers {"health":"true"}; Kubernetes components answer "ok".
+        Some(!String::from_utf8_lossy(&body).contains("\"health\":\"false\""))
+    };
+    tokio::time::timeout(PROBE_TIMEOUT, answer)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(false)
 }
 
 /// Check the health endpoints of a component; returns how many answered healthy.
@@ -1164,16 +1218,7 @@ pub async fn healthy_count(
     for e in endpoints {
         let client = client.clone();
         let url = e.url.clone();
-        checks.spawn(async move {
-            match client.get(&url).send().await {
-                Ok(resp) if resp.status().is_success() => {
-                    let body = resp.text().await.unwrap_or_default();
-                    // etcd answers {"health":"true"}; Kubernetes components answer "ok".
-                    !body.contains("\"health\":\"false\"")
-                }
-                _ => false,
-            }
-        });
+        checks.spawn(async move { probe(&client, &url).await });
     }
     checks.join_all().await.into_iter().filter(|ok| *ok).count()
 }
@@ -1182,6 +1227,97 @@ pub async fn healthy_count(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// A server on loopback that answers every request with `body` (over TLS with `tls`).
+    async fn serve(tls: Option<nestplane_pki::CertKey>, body: &'static str) -> String {
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let acceptor = tls.as_ref().map(|ck| {
+            let certs = vec![CertificateDer::from_pem_slice(ck.cert_pem.as_bytes()).unwrap()];
+            let key = PrivateKeyDer::from_pem_slice(ck.key_pem.as_bytes()).unwrap();
+            let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .unwrap();
+            tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config))
+        });
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = listener.accept().await.unwrap();
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let mut buf = [0u8; 1024];
+                    match acceptor {
+                        Some(a) => {
+                            let Ok(mut s) = a.accept(tcp).await else {
+                                return;
+                            };
+                            let _ = s.read(&mut buf).await;
+                            let _ = s.write_all(answer.as_bytes()).await;
+                            let _ = s.shutdown().await;
+                        }
+                        None => {
+                            let mut s = tcp;
+                            let _ = s.read(&mut buf).await;
+                            let _ = s.write_all(answer.as_bytes()).await;
+                        }
+                    }
+                });
+            }
+        });
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{addr}/healthz")
+    }
+
+    fn endpoint(url: &str) -> nestplane_render::HealthEndpoint {
+        nestplane_render::HealthEndpoint {
+            url: url.to_string(),
+            scheme_https: url.starts_with("https"),
+        }
+    }
+
+    /// A probe believes an HTTPS endpoint only when the tenant's CA signed its certificate,
+    /// and an etcd that says it is unhealthy is not counted.
+    #[tokio::test]
+    async fn probes_verify_the_tenant_ca_and_read_the_answer() {
+        let now = time::OffsetDateTime::now_utc();
+        let ca = nestplane_pki::generate_ca("tenant-ca", now).unwrap();
+        let other = nestplane_pki::generate_ca("other-ca", now).unwrap();
+        let spec = nestplane_pki::LeafSpec {
+            common_name: "kube-apiserver".into(),
+            ips: vec!["127.0.0.1".parse().unwrap()],
+            usage: nestplane_pki::Usage::Server,
+            ..Default::default()
+        };
+        let serving = nestplane_pki::issue(&ca, &spec, now).unwrap();
+        let https = endpoint(&serve(Some(serving), "ok").await);
+        assert_eq!(
+            healthy_count(std::slice::from_ref(&https), Some(&ca.cert_pem)).await,
+            1
+        );
+        assert_eq!(
+            healthy_count(std::slice::from_ref(&https), Some(&other.cert_pem)).await,
+            0
+        );
+        assert_eq!(healthy_count(&[https], None).await, 0);
+
+        let sick = endpoint(&serve(None, "{\"health\":\"false\"}").await);
+        let well = endpoint(&serve(None, "{\"health\":\"true\"}").await);
+        assert_eq!(healthy_count(&[sick, well], None).await, 1);
+        // Nothing listens there.
+        let closed = endpoint("http://127.0.0.1:1/healthz");
+        assert_eq!(healthy_count(&[closed], None).await, 0);
+    }
 
     #[test]
     fn expands_like_the_kubelet() {
