@@ -2,7 +2,7 @@
 //! ClusterRole and binding, a ConfigMap with the Corefile, a Deployment and the `kube-dns`
 //! Service), with the CoreDNS release of the cluster's Kubernetes version. Pure.
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 /// How CoreDNS is deployed in a cluster.
 #[derive(Clone, Debug)]
@@ -58,95 +58,160 @@ pub fn corefile(zone: &str) -> String {
 
 /// Every object, in the order to apply them.
 pub fn manifests(c: &CoreDns) -> Vec<Value> {
-    let labels = json!({"k8s-app": "kube-dns"});
+    use crate::objects::*;
+    use k8s_openapi::api::apps::v1::{
+        Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
+    };
+    use k8s_openapi::api::core::v1::{
+        Capabilities, ConfigMap, ConfigMapVolumeSource, KeyToPath, PodSpec, Probe,
+        ResourceRequirements, SecurityContext, Toleration, Volume, VolumeMount,
+    };
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+    let own = || labels(&[("k8s-app", "kube-dns")]);
+    let (role, binding) = cluster_role(
+        "system:coredns",
+        vec![
+            rule(
+                "",
+                &["endpoints", "services", "pods", "namespaces"],
+                &["list", "watch"],
+            ),
+            rule("discovery.k8s.io", &["endpointslices"], &["list", "watch"]),
+        ],
+        "coredns",
+    );
+    let config = ConfigMap {
+        metadata: meta("coredns", None),
+        data: Some([("Corefile".to_string(), corefile(&c.zone))].into()),
+        ..ConfigMap::default()
+    };
+    let http = |path: &str, port: i32| {
+        let mut p = http_probe(path, IntOrString::Int(port));
+        if let Some(get) = p.http_get.as_mut() {
+            get.scheme = Some("HTTP".into());
+        }
+        p
+    };
+    let server = k8s_openapi::api::core::v1::Container {
+        args: Some(vec!["-conf".into(), "/etc/coredns/Corefile".into()]),
+        resources: Some(ResourceRequirements {
+            limits: Some(amounts(&[("memory", "170Mi")])),
+            requests: Some(amounts(&[("cpu", "100m"), ("memory", "70Mi")])),
+            ..ResourceRequirements::default()
+        }),
+        volume_mounts: Some(vec![VolumeMount {
+            name: "config-volume".into(),
+            mount_path: "/etc/coredns".into(),
+            read_only: Some(true),
+            ..VolumeMount::default()
+        }]),
+        ports: Some(vec![
+            container_port("dns", 53, "UDP"),
+            container_port("dns-tcp", 53, "TCP"),
+            container_port("metrics", 9153, "TCP"),
+        ]),
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            capabilities: Some(Capabilities {
+                add: Some(vec!["NET_BIND_SERVICE".into()]),
+                drop: Some(vec!["all".into()]),
+            }),
+            read_only_root_filesystem: Some(true),
+            ..SecurityContext::default()
+        }),
+        liveness_probe: Some(Probe {
+            initial_delay_seconds: Some(60),
+            timeout_seconds: Some(5),
+            success_threshold: Some(1),
+            failure_threshold: Some(5),
+            ..http("/health", 8080)
+        }),
+        readiness_probe: Some(http("/ready", 8181)),
+        ..container("coredns", &image(&c.registry, c.kubernetes_minor))
+    };
+    let toleration = |key: &str, operator: Option<&str>, effect: Option<&str>| Toleration {
+        key: Some(key.into()),
+        operator: operator.map(str::to_string),
+        effect: effect.map(str::to_string),
+        ..Toleration::default()
+    };
+    let (selector, template) = template(
+        own(),
+        PodSpec {
+            priority_class_name: Some("system-cluster-critical".into()),
+            service_account_name: Some("coredns".into()),
+            tolerations: Some(vec![
+                toleration("CriticalAddonsOnly", Some("Exists"), None),
+                toleration(
+                    "node-role.kubernetes.io/control-plane",
+                    None,
+                    Some("NoSchedule"),
+                ),
+            ]),
+            node_selector: Some(labels(&[("kubernetes.io/os", "linux")])),
+            dns_policy: Some("Default".into()),
+            volumes: Some(vec![Volume {
+                name: "config-volume".into(),
+                config_map: Some(ConfigMapVolumeSource {
+                    name: "coredns".into(),
+                    items: Some(vec![KeyToPath {
+                        key: "Corefile".into(),
+                        path: "Corefile".into(),
+                        ..KeyToPath::default()
+                    }]),
+                    ..ConfigMapVolumeSource::default()
+                }),
+                ..Volume::default()
+            }]),
+            containers: vec![server],
+            ..PodSpec::default()
+        },
+    );
+    let workload = Deployment {
+        metadata: meta("coredns", Some(own())),
+        spec: Some(DeploymentSpec {
+            replicas: Some(c.replicas),
+            strategy: Some(DeploymentStrategy {
+                type_: Some("RollingUpdate".into()),
+                rolling_update: Some(RollingUpdateDeployment {
+                    max_unavailable: Some(IntOrString::Int(1)),
+                    ..RollingUpdateDeployment::default()
+                }),
+            }),
+            selector,
+            template,
+            ..DeploymentSpec::default()
+        }),
+        ..Deployment::default()
+    };
+    let mut service_meta = meta(
+        "kube-dns",
+        Some(labels(&[
+            ("k8s-app", "kube-dns"),
+            ("kubernetes.io/name", "CoreDNS"),
+        ])),
+    );
+    service_meta.annotations = Some(labels(&[
+        ("prometheus.io/port", "9153"),
+        ("prometheus.io/scrape", "true"),
+    ]));
+    let service = kube_dns_service(
+        &c.service_ip,
+        service_meta,
+        vec![
+            service_port("dns", 53, None, "UDP"),
+            service_port("dns-tcp", 53, None, "TCP"),
+            service_port("metrics", 9153, None, "TCP"),
+        ],
+    );
     vec![
-        json!({
-            "apiVersion": "v1", "kind": "ServiceAccount",
-            "metadata": {"name": "coredns", "namespace": "kube-system"}
-        }),
-        json!({
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-            "metadata": {"name": "system:coredns"},
-            "rules": [
-                {"apiGroups": [""], "resources": ["endpoints", "services", "pods", "namespaces"], "verbs": ["list", "watch"]},
-                {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}
-            ]
-        }),
-        json!({
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-            "metadata": {"name": "system:coredns"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:coredns"},
-            "subjects": [{"kind": "ServiceAccount", "name": "coredns", "namespace": "kube-system"}]
-        }),
-        json!({
-            "apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": "coredns", "namespace": "kube-system"},
-            "data": {"Corefile": corefile(&c.zone)}
-        }),
-        json!({
-            "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": "coredns", "namespace": "kube-system", "labels": labels},
-            "spec": {
-                "replicas": c.replicas,
-                "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
-                "selector": {"matchLabels": labels},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "priorityClassName": "system-cluster-critical",
-                        "serviceAccountName": "coredns",
-                        "tolerations": [
-                            {"key": "CriticalAddonsOnly", "operator": "Exists"},
-                            {"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}
-                        ],
-                        "nodeSelector": {"kubernetes.io/os": "linux"},
-                        "dnsPolicy": "Default",
-                        "volumes": [{"name": "config-volume", "configMap": {"name": "coredns", "items": [{"key": "Corefile", "path": "Corefile"}]}}],
-                        "containers": [{
-                            "name": "coredns",
-                            "image": image(&c.registry, c.kubernetes_minor),
-                            "imagePullPolicy": "IfNotPresent",
-                            "args": ["-conf", "/etc/coredns/Corefile"],
-                            "resources": {"limits": {"memory": "170Mi"}, "requests": {"cpu": "100m", "memory": "70Mi"}},
-                            "volumeMounts": [{"name": "config-volume", "mountPath": "/etc/coredns", "readOnly": true}],
-                            "ports": [
-                                {"containerPort": 53, "name": "dns", "protocol": "UDP"},
-                                {"containerPort": 53, "name": "dns-tcp", "protocol": "TCP"},
-                                {"containerPort": 9153, "name": "metrics", "protocol": "TCP"}
-                            ],
-                            "securityContext": {
-                                "allowPrivilegeEscalation": false,
-                                "capabilities": {"add": ["NET_BIND_SERVICE"], "drop": ["all"]},
-                                "readOnlyRootFilesystem": true
-                            },
-                            "livenessProbe": {
-                                "httpGet": {"path": "/health", "port": 8080, "scheme": "HTTP"},
-                                "initialDelaySeconds": 60, "timeoutSeconds": 5,
-                                "successThreshold": 1, "failureThreshold": 5
-                            },
-                            "readinessProbe": {"httpGet": {"path": "/ready", "port": 8181, "scheme": "HTTP"}}
-                        }]
-                    }
-                }
-            }
-        }),
-        json!({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {
-                "name": "kube-dns", "namespace": "kube-system",
-                "labels": {"k8s-app": "kube-dns", "kubernetes.io/name": "CoreDNS"},
-                "annotations": {"prometheus.io/port": "9153", "prometheus.io/scrape": "true"}
-            },
-            "spec": {
-                "clusterIP": c.service_ip,
-                "selector": labels,
-                "ports": [
-                    {"name": "dns", "port": 53, "protocol": "UDP"},
-                    {"name": "dns-tcp", "port": 53, "protocol": "TCP"},
-                    {"name": "metrics", "port": 9153, "protocol": "TCP"}
-                ]
-            }
-        }),
+        value(&service_account("coredns")),
+        value(&role),
+        value(&binding),
+        value(&config),
+        value(&workload),
+        value(&service),
     ]
 }
 

@@ -6,10 +6,12 @@
 //! clusters that can pull it). IO: [`server`].
 
 pub mod coredns;
+pub mod objects;
 pub mod records;
 pub mod server;
 
-use serde_json::{Value, json};
+use k8s_openapi::api::core::v1::{Container, Probe};
+use serde_json::Value;
 
 /// How the DNS server is deployed in a cluster.
 #[derive(Clone, Debug)]
@@ -32,87 +34,119 @@ pub const HEALTH_PORT: i32 = 8081;
 /// ServiceAccount, ClusterRole and binding (read Services and Endpoints), Deployment and the
 /// `kube-dns` Service, in `kube-system`. Pure.
 pub fn manifests(d: &Deployment) -> Vec<Value> {
-    let labels = json!({"k8s-app": "kube-dns", "app.kubernetes.io/name": "nestplane-dns"});
+    use k8s_openapi::api::apps::v1::{Deployment as Workload, DeploymentSpec};
+    use k8s_openapi::api::core::v1::{
+        Capabilities, EnvVar, EnvVarSource, ObjectFieldSelector, PodSecurityContext, PodSpec,
+        ResourceRequirements, SecurityContext,
+    };
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    use objects::*;
+
+    let own = || {
+        labels(&[
+            ("k8s-app", "kube-dns"),
+            ("app.kubernetes.io/name", "nestplane-dns"),
+        ])
+    };
+    let (role, binding) = cluster_role(
+        "nestplane:dns",
+        vec![rule("", &["services", "endpoints"], &["list", "watch"])],
+        "nestplane-dns",
+    );
+    let server = Container {
+        command: Some(vec!["/nestplane".into()]),
+        args: Some(vec![
+            "dns".into(),
+            format!("--zone={}", d.zone),
+            format!("--listen=0.0.0.0:{POD_PORT}"),
+            // Probes come to the pod's address: not every address of the pod (the pod may
+            // have others) serves them.
+            format!("--health=$(POD_IP):{HEALTH_PORT}"),
+        ]),
+        env: Some(vec![EnvVar {
+            name: "POD_IP".into(),
+            value_from: Some(EnvVarSource {
+                field_ref: Some(ObjectFieldSelector {
+                    field_path: "status.podIP".into(),
+                    ..ObjectFieldSelector::default()
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        }]),
+        ports: Some(vec![
+            container_port("dns", POD_PORT, "UDP"),
+            container_port("dns-tcp", POD_PORT, "TCP"),
+            container_port("health", HEALTH_PORT, "TCP"),
+        ]),
+        readiness_probe: Some(Probe {
+            period_seconds: Some(2),
+            ..http_probe("/readyz", IntOrString::String("health".into()))
+        }),
+        liveness_probe: Some(http_probe("/healthz", IntOrString::String("health".into()))),
+        resources: Some(ResourceRequirements {
+            requests: Some(amounts(&[("cpu", "10m"), ("memory", "16Mi")])),
+            limits: Some(amounts(&[("memory", "128Mi")])),
+            ..ResourceRequirements::default()
+        }),
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".into()]),
+                ..Capabilities::default()
+            }),
+            ..SecurityContext::default()
+        }),
+        ..container("dns", &d.image)
+    };
+    let (selector, template) = template(
+        own(),
+        PodSpec {
+            service_account_name: Some("nestplane-dns".into()),
+            // The server itself must not ask itself.
+            dns_policy: Some("Default".into()),
+            priority_class_name: Some("system-cluster-critical".into()),
+            security_context: Some(PodSecurityContext {
+                run_as_non_root: Some(true),
+                run_as_user: Some(65532),
+                ..PodSecurityContext::default()
+            }),
+            containers: vec![server],
+            ..PodSpec::default()
+        },
+    );
+    let workload = Workload {
+        metadata: meta("nestplane-dns", Some(own())),
+        spec: Some(DeploymentSpec {
+            replicas: Some(d.replicas),
+            selector,
+            template,
+            ..DeploymentSpec::default()
+        }),
+        ..Workload::default()
+    };
+    let service = kube_dns_service(
+        &d.service_ip,
+        meta("kube-dns", Some(own())),
+        vec![
+            service_port("dns", 53, Some(POD_PORT), "UDP"),
+            service_port("dns-tcp", 53, Some(POD_PORT), "TCP"),
+        ],
+    );
     vec![
-        json!({
-            "apiVersion": "v1", "kind": "ServiceAccount",
-            "metadata": {"name": "nestplane-dns", "namespace": "kube-system"}
-        }),
-        json!({
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-            "metadata": {"name": "nestplane:dns"},
-            "rules": [{"apiGroups": [""], "resources": ["services", "endpoints"], "verbs": ["list", "watch"]}]
-        }),
-        json!({
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-            "metadata": {"name": "nestplane:dns"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "nestplane:dns"},
-            "subjects": [{"kind": "ServiceAccount", "name": "nestplane-dns", "namespace": "kube-system"}]
-        }),
-        json!({
-            "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": "nestplane-dns", "namespace": "kube-system", "labels": labels},
-            "spec": {
-                "replicas": d.replicas,
-                "selector": {"matchLabels": {"k8s-app": "kube-dns"}},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "serviceAccountName": "nestplane-dns",
-                        // The server itself must not ask itself.
-                        "dnsPolicy": "Default",
-                        "priorityClassName": "system-cluster-critical",
-                        "securityContext": {"runAsNonRoot": true, "runAsUser": 65532},
-                        "containers": [{
-                            "name": "dns",
-                            "image": d.image,
-                            "imagePullPolicy": "IfNotPresent",
-                            "command": ["/nestplane"],
-                            "args": [
-                                "dns",
-                                format!("--zone={}", d.zone),
-                                format!("--listen=0.0.0.0:{POD_PORT}"),
-                                // Probes come to the pod's address: not every address of
-                                // the pod (the pod may have others) serves them.
-                                format!("--health=$(POD_IP):{HEALTH_PORT}"),
-                            ],
-                            "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                            "ports": [
-                                {"name": "dns", "containerPort": POD_PORT, "protocol": "UDP"},
-                                {"name": "dns-tcp", "containerPort": POD_PORT, "protocol": "TCP"},
-                                {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"}
-                            ],
-                            "readinessProbe": {"httpGet": {"path": "/readyz", "port": "health"}, "periodSeconds": 2},
-                            "livenessProbe": {"httpGet": {"path": "/healthz", "port": "health"}},
-                            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "128Mi"}},
-                            "securityContext": {
-                                "allowPrivilegeEscalation": false,
-                                "readOnlyRootFilesystem": true,
-                                "capabilities": {"drop": ["ALL"]}
-                            }
-                        }]
-                    }
-                }
-            }
-        }),
-        json!({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": "kube-dns", "namespace": "kube-system", "labels": labels},
-            "spec": {
-                "clusterIP": d.service_ip,
-                "selector": {"k8s-app": "kube-dns"},
-                "ports": [
-                    {"name": "dns", "port": 53, "targetPort": POD_PORT, "protocol": "UDP"},
-                    {"name": "dns-tcp", "port": 53, "targetPort": POD_PORT, "protocol": "TCP"}
-                ]
-            }
-        }),
+        value(&service_account("nestplane-dns")),
+        value(&role),
+        value(&binding),
+        value(&workload),
+        value(&service),
     ]
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn kube_dns_is_at_the_given_address_and_maps_port_53() {
