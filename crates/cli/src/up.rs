@@ -352,11 +352,15 @@ async fn up_hosted(
         .clone()
         .unwrap_or_else(|| nestplane_localplane::DEFAULT_VERSION.into());
     if hcs.get_opt(&args.name).await?.is_none() {
-        let hc: HostedCluster = serde_json::from_value(serde_json::json!({
-            "apiVersion": "nestplane.io/v1alpha1", "kind": "HostedCluster",
-            "metadata": {"name": args.name, "namespace": NAMESPACE},
-            "spec": {"release": {"version": version}, "initialNodes": args.nodes},
-        }))?;
+        let mut hc = HostedCluster::new(
+            &args.name,
+            nestplane_api::hosted::HostedClusterSpec {
+                release: nestplane_api::hosted::Release { version },
+                initial_nodes: Some(i32::try_from(args.nodes).context("--nodes is too large")?),
+                ..Default::default()
+            },
+        );
+        hc.metadata.namespace = Some(NAMESPACE.into());
         hcs.create(&PostParams::default(), &hc)
             .await
             .context("creating the HostedCluster")?;

@@ -518,7 +518,10 @@ impl LocalPlane {
             }
             self.nodes.push(started);
         }
-        let mut objects = vec![volumes::storage_class()];
+        let mut objects = vec![
+            serde_json::to_value(volumes::storage_class())
+                .map_err(|e| Error::Client(e.to_string()))?,
+        ];
         self.tasks.push(tokio::spawn(volumes::run(
             self.client.clone(),
             self.dir.join("volumes"),
@@ -644,11 +647,21 @@ impl LocalPlane {
         use kube::api::{Api, PostParams};
         let secrets: Api<Secret> = Api::namespaced(self.client.clone(), namespace);
         let secret_name = format!("{name}-token-nestplane");
-        let secret: Secret = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": secret_name, "annotations": {"kubernetes.io/service-account.name": name}},
-            "type": "kubernetes.io/service-account-token"
-        }))
-        .map_err(|e| Error::Client(e.to_string()))?;
+        let secret = Secret {
+            metadata: kube::api::ObjectMeta {
+                name: Some(secret_name.clone()),
+                annotations: Some(
+                    [(
+                        "kubernetes.io/service-account.name".to_string(),
+                        name.to_string(),
+                    )]
+                    .into(),
+                ),
+                ..Default::default()
+            },
+            type_: Some("kubernetes.io/service-account-token".into()),
+            ..Secret::default()
+        };
         match secrets.create(&PostParams::default(), &secret).await {
             Ok(_) => {}
             Err(kube::Error::Api(e)) if e.code == 409 => {}

@@ -7,10 +7,15 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::{
+    LocalVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectReference,
+    PersistentVolume, PersistentVolumeClaim, PersistentVolumeSpec, VolumeNodeAffinity,
+};
+use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use serde_json::json;
 
 /// The default storage class of a plane with nodes.
 pub const STORAGE_CLASS: &str = "nestplane-local";
@@ -21,15 +26,24 @@ pub const PROVISIONER: &str = "nestplane.io/local";
 const PROVISIONED_BY: &str = "pv.kubernetes.io/provisioned-by";
 
 /// The storage class (default class of the plane).
-pub fn storage_class() -> serde_json::Value {
-    json!({
-        "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
-        "metadata": {"name": STORAGE_CLASS, "annotations": {
-            "storageclass.kubernetes.io/is-default-class": "true"}},
-        "provisioner": PROVISIONER,
-        "reclaimPolicy": "Delete",
-        "volumeBindingMode": "Immediate"
-    })
+pub fn storage_class() -> StorageClass {
+    StorageClass {
+        metadata: ObjectMeta {
+            name: Some(STORAGE_CLASS.into()),
+            annotations: Some(
+                [(
+                    "storageclass.kubernetes.io/is-default-class".to_string(),
+                    "true".to_string(),
+                )]
+                .into(),
+            ),
+            ..ObjectMeta::default()
+        },
+        provisioner: PROVISIONER.into(),
+        reclaim_policy: Some("Delete".into()),
+        volume_binding_mode: Some("Immediate".into()),
+        ..StorageClass::default()
+    }
 }
 
 /// The PersistentVolume for `claim` at `path`, usable on `nodes` (they share this machine's
@@ -38,36 +52,55 @@ pub fn volume_for(
     claim: &PersistentVolumeClaim,
     path: &Path,
     nodes: &[String],
-) -> serde_json::Value {
-    let ns = claim.namespace().unwrap_or_default();
+) -> PersistentVolume {
     let spec = claim.spec.clone().unwrap_or_default();
     let size = spec
         .resources
         .and_then(|r| r.requests)
         .and_then(|r| r.get("storage").cloned())
-        .map(|q| q.0)
-        .unwrap_or_else(|| "1Gi".into());
-    json!({
-        "apiVersion": "v1", "kind": "PersistentVolume",
-        "metadata": {
-            "name": format!("pvc-{}", claim.uid().unwrap_or_default()),
-            "annotations": {PROVISIONED_BY: PROVISIONER}
+        .unwrap_or_else(|| Quantity("1Gi".into()));
+    PersistentVolume {
+        metadata: ObjectMeta {
+            name: Some(format!("pvc-{}", claim.uid().unwrap_or_default())),
+            annotations: Some([(PROVISIONED_BY.to_string(), PROVISIONER.to_string())].into()),
+            ..ObjectMeta::default()
         },
-        "spec": {
-            "capacity": {"storage": size},
-            "accessModes": spec.access_modes.unwrap_or_else(|| vec!["ReadWriteOnce".into()]),
-            "persistentVolumeReclaimPolicy": "Delete",
-            "storageClassName": STORAGE_CLASS,
-            "local": {"path": path.to_string_lossy()},
-            "claimRef": {
-                "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                "namespace": ns, "name": claim.name_any(), "uid": claim.uid()
-            },
-            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [{
-                "key": "kubernetes.io/hostname", "operator": "In", "values": nodes
-            }]}]}}
-        }
-    })
+        spec: Some(PersistentVolumeSpec {
+            capacity: Some([("storage".to_string(), size)].into()),
+            access_modes: Some(
+                spec.access_modes
+                    .unwrap_or_else(|| vec!["ReadWriteOnce".into()]),
+            ),
+            persistent_volume_reclaim_policy: Some("Delete".into()),
+            storage_class_name: Some(STORAGE_CLASS.into()),
+            local: Some(LocalVolumeSource {
+                path: path.to_string_lossy().into_owned(),
+                ..LocalVolumeSource::default()
+            }),
+            claim_ref: Some(ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("PersistentVolumeClaim".into()),
+                namespace: claim.namespace(),
+                name: Some(claim.name_any()),
+                uid: claim.uid(),
+                ..ObjectReference::default()
+            }),
+            node_affinity: Some(VolumeNodeAffinity {
+                required: Some(NodeSelector {
+                    node_selector_terms: vec![NodeSelectorTerm {
+                        match_expressions: Some(vec![NodeSelectorRequirement {
+                            key: "kubernetes.io/hostname".into(),
+                            operator: "In".into(),
+                            values: Some(nodes.to_vec()),
+                        }]),
+                        ..NodeSelectorTerm::default()
+                    }],
+                }),
+            }),
+            ..PersistentVolumeSpec::default()
+        }),
+        ..PersistentVolume::default()
+    }
 }
 
 /// Provision and delete volumes until the task is aborted.
@@ -107,8 +140,7 @@ async fn pass(
         if std::fs::create_dir_all(&path).is_err() {
             continue;
         }
-        let pv: PersistentVolume = serde_json::from_value(volume_for(&c, &path, nodes))
-            .map_err(kube::Error::SerdeError)?;
+        let pv = volume_for(&c, &path, nodes);
         match volumes.create(&PostParams::default(), &pv).await {
             Ok(_) => {}
             Err(kube::Error::Api(e)) if e.code == 409 => {}

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use k8s_openapi::api::core::v1::{ObjectReference, Service};
+use k8s_openapi::api::core::v1::{ObjectReference, Service, ServicePort, ServiceSpec};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use nestplane_api::names::{self, Component, ports};
@@ -191,23 +192,37 @@ async fn ensure_apiserver_service(
         .first()
         .map(|h| format!("https://{}:{}", IpAddr::V4(*h), ports::APISERVER))
         .unwrap_or_default();
-    let svc: Service = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {
-            "name": name,
-            "namespace": ns,
-            "labels": BTreeMap::from([
-                (names::CLUSTER_NAME_LABEL, t.cluster()),
-                (names::COMPONENT_LABEL, Component::ApiServer.short_name().to_string()),
-                (names::MANAGED_BY_LABEL, names::MANAGED_BY.to_string()),
-            ]),
-            "annotations": {"nestplane.io/endpoint": url},
-            "ownerReferences": [t.owner()],
+    let svc = Service {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.clone()),
+            namespace: Some(ns.clone()),
+            labels: Some(BTreeMap::from([
+                (names::CLUSTER_NAME_LABEL.to_string(), t.cluster()),
+                (
+                    names::COMPONENT_LABEL.to_string(),
+                    Component::ApiServer.short_name().to_string(),
+                ),
+                (
+                    names::MANAGED_BY_LABEL.to_string(),
+                    names::MANAGED_BY.to_string(),
+                ),
+            ])),
+            annotations: Some(BTreeMap::from([("nestplane.io/endpoint".to_string(), url)])),
+            owner_references: Some(vec![t.owner()]),
+            ..Default::default()
         },
-        "spec": {"ports": [{"name": "https", "port": ports::APISERVER, "targetPort": ports::APISERVER, "protocol": "TCP"}]}
-    }))
-    .map_err(|e| Error::Internal(e.to_string()))?;
+        spec: Some(ServiceSpec {
+            ports: Some(vec![ServicePort {
+                name: Some("https".into()),
+                port: ports::APISERVER,
+                target_port: Some(IntOrString::Int(ports::APISERVER)),
+                protocol: Some("TCP".into()),
+                ..ServicePort::default()
+            }]),
+            ..ServiceSpec::default()
+        }),
+        ..Service::default()
+    };
     let api: Api<Service> = Api::namespaced(client.clone(), &ns);
     api.patch(
         &name,
