@@ -59,9 +59,7 @@ pub fn corefile(zone: &str) -> String {
 /// Every object, in the order to apply them.
 pub fn manifests(c: &CoreDns) -> Vec<Value> {
     use crate::objects::*;
-    use k8s_openapi::api::apps::v1::{
-        Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
-    };
+    use k8s_openapi::api::apps::v1::{DeploymentStrategy, RollingUpdateDeployment};
     use k8s_openapi::api::core::v1::{
         Capabilities, ConfigMap, ConfigMapVolumeSource, KeyToPath, PodSpec, Probe,
         ResourceRequirements, SecurityContext, Toleration, Volume, VolumeMount,
@@ -136,8 +134,10 @@ pub fn manifests(c: &CoreDns) -> Vec<Value> {
         effect: effect.map(str::to_string),
         ..Toleration::default()
     };
-    let (selector, template) = template(
+    let mut workload = deployment(
+        "coredns",
         own(),
+        c.replicas,
         PodSpec {
             priority_class_name: Some("system-cluster-critical".into()),
             service_account_name: Some("coredns".into()),
@@ -168,23 +168,15 @@ pub fn manifests(c: &CoreDns) -> Vec<Value> {
             ..PodSpec::default()
         },
     );
-    let workload = Deployment {
-        metadata: meta("coredns", Some(own())),
-        spec: Some(DeploymentSpec {
-            replicas: Some(c.replicas),
-            strategy: Some(DeploymentStrategy {
-                type_: Some("RollingUpdate".into()),
-                rolling_update: Some(RollingUpdateDeployment {
-                    max_unavailable: Some(IntOrString::Int(1)),
-                    ..RollingUpdateDeployment::default()
-                }),
+    if let Some(spec) = workload.spec.as_mut() {
+        spec.strategy = Some(DeploymentStrategy {
+            type_: Some("RollingUpdate".into()),
+            rolling_update: Some(RollingUpdateDeployment {
+                max_unavailable: Some(IntOrString::Int(1)),
+                ..RollingUpdateDeployment::default()
             }),
-            selector,
-            template,
-            ..DeploymentSpec::default()
-        }),
-        ..Deployment::default()
-    };
+        });
+    }
     let mut service_meta = meta(
         "kube-dns",
         Some(labels(&[

@@ -34,7 +34,6 @@ pub const HEALTH_PORT: i32 = 8081;
 /// ServiceAccount, ClusterRole and binding (read Services and Endpoints), Deployment and the
 /// `kube-dns` Service, in `kube-system`. Pure.
 pub fn manifests(d: &Deployment) -> Vec<Value> {
-    use k8s_openapi::api::apps::v1::{Deployment as Workload, DeploymentSpec};
     use k8s_openapi::api::core::v1::{
         Capabilities, EnvVar, EnvVarSource, ObjectFieldSelector, PodSecurityContext, PodSpec,
         ResourceRequirements, SecurityContext,
@@ -100,8 +99,10 @@ pub fn manifests(d: &Deployment) -> Vec<Value> {
         }),
         ..container("dns", &d.image)
     };
-    let (selector, template) = template(
+    let workload = deployment(
+        "nestplane-dns",
         own(),
+        d.replicas,
         PodSpec {
             service_account_name: Some("nestplane-dns".into()),
             // The server itself must not ask itself.
@@ -116,16 +117,6 @@ pub fn manifests(d: &Deployment) -> Vec<Value> {
             ..PodSpec::default()
         },
     );
-    let workload = Workload {
-        metadata: meta("nestplane-dns", Some(own())),
-        spec: Some(DeploymentSpec {
-            replicas: Some(d.replicas),
-            selector,
-            template,
-            ..DeploymentSpec::default()
-        }),
-        ..Workload::default()
-    };
     let service = kube_dns_service(
         &d.service_ip,
         meta("kube-dns", Some(own())),

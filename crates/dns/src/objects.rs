@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
     Container, ContainerPort, HTTPGetAction, PodSpec, PodTemplateSpec, Probe, Service,
     ServiceAccount, ServicePort, ServiceSpec,
@@ -140,24 +141,33 @@ pub fn kube_dns_service(ip: &str, metadata: ObjectMeta, ports: Vec<ServicePort>)
     }
 }
 
-/// A Deployment's pod template and the selector that matches it.
-pub fn template(
+/// Deployment `name` of `replicas` pods labelled `labels` (which hold `k8s-app: kube-dns`,
+/// what it selects) running `spec`.
+pub fn deployment(
+    name: &str,
     labels: BTreeMap<String, String>,
+    replicas: i32,
     spec: PodSpec,
-) -> (LabelSelector, PodTemplateSpec) {
-    (
-        LabelSelector {
-            match_labels: Some(self::labels(&[("k8s-app", "kube-dns")])),
-            ..LabelSelector::default()
-        },
-        PodTemplateSpec {
-            metadata: Some(ObjectMeta {
-                labels: Some(labels),
-                ..ObjectMeta::default()
-            }),
-            spec: Some(spec),
-        },
-    )
+) -> Deployment {
+    Deployment {
+        metadata: meta(name, Some(labels.clone())),
+        spec: Some(DeploymentSpec {
+            replicas: Some(replicas),
+            selector: LabelSelector {
+                match_labels: Some(self::labels(&[("k8s-app", "kube-dns")])),
+                ..LabelSelector::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(spec),
+            },
+            ..DeploymentSpec::default()
+        }),
+        ..Deployment::default()
+    }
 }
 
 /// The object as applied: JSON with its `apiVersion` and `kind`.
