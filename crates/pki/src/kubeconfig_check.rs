@@ -125,6 +125,21 @@ pub fn check_kubeconfig(yaml: &str) -> Result<(), String> {
     }
 }
 
+/// A kubeconfig a user could have written, as `kube` reads it, once [`check_kubeconfig`]
+/// passed it. Read with the same limits (not `Kubeconfig::from_yaml`, whose errors quote the
+/// text around a mistake: a key or a token); an error says where, never what.
+pub fn read_kubeconfig(yaml: &str) -> Result<kube::config::Kubeconfig, String> {
+    check_kubeconfig(yaml)?;
+    serde_saphyr::from_str_with_options(yaml, untrusted_yaml()).map_err(|e| match e.location() {
+        Some(at) => format!(
+            "the kubeconfig is not a kubeconfig: a field has the wrong type (line {}, column {})",
+            at.line(),
+            at.column()
+        ),
+        None => "the kubeconfig is not a kubeconfig: a field has the wrong type".to_string(),
+    })
+}
+
 fn has_merge_key(v: &Value) -> bool {
     match v {
         Value::Object(m) => m.iter().any(|(k, v)| k == "<<" || has_merge_key(v)),
@@ -247,6 +262,16 @@ mod tests {
         let err = check_kubeconfig(&merged).unwrap_err();
         assert!(err.contains("merge key"), "{err}");
         assert!(check_kubeconfig(&format!("{INLINE}extensions: []\n")).is_err());
+        // A field of the wrong type passes the allow-list and is refused when read, without
+        // a word of the text (the next line holds a key).
+        read_kubeconfig(INLINE).unwrap();
+        let wrong = INLINE.replace(
+            "cluster: {server: 'https://127.0.0.1:6443', certificate-authority-data: Y2E=}",
+            "cluster: {server: [secretish], certificate-authority-data: Y2E=}",
+        );
+        let err = read_kubeconfig(&wrong).unwrap_err();
+        assert!(err.contains("line 5"), "{err}");
+        assert!(!err.contains("secretish") && !err.contains("a2V5"), "{err}");
         // kube merges the documents of a kubeconfig: a second one could bring in an exec
         // user, so a kubeconfig of several documents is refused whole.
         let second =

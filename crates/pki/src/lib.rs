@@ -393,7 +393,8 @@ mod kubeconfig;
 pub use kubeconfig::{Authority, Credential, KubeconfigSpec, kubeconfig, write_kubeconfig};
 mod kubeconfig_check;
 pub use kubeconfig_check::{
-    Issued, check_kubeconfig, kubeconfig_client, untrusted_yaml, verify_issued_kubeconfig,
+    Issued, check_kubeconfig, kubeconfig_client, read_kubeconfig, untrusted_yaml,
+    verify_issued_kubeconfig,
 };
 
 #[cfg(test)]

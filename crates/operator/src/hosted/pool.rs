@@ -452,14 +452,12 @@ pub(super) async fn target(ctx: &Context, hc: &HostedCluster) -> Result<Option<T
     if !cluster::made_for(&ncp.metadata, hc) {
         return Ok(None);
     }
-    nestplane_pki::check_kubeconfig(&kubeconfig).map_err(|reason| {
+    let kc = nestplane_pki::read_kubeconfig(&kubeconfig).map_err(|reason| {
         crate::secrets::SecretError::Invalid {
             name: names::SecretPurpose::AdminKubeconfig.secret_name(&name),
             reason,
         }
     })?;
-    let kc = kube::config::Kubeconfig::from_yaml(&kubeconfig)
-        .map_err(|e| Error::Internal(e.to_string()))?;
     let mut cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
         .await
         .map_err(|e| Error::Internal(e.to_string()))?;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::config::KubeConfigOptions;
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
@@ -196,8 +196,7 @@ async fn apply_to(
     docs: &plan::Documents,
     reconcile: bool,
 ) -> Result<usize, String> {
-    nestplane_pki::check_kubeconfig(kubeconfig)?;
-    let kc = Kubeconfig::from_yaml(kubeconfig).map_err(|e| format!("its kubeconfig: {e}"))?;
+    let kc = nestplane_pki::read_kubeconfig(kubeconfig)?;
     let mut config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
         .await
         .map_err(|e| format!("its kubeconfig: {e}"))?;

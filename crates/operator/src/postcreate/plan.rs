@@ -159,38 +159,60 @@ pub fn documents(
 
 /// How an `addon.yaml` is read: as YAML a user wrote ([`nestplane_pki::untrusted_yaml`]:
 /// alias bombs and deep nesting stop the parser, not the operator; nothing of the text in an
-/// error), with merge keys (`<<`) expanded as Kubernetes' own YAML reader does.
+/// error). A merge key (`<<`) is refused: readers disagree on which of a merged key and an
+/// explicit one wins (kubectl's takes the later one, serde-saphyr the explicit one), so what a
+/// reviewer sees with kubectl and what is applied could differ.
 fn addon_yaml() -> serde_saphyr::Options {
     let mut options = nestplane_pki::untrusted_yaml();
-    options.merge_keys = serde_saphyr::MergeKeyPolicy::Merge;
+    options.merge_keys = serde_saphyr::MergeKeyPolicy::Error;
     options
 }
 
-/// A YAML stream cut where its documents begin and end: at every line that starts with `---`
-/// or `...` followed by a blank or the line's end. Such a line can be nothing else (YAML 1.2,
-/// rule 206 `c-forbidden`: no scalar may hold one). Each piece keeps its `---` line; a
-/// piece is `counted` unless it precedes the first `---` or follows a `...` (where a blank
-/// piece is no document). Pure.
-fn pieces(yaml: &str) -> Vec<(&str, bool)> {
-    let marker = |line: &str, m: &str| {
-        line.strip_prefix(m)
-            .is_some_and(|rest| rest.is_empty() || rest.starts_with([' ', '\t', '\r', '\n']))
-    };
+/// The most one Secret's documents may weigh once read (as JSON): a Secret holds at most
+/// 1 MiB, and aliases, each document within its own budget, may not multiply that past here.
+pub const MAX_READ_BYTES: usize = 8 << 20;
+
+/// A YAML stream cut where kubectl cuts it: at every line that starts with `---`, which may be
+/// followed by blanks and a comment only (kubectl refuses anything else, and YAML forbids such
+/// a line inside a scalar: rule 206 `c-forbidden`). Each piece keeps its `---` line; a piece is
+/// `counted` unless it precedes the first `---` (where a blank piece is no document). A `...`
+/// is no cut: a piece with a document after one is refused when read, where kubectl would drop
+/// that document unseen. Pure.
+fn pieces(yaml: &str) -> Vec<Piece<'_>> {
     let mut out = Vec::new();
-    let (mut start, mut counted) = (0, false);
-    let mut at = 0;
+    let mut piece = Piece {
+        text: "",
+        counted: false,
+        marker_ok: true,
+    };
+    let (mut start, mut at) = (0, 0);
     for line in yaml.split_inclusive('\n') {
-        if marker(line, "---") {
-            out.push((&yaml[start..at], counted));
-            (start, counted) = (at, true);
-        } else if marker(line, "...") {
-            out.push((&yaml[start..at], counted));
-            (start, counted) = (at + line.len(), false);
+        if let Some(rest) = line.strip_prefix("---") {
+            let rest = rest.trim();
+            out.push(Piece {
+                text: &yaml[start..at],
+                ..piece
+            });
+            piece.counted = true;
+            piece.marker_ok = rest.is_empty() || rest.starts_with('#');
+            start = at;
         }
         at += line.len();
     }
-    out.push((&yaml[start..], counted));
+    out.push(Piece {
+        text: &yaml[start..],
+        ..piece
+    });
     out
+}
+
+/// A document of a stream, as [`pieces`] cuts it.
+#[derive(Clone, Copy)]
+struct Piece<'a> {
+    text: &'a str,
+    counted: bool,
+    /// Nothing but blanks and a comment follows its `---`.
+    marker_ok: bool,
 }
 
 /// The objects of a multi-document YAML, each with its index; empty documents are skipped
@@ -198,11 +220,28 @@ fn pieces(yaml: &str) -> Vec<(&str, bool)> {
 pub fn parse(yaml: &str) -> Result<Vec<(usize, Value)>, (usize, String)> {
     let mut out = Vec::new();
     let mut next = 0;
-    for (piece, counted) in pieces(yaml) {
-        let v: Value = serde_saphyr::from_str_with_options(piece, addon_yaml())
+    let mut weight = 0;
+    for piece in pieces(yaml) {
+        if !piece.marker_ok {
+            return Err((
+                next,
+                "text after the document's `---` (kubectl refuses it too; start the document on the next line)".into(),
+            ));
+        }
+        let v: Value = serde_saphyr::from_str_with_options(piece.text, addon_yaml())
             .map_err(|e| (next, e.to_string()))?;
-        if v.is_null() && !counted {
+        if v.is_null() && !piece.counted {
             continue;
+        }
+        weight += serde_json::to_vec(&v).map_or(usize::MAX, |b| b.len());
+        if weight > MAX_READ_BYTES {
+            return Err((
+                next,
+                format!(
+                    "the documents read so far pass {} MiB",
+                    MAX_READ_BYTES >> 20
+                ),
+            ));
         }
         let index = next;
         next += 1;

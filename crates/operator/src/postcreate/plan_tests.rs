@@ -114,17 +114,61 @@ fn documents_without_kind_or_name_are_refused_with_their_index() {
     let e = parse("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n---\napiVersion: v1\nmetadata: {name: b}\n").unwrap_err();
     assert_eq!(e, (1, "no kind".to_string()));
     assert_eq!(parse("- 1\n- 2\n").unwrap_err().0, 0);
-    // Documents are counted as a reader of the stream counts them: a leading `---` starts the
-    // first, `---` alone makes an empty one, `...` ends one, `---` with content on its line,
-    // and a `---` inside an indented block scalar is text.
-    let stream = "# addons\n---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\ndata:\n  x: |\n    ---\n    y\n---\n---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: b}\n...\n--- {apiVersion: v1, kind: ConfigMap, metadata: {name: c}}\n";
+    // Documents are cut and counted as kubectl cuts them: a leading `---` starts the first,
+    // `---` alone (or with a comment) makes an empty one, and a `---` inside an indented block
+    // scalar is text.
+    let stream = "# addons\n---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\ndata:\n  x: |\n    ---\n    y\n--- # empty\n---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: b}\n...\n";
     let docs = parse(stream).unwrap();
     let seen: Vec<_> = docs
         .iter()
         .map(|(i, v)| (*i, v["metadata"]["name"].as_str().unwrap()))
         .collect();
-    assert_eq!(seen, [(0, "a"), (2, "b"), (3, "c")]);
+    assert_eq!(seen, [(0, "a"), (2, "b")]);
     assert_eq!(docs[0].1["data"]["x"], "---\ny\n");
+}
+
+/// What kubectl would show a reviewer differently, or not at all, is refused: a document on
+/// its `---` line, one hidden after a `...`, and a merge key (kubectl lets a later `<<` win
+/// over an explicit key; serde-saphyr the reverse).
+#[test]
+fn documents_kubectl_would_read_otherwise_are_refused() {
+    let cm = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n";
+    let inline = format!("{cm}--- {{apiVersion: v1, kind: ConfigMap, metadata: {{name: c}}}}\n");
+    let (index, why) = parse(&inline).unwrap_err();
+    assert_eq!(index, 1);
+    assert!(why.contains("after the document's `---`"), "{why}");
+
+    let hidden = format!(
+        "{cm}...\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata: {{name: x}}\n"
+    );
+    assert_eq!(parse(&hidden).unwrap_err().0, 0);
+
+    let merged = "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata: {name: x}\nroleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: cluster-admin, <<: {name: view}}\n";
+    let (index, why) = parse(merged).unwrap_err();
+    assert_eq!(index, 0);
+    assert!(why.contains("merge"), "{why}");
+}
+
+/// Each document has its own parse budget, so one Secret of many small documents, each
+/// multiplying itself through aliases, is stopped by what they weigh together.
+#[test]
+fn many_small_alias_bombs_are_stopped_together() {
+    let mut doc = String::from(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: m}\nx: &a0 [xxxxxxxxxxxxxxxx, xxxxxxxxxxxxxxxx, xxxxxxxxxxxxxxxx, xxxxxxxxxxxxxxxx]\n",
+    );
+    for i in 1..5 {
+        let p = i - 1;
+        doc.push_str(&format!(
+            "y{i}: &a{i} [*a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}]\n"
+        ));
+    }
+    let one = parse(&doc).unwrap();
+    let weight = serde_json::to_vec(&one[0].1).unwrap().len();
+    assert!(weight > 10 * doc.len(), "each document expands: {weight}");
+    let stream = vec![doc.as_str(); MAX_READ_BYTES / weight + 2].join("---\n");
+    assert!(stream.len() < 1 << 20, "fits in a Secret: {}", stream.len());
+    let (_, why) = parse(&stream).unwrap_err();
+    assert!(why.contains("MiB"), "{why}");
 }
 
 /// An addon Secret is written by a namespace user: YAML that expands aliases into billions
