@@ -639,6 +639,15 @@ mod tests {
         metrics.watch_error(&health, "Cluster", &list);
         assert!(health.problems().is_empty());
 
+        // A 410 on a watch that failed to start keeps its resource version (the watcher does
+        // not list again), so it is a failure, not a relist.
+        assert!(!expired(&watcher::Error::WatchStartFailed(
+            kube::Error::Api(Box::new(kube::core::Status {
+                code: 410,
+                ..Default::default()
+            }))
+        )));
+
         // Anything else is a failure until the watch recovers.
         metrics.watch_error(&health, "Cluster", &watch_error(403));
         assert_eq!(health.problems().len(), 1);
