@@ -24,11 +24,6 @@ pub fn all() -> Vec<CustomResourceDefinition> {
     ]
 }
 
-/// The file name of a CRD under `config/crd/bases/` (`<group>_<plural>.yaml`).
-pub fn file_name(crd: &CustomResourceDefinition) -> String {
-    format!("{}_{}.yaml", crd.spec.group, crd.spec.names.plural)
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -72,10 +67,6 @@ mod tests {
         assert_eq!(
             scale.label_selector_path.as_deref(),
             Some(".status.selector")
-        );
-        assert_eq!(
-            file_name(ncp),
-            "controlplane.cluster.x-k8s.io_nestedcontrolplanes.yaml"
         );
     }
 }

@@ -422,9 +422,14 @@ pub struct NodePoolSpec {
     /// Labels of the pool's Nodes.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub node_labels: BTreeMap<String, String>,
-    /// Taints of the pool's Nodes.
+    /// Taints of the pool's Nodes. A change replaces the nodes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub taints: Vec<Taint>,
+    /// Pods each node runs at most (the kubelet's `maxPods`; 110 when unset). A change
+    /// replaces the nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 250))]
+    pub max_pods: Option<i32>,
     /// How long a node is drained before its pods are deleted anyway (`5m` when unset).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_drain_timeout: Option<String>,

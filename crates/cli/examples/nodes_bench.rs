@@ -86,11 +86,13 @@ async fn main() {
             .cloned()
             .collect(),
         pause_image: "registry.k8s.io/pause:3.2".into(),
-        labels: Default::default(),
-        // Nothing is scheduled here: the node is removed below.
-        taints: vec!["nestplane.io/bench=true:NoSchedule".into()],
+        spec: nestplane_nodes::config::NodeSpec {
+            version: "v1.20.2".into(),
+            // Nothing is scheduled here: the node is removed below.
+            taints: vec!["nestplane.io/bench=true:NoSchedule".into()],
+            ..Default::default()
+        },
         cluster: Default::default(),
-        version: "v1.20.2".into(),
         group: None,
         control_plane_user: None,
         guard: None,

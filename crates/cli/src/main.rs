@@ -102,9 +102,10 @@ struct OperatorArgs {
     /// Name of the leader election Lease.
     #[arg(long, default_value = "nestplane-leader")]
     leader_election_id: String,
-    /// Component controllers to run, as kube-controller-manager lists them: `*` for all,
-    /// `-etcd` to leave etcd to an out-of-tree controller (names: etcd, apiserver,
-    /// controller-manager, scheduler). nestplane then only reads that kind's status.
+    /// Controllers to run, as kube-controller-manager lists them: `*` for all, `-etcd` to
+    /// leave etcd to an out-of-tree controller (names: etcd, apiserver, controller-manager,
+    /// scheduler, or a kind: NestedControlPlane, NestedDatastore, PostCreateConfig,
+    /// HostedCluster, NodePool). nestplane then only reads that kind's objects.
     #[arg(long, default_value = "*", value_parser = nestplane_operator::Controllers::parse)]
     controllers: nestplane_operator::Controllers,
 }

@@ -438,9 +438,12 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
         },
     );
 
-    // A new label is a new node: the pool rolls (a new node first, then the old one drained),
-    // and the label reaches the Node.
-    patch_pool(&kc, r#"{"spec":{"nodeLabels":{"tier":"web"}}}"#);
+    // A new node configuration is a new node: the pool rolls (a new node first, then the old
+    // one drained), and the label, the taint and the kubelet's pod limit reach the Node.
+    patch_pool(
+        &kc,
+        r#"{"spec":{"nodeLabels":{"tier":"web"},"maxPods":30,"taints":[{"key":"dedicated","value":"web","effect":"PreferNoSchedule"}]}}"#,
+    );
     let mut updating = false;
     let rolled = eventually(
         "the pool rolled to a labelled node",
@@ -469,6 +472,28 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
     );
     assert!(updating, "UpdatingConfig was reported during the rollout");
     assert_ne!(rolled.trim(), left.trim(), "the node was replaced");
+    let node = |path: &str| {
+        kubectl_ok(
+            &hosted,
+            &[
+                "get",
+                "node",
+                rolled.trim(),
+                "-o",
+                &format!("jsonpath={path}"),
+            ],
+        )
+    };
+    assert_eq!(
+        node("{.status.capacity.pods}").trim(),
+        "30",
+        "maxPods reached the kubelet"
+    );
+    assert_eq!(
+        node("{.spec.taints[?(@.key==\"dedicated\")].value}:{.spec.taints[?(@.key==\"dedicated\")].effect}").trim(),
+        "web:PreferNoSchedule",
+        "the taint reached the Node"
+    );
     eventually("web pods on the new node", Duration::from_secs(120), || {
         let placed = running_web_pods_nodes(&hosted);
         let on: Vec<&str> = placed.split_whitespace().collect();

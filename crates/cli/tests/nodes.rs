@@ -196,10 +196,11 @@ async fn nodes_started_and_removed_100_times_leave_nothing_behind() {
                     vec![]
                 },
                 pause_image: "registry.k8s.io/pause:3.2".into(),
-                labels: Default::default(),
-                taints: vec![],
+                spec: nestplane_nodes::config::NodeSpec {
+                    version: "v1.20.2".into(),
+                    ..Default::default()
+                },
                 cluster: Default::default(),
-                version: "v1.20.2".into(),
                 // Two nodes of one group, one of another, one without: isolation rules come
                 // and go with their nodes too.
                 group: match cycle % 4 {

@@ -497,14 +497,15 @@ impl LocalPlane {
                     DEFAULT_IMAGE_REGISTRY,
                     nestplane_nodes::images::PAUSE_TAG
                 ),
-                labels: Default::default(),
-                taints: vec![],
+                spec: nestplane_nodes::config::NodeSpec {
+                    version: DEFAULT_VERSION.into(),
+                    ..Default::default()
+                },
                 cluster: nestplane_nodes::config::ClusterSettings {
                     cluster_dns: vec![service_ip_dns.clone()],
                     cluster_domain: CLUSTER_DOMAIN.into(),
                     ..Default::default()
                 },
-                version: DEFAULT_VERSION.into(),
                 group: None,
                 control_plane_user: None,
                 guard: None,

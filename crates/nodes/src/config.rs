@@ -1,10 +1,46 @@
 //! What a node is made of, as values: its addresses, and the configuration files of its
 //! containerd, CNI network, kubelet and kube-proxy. Pure; [`crate::node`] writes and runs them.
 
+use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
+use serde::Serialize;
 use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+/// The kubelet's `maxPods` when a pool does not say (the kubelet's own default).
+pub const DEFAULT_MAX_PODS: u32 = 110;
+
+/// What one node is, as its pool says: every field reaches the node ([`kubelet_config`],
+/// the kubelet's flags, the node guard), and the whole of it is hashed ([`NodeSpec::hash`]),
+/// so a field added here replaces the pool's nodes when it changes without anyone having to
+/// remember to hash it. Where a node runs and how it joins are not here (see
+/// [`crate::node::NodeConfig`]). Pure.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeSpec {
+    /// Kubernetes version of the kubelet and kube-proxy (`v1.20.2`).
+    pub version: String,
+    /// Labels of the Node.
+    pub labels: BTreeMap<String, String>,
+    /// Taints of the Node (`key=value:Effect` or `key:Effect`).
+    pub taints: Vec<String>,
+    /// The kubelet's `maxPods` ([`DEFAULT_MAX_PODS`] when unset).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_pods: Option<u32>,
+    /// The pod security level the node guard enforces below the tenant.
+    pub pod_security: crate::guard::Level,
+}
+
+impl NodeSpec {
+    /// A short hash of the whole spec: nodes whose hash differs from their pool's are
+    /// replaced.
+    pub fn hash(&self) -> String {
+        let bytes = serde_json::to_vec(self).unwrap_or_default();
+        format!("{:x}", Sha256::digest(&bytes))[..10].to_string()
+    }
+}
 
 /// The address every node's API proxy listens on, inside the node's network namespace (as
 /// HyperShift's per-node proxy does): [`nestplane_api::names::NODE_LOCAL_APISERVER`].
@@ -262,7 +298,12 @@ pub const NODE_DISK_RESERVE: &str = "512Mi";
 /// machine's, shared with everything else on it, so "10 % free" (the kubelet's default) or
 /// even "1 %" of a large shared disk taints every node for reasons no tenant controls. The
 /// node still evicts when the disk is really about to fill.
-pub fn kubelet_config(layout: &Layout, addrs: &Addresses, cluster: &ClusterSettings) -> String {
+pub fn kubelet_config(
+    layout: &Layout,
+    addrs: &Addresses,
+    cluster: &ClusterSettings,
+    spec: &NodeSpec,
+) -> String {
     let mut v = json!({
         "kind": "KubeletConfiguration",
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -294,7 +335,7 @@ pub fn kubelet_config(layout: &Layout, addrs: &Addresses, cluster: &ClusterSetti
             "imagefs.available": NODE_DISK_RESERVE
         },
         "volumePluginDir": layout.dir.join("volume-plugins").to_string_lossy(),
-        "maxPods": 110
+        "maxPods": spec.max_pods.unwrap_or(DEFAULT_MAX_PODS)
     });
     if !cluster.cluster_dns.is_empty() {
         v["clusterDNS"] = json!(cluster.cluster_dns);
@@ -408,6 +449,7 @@ mod tests {
                 cluster_domain: "cluster.local".into(),
                 ..Default::default()
             },
+            &NodeSpec::default(),
         ))
         .expect("json");
         assert_eq!(
@@ -435,6 +477,7 @@ mod tests {
                 serving_certificates_from_cluster: true,
                 ..Default::default()
             },
+            &NodeSpec::default(),
         ))
         .expect("json");
         assert_eq!(v["serverTLSBootstrap"], true);
@@ -448,9 +491,13 @@ mod tests {
             resolver_on_host: true,
             ..Default::default()
         };
-        let v: Value =
-            serde_json::from_str(&kubelet_config(&layout(), &Addresses::of(3), &cluster))
-                .expect("json");
+        let v: Value = serde_json::from_str(&kubelet_config(
+            &layout(),
+            &Addresses::of(3),
+            &cluster,
+            &NodeSpec::default(),
+        ))
+        .expect("json");
         assert_eq!(v["resolvConf"], "/n/worker-0/resolv.conf");
         assert_eq!(
             resolv_conf(&Addresses::of(3), &cluster),
@@ -468,6 +515,7 @@ mod tests {
             &layout(),
             &Addresses::of(3),
             &ClusterSettings::default(),
+            &NodeSpec::default(),
         ))
         .expect("json");
         for signal in ["nodefs.available", "imagefs.available"] {
@@ -496,5 +544,50 @@ mod tests {
             layout().ca().to_string_lossy().as_ref()
         );
         assert_eq!(v["current-context"], "kubelet-bootstrap@cluster");
+    }
+
+    #[test]
+    fn every_field_of_a_node_spec_reaches_its_hash_and_max_pods_the_kubelet() {
+        let base = NodeSpec {
+            version: "v1.20.2".into(),
+            ..Default::default()
+        };
+        let changed = [
+            NodeSpec {
+                version: "v1.20.1".into(),
+                ..base.clone()
+            },
+            NodeSpec {
+                labels: [("tier".to_string(), "web".to_string())].into(),
+                ..base.clone()
+            },
+            NodeSpec {
+                taints: vec!["gpu:NoSchedule".into()],
+                ..base.clone()
+            },
+            NodeSpec {
+                max_pods: Some(20),
+                ..base.clone()
+            },
+            NodeSpec {
+                pod_security: crate::guard::Level::Restricted,
+                ..base.clone()
+            },
+        ];
+        assert_eq!(base.hash(), base.clone().hash());
+        for c in &changed {
+            assert_ne!(c.hash(), base.hash(), "{c:?}");
+        }
+        let kubelet = |spec: &NodeSpec| -> Value {
+            serde_json::from_str(&kubelet_config(
+                &layout(),
+                &Addresses::of(3),
+                &ClusterSettings::default(),
+                spec,
+            ))
+            .expect("json")
+        };
+        assert_eq!(kubelet(&base)["maxPods"], DEFAULT_MAX_PODS);
+        assert_eq!(kubelet(&changed[3])["maxPods"], 20);
     }
 }

@@ -514,13 +514,11 @@ pub fn main(args: Vec<String>) -> i32 {
     1
 }
 
-/// A node's guard: which `nestplane` binary judges, at which level.
+/// A node's guard: which `nestplane` binary judges (the level is the node's `spec.pod_security`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Setup {
     /// The `nestplane` binary (its `runc-guard` command is the wrapper).
     pub nestplane: PathBuf,
-    /// The level.
-    pub level: Level,
 }
 
 /// The wrapper script containerd runs instead of runc for a node (`BinaryName`).

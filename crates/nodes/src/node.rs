@@ -21,7 +21,7 @@ use nestplane_runtime::child::{self, Child, Spec};
 use tokio::task::JoinHandle;
 
 use crate::Error;
-use crate::config::{self, Addresses, ClusterSettings, Layout, NODE_LOCAL_APISERVER};
+use crate::config::{self, Addresses, ClusterSettings, Layout, NODE_LOCAL_APISERVER, NodeSpec};
 use crate::net::{self, Slot};
 
 /// How to make a node.
@@ -44,22 +44,18 @@ pub struct NodeConfig {
     pub images: Vec<PathBuf>,
     /// The pause image (already among `images`).
     pub pause_image: String,
-    /// Labels for the Node.
-    pub labels: BTreeMap<String, String>,
-    /// Taints for the Node (`key=value:Effect`).
-    pub taints: Vec<String>,
+    /// What the node is (version, labels, taints, kubelet settings, pod security level).
+    pub spec: NodeSpec,
     /// DNS settings.
     pub cluster: ClusterSettings,
-    /// Kubernetes version of the kubelet and kube-proxy (`v1.20.2`).
-    pub version: String,
     /// The isolation group: nodes of a group reach each other and no other node
     /// ([`crate::net::isolate`]); `None` for a node on its own terms (no rules).
     pub group: Option<u32>,
     /// The uid of the cluster's control-plane processes on this machine: only that user's
     /// packets (of all tenant users) reach the node ([`nestplane_runtime::egress`]).
     pub control_plane_user: Option<u32>,
-    /// The container policy enforced below the tenant ([`crate::guard`]); `None` runs runc
-    /// directly (a node only nestplane itself uses).
+    /// The container policy enforced below the tenant at `spec.pod_security`
+    /// ([`crate::guard`]); `None` runs runc directly (a node only nestplane itself uses).
     pub guard: Option<crate::guard::Setup>,
 }
 
@@ -138,8 +134,8 @@ impl Node {
     /// `Ready` with the cluster's client.
     pub async fn start(cfg: NodeConfig) -> Result<Node, Error> {
         let started = Instant::now();
-        let kubelet_bin = binaries::kubernetes("kubelet", &cfg.version)?;
-        let proxy_bin = binaries::kubernetes("kube-proxy", &cfg.version)?;
+        let kubelet_bin = binaries::kubernetes("kubelet", &cfg.spec.version)?;
+        let proxy_bin = binaries::kubernetes("kube-proxy", &cfg.spec.version)?;
         mkdir(&cfg.dir)?;
         let dir = std::fs::canonicalize(&cfg.dir)
             .map_err(|e| Error::io(format!("resolving {}", cfg.dir.display()), e))?;
@@ -198,7 +194,7 @@ impl Node {
             Some(g) => {
                 mkdir(&layout.kubelet_pods())?;
                 let policy = crate::guard::Policy {
-                    level: g.level,
+                    level: cfg.spec.pod_security,
                     kubelet_pods: layout.kubelet_pods(),
                     sandbox_dirs: layout.sandbox_dirs(),
                     runc: nestplane_runtime::binaries::on_path("runc").map_err(|e| {
@@ -233,7 +229,7 @@ impl Node {
         )?;
         write(
             &layout.kubelet_config(),
-            &config::kubelet_config(layout, addrs, &cfg.cluster),
+            &config::kubelet_config(layout, addrs, &cfg.cluster, &cfg.spec),
         )?;
         write(
             &layout.resolv_conf(),
@@ -394,12 +390,20 @@ impl Node {
             format!("--pod-infra-container-image={}", cfg.pause_image),
             "--v=1".into(),
         ];
-        if !cfg.labels.is_empty() {
-            let labels: Vec<String> = cfg.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        if !cfg.spec.labels.is_empty() {
+            let labels: Vec<String> = cfg
+                .spec
+                .labels
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
             args.push(format!("--node-labels={}", labels.join(",")));
         }
-        if !cfg.taints.is_empty() {
-            args.push(format!("--register-with-taints={}", cfg.taints.join(",")));
+        if !cfg.spec.taints.is_empty() {
+            args.push(format!(
+                "--register-with-taints={}",
+                cfg.spec.taints.join(",")
+            ));
         }
         self.in_node(hpid, "kubelet", &bin, args)
     }

@@ -64,6 +64,7 @@ impl Outcome {
 }
 
 /// Reconcile one component object.
+#[tracing::instrument(name = "component", skip_all, fields(kind = %<K as kube::Resource>::kind(&()), namespace = kube::Resource::meta(obj.as_ref()).namespace.as_deref().unwrap_or_default(), name = kube::Resource::meta(obj.as_ref()).name.as_deref().unwrap_or_default()))]
 pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started(tenant::kind_of(K::COMPONENT));
     let obj = ctx.written.latest(obj);

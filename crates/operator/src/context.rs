@@ -295,6 +295,7 @@ impl Metrics {
     /// The text exposition format.
     pub fn encode(&self) -> String {
         let mut out = String::new();
+        // Writing into a String does not fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
@@ -389,30 +390,36 @@ pub struct Context {
     pub written: crate::written::Written,
     /// Which component controllers run here.
     pub controllers: Controllers,
-    /// Per-cluster retries of PostCreateConfigs.
-    pub postcreate_retries: crate::postcreate::Retries,
-    /// Where NodePools make their nodes (`None`: this operator makes none).
-    pub node_settings: Option<crate::hosted::pool::NodeSettings>,
-    /// The nodes NodePools made.
-    pub nodes: crate::hosted::pool::Nodes,
-    /// How hosted clusters get cluster DNS.
-    pub dns: crate::hosted::dns::DnsSettings,
 }
 
-/// Which component controllers an operator runs (`--controllers`), in
-/// kube-controller-manager's syntax: a comma-separated list where `*` is every controller,
-/// `etcd` adds one and `-etcd` removes one; without `*`, only the named ones run. Names are
-/// the components' short names (`etcd`, `apiserver`, `controller-manager`, `scheduler`) or
-/// their kinds (`NestedEtcd`, any case). The `NestedControlPlane` controller always runs.
+/// The controllers besides the four component controllers, by kind.
+pub const WING_CONTROLLERS: [&str; 5] = [
+    "NestedControlPlane",
+    "NestedDatastore",
+    "PostCreateConfig",
+    "HostedCluster",
+    "NodePool",
+];
+
+/// Which controllers an operator runs (`--controllers`), in kube-controller-manager's
+/// syntax: a comma-separated list where `*` is every controller, `etcd` adds one and `-etcd`
+/// removes one; without `*`, only the named ones run. Names are the components' short names
+/// (`etcd`, `apiserver`, `controller-manager`, `scheduler`) or any controller's kind
+/// (`NestedEtcd`, `NestedControlPlane`, `NestedDatastore`, `PostCreateConfig`,
+/// `HostedCluster`, `NodePool`; any case). A list that names only component controllers
+/// leaves the others running. A kind whose controller does not run here is someone else's:
+/// it is only read.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Controllers {
     on: std::collections::BTreeSet<Component>,
+    wings: std::collections::BTreeSet<&'static str>,
 }
 
 impl Default for Controllers {
     fn default() -> Self {
         Controllers {
             on: Component::ALL.into_iter().collect(),
+            wings: WING_CONTROLLERS.into_iter().collect(),
         }
     }
 }
@@ -428,39 +435,62 @@ impl Controllers {
         if items.is_empty() {
             return Ok(Controllers::default());
         }
-        let mut on = if items.contains(&"*") {
-            Controllers::default().on
-        } else {
-            Default::default()
+        let wing = |name: &str| {
+            WING_CONTROLLERS
+                .iter()
+                .any(|k| k.eq_ignore_ascii_case(name))
         };
+        // A list of component controllers alone leaves the others running (as before they
+        // could be named); naming one of them runs only those named.
+        let names_wings = items.iter().any(|i| wing(i));
+        let mut c = Controllers::default();
+        if !items.contains(&"*") {
+            c.on.clear();
+            if names_wings {
+                c.wings.clear();
+            }
+        }
         for item in items.iter().filter(|i| **i != "*") {
             let (add, name) = match item.strip_prefix('-') {
                 Some(n) => (false, n),
                 None => (true, *item),
             };
-            let c = Component::ALL
+            if let Some(component) = Component::ALL.into_iter().find(|c| {
+                c.short_name() == name || crate::tenant::kind_of(*c).eq_ignore_ascii_case(name)
+            }) {
+                if add {
+                    c.on.insert(component);
+                } else {
+                    c.on.remove(&component);
+                }
+            } else if let Some(kind) = WING_CONTROLLERS
                 .into_iter()
-                .find(|c| {
-                    c.short_name() == name || crate::tenant::kind_of(*c).eq_ignore_ascii_case(name)
-                })
-                .ok_or_else(|| {
-                    format!(
-                        "unknown controller {name:?}; the component controllers are {}",
-                        Component::ALL.map(|c| c.short_name()).join(", ")
-                    )
-                })?;
-            if add {
-                on.insert(c);
+                .find(|k| k.eq_ignore_ascii_case(name))
+            {
+                if add {
+                    c.wings.insert(kind);
+                } else {
+                    c.wings.remove(kind);
+                }
             } else {
-                on.remove(&c);
+                return Err(format!(
+                    "unknown controller {name:?}; the component controllers are {}, the others {}",
+                    Component::ALL.map(|c| c.short_name()).join(", "),
+                    WING_CONTROLLERS.join(", ")
+                ));
             }
         }
-        Ok(Controllers { on })
+        Ok(c)
     }
 
-    /// Whether the controller of `c` runs here.
+    /// Whether component `c`'s controller runs here.
     pub fn runs(&self, c: Component) -> bool {
         self.on.contains(&c)
+    }
+
+    /// Whether the controller of `kind` (one of [`WING_CONTROLLERS`]) runs here.
+    pub fn runs_named(&self, kind: &str) -> bool {
+        self.wings.contains(kind)
     }
 }
 
@@ -472,6 +502,12 @@ pub fn object_key<K: kube::Resource<DynamicType = ()>>(obj: &K) -> String {
         obj.meta().namespace.as_deref().unwrap_or_default(),
         obj.meta().name.as_deref().unwrap_or_default()
     )
+}
+
+impl AsRef<Context> for Context {
+    fn as_ref(&self) -> &Context {
+        self
+    }
 }
 
 impl Context {
@@ -506,10 +542,6 @@ impl Context {
             caches: Default::default(),
             written: Default::default(),
             controllers: Controllers::default(),
-            postcreate_retries: Default::default(),
-            node_settings: None,
-            nodes: Default::default(),
-            dns: Default::default(),
         }
     }
 
@@ -572,6 +604,17 @@ mod controller_tests {
         let only = Controllers::parse("apiserver,scheduler").unwrap();
         assert!(only.runs(Component::ApiServer) && only.runs(Component::Scheduler));
         assert!(!only.runs(Component::Etcd) && !only.runs(Component::ControllerManager));
+        let no_pools = Controllers::parse("*,-nodepool,-HostedCluster").unwrap();
+        assert!(!no_pools.runs_named("NodePool") && !no_pools.runs_named("HostedCluster"));
+        assert!(no_pools.runs_named("NestedControlPlane") && no_pools.runs(Component::Etcd));
+        let components_only = Controllers::parse("etcd").unwrap();
+        assert!(
+            components_only.runs_named("NestedControlPlane")
+                && !components_only.runs(Component::Scheduler)
+        );
+        let only_pools = Controllers::parse("NodePool").unwrap();
+        assert!(only_pools.runs_named("NodePool") && !only_pools.runs_named("PostCreateConfig"));
+        assert!(!only_pools.runs(Component::Etcd));
         let err = Controllers::parse("*,-etdc").unwrap_err();
         assert!(
             err.contains("etdc") && err.contains("controller-manager"),

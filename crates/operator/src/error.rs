@@ -21,6 +21,16 @@ pub enum Error {
     /// A shared datastore's etcd failed.
     #[error(transparent)]
     Datastore(#[from] crate::datastore::etcd::EtcdError),
+    /// Certificates could not be made.
+    #[error(transparent)]
+    Pki(#[from] nestplane_pki::PkiError),
+    /// Something a pass needs cannot be reached now (it is tried again).
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    /// This replica stopped leading: it stopped reconciling so that the new leader alone
+    /// writes.
+    #[error("leadership lost: stopped reconciling so that the new leader alone writes")]
+    LeadershipLost,
     /// A bug.
     #[error("internal: {0}")]
     Internal(String),
@@ -36,6 +46,9 @@ impl Error {
             Error::Runtime(e) => e.label(),
             Error::Patch(_) => "patch",
             Error::Datastore(_) => "datastore",
+            Error::Pki(_) => "pki",
+            Error::Unavailable(_) => "unavailable",
+            Error::LeadershipLost => "leadership",
             Error::Internal(_) => "internal",
         }
     }

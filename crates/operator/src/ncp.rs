@@ -21,6 +21,7 @@ use crate::tenant::{self, ComponentKind, Lookup, Tenant};
 pub const RESYNC: Duration = Duration::from_secs(60);
 
 /// Reconcile one control plane.
+#[tracing::instrument(name = "NestedControlPlane", skip_all, fields(namespace = ncp.metadata.namespace.as_deref().unwrap_or_default(), controlplane = ncp.metadata.name.as_deref().unwrap_or_default()))]
 pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started("NestedControlPlane");
     let ncp = ctx.written.latest(ncp);
@@ -39,7 +40,7 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
     let on_datastore = ncp.spec.datastore_ref.is_some();
     let mut binding = None;
     if problem.is_none() && !paused {
-        if !ncp.finalizers().iter().any(|f| f == names::FINALIZER) {
+        if !crate::finalizer::has(ncp.as_ref(), names::FINALIZER) {
             // Its own write first: the identity is fixed with it (see `finalizer_patch`).
             let written = api
                 .patch(
@@ -118,7 +119,7 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
                 .await;
             problem.get_or_insert((reason.to_string(), msg.clone()));
         }
-        for (c, msg) in lookup_problems(&tenant) {
+        for (_, msg) in lookup_problems(&tenant) {
             ctx.event(
                 ncp.object_ref(&()),
                 EventType::Warning,
@@ -126,7 +127,6 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
                 &msg,
             )
             .await;
-            let _ = c;
             problem.get_or_insert((reasons::REFERENCE_NOT_FOUND.to_string(), msg));
         }
     }
@@ -169,11 +169,7 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         .as_ref()
         .and_then(|s| s.cluster_name.clone())
         .or_else(|| {
-            (tenant
-                .ncp
-                .finalizers()
-                .iter()
-                .any(|f| f == names::FINALIZER)
+            (crate::finalizer::has(&tenant.ncp, names::FINALIZER)
                 && tenant.name_problem().is_none())
             .then(|| tenant.cluster())
         });
@@ -250,25 +246,13 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
 /// resourceVersion it was computed from, so the API server refuses it (409) when another
 /// writer changed the list meanwhile, instead of dropping that writer's entry.
 pub fn finalizer_patch(ncp: &NestedControlPlane, add: bool) -> serde_json::Value {
-    let mut list: Vec<String> = ncp
-        .finalizers()
-        .iter()
-        .filter(|f| *f != names::FINALIZER)
-        .cloned()
-        .collect();
+    let mut patch = crate::finalizer::patch(ncp, names::FINALIZER, add);
     if add {
-        list.push(names::FINALIZER.to_string());
         // The identity is fixed with the finalizer, before anything is provisioned.
-        return serde_json::json!({"metadata": {
-            "finalizers": list,
-            "resourceVersion": ncp.resource_version(),
-            "annotations": {names::CLUSTER_IDENTITY_ANNOTATION: tenant::cluster_name(ncp)},
-        }});
+        patch["metadata"]["annotations"] =
+            serde_json::json!({names::CLUSTER_IDENTITY_ANNOTATION: tenant::cluster_name(ncp)});
     }
-    serde_json::json!({"metadata": {
-        "finalizers": list,
-        "resourceVersion": ncp.resource_version(),
-    }})
+    patch
 }
 
 /// etcd as a tenant on a shared datastore sees it: Ready once bound there.
@@ -420,7 +404,7 @@ async fn cleanup(
 ) -> Result<Action, Error> {
     let ns = ncp.namespace().unwrap_or_default();
     let name = tenant::cluster_name(ncp);
-    if !ncp.finalizers().iter().any(|f| f == names::FINALIZER) {
+    if !crate::finalizer::has(ncp, names::FINALIZER) {
         return Ok(Action::await_change());
     }
     if let Some(p) = names::dns_label_problem(&name, names::MAX_CLUSTER_NAME_LEN) {
@@ -453,9 +437,12 @@ async fn cleanup(
         .items
     {
         if owned(&s.metadata) {
-            let _ = secrets
-                .delete(&s.name_any(), &DeleteParams::default())
-                .await;
+            gone(
+                secrets
+                    .delete(&s.name_any(), &DeleteParams::default())
+                    .await,
+                &s.name_any(),
+            );
         }
     }
     let services: Api<Service> = Api::namespaced(ctx.client.clone(), &ns);
@@ -465,9 +452,12 @@ async fn cleanup(
         .items
     {
         if owned(&s.metadata) {
-            let _ = services
-                .delete(&s.name_any(), &DeleteParams::default())
-                .await;
+            gone(
+                services
+                    .delete(&s.name_any(), &DeleteParams::default())
+                    .await,
+                &s.name_any(),
+            );
         }
     }
     api.patch(
@@ -479,4 +469,16 @@ async fn cleanup(
     ctx.metrics.remove_tenant(&ns, &ncp.name_any());
     tracing::info!(namespace = %ns, cluster = %name, "tenant removed");
     Ok(Action::await_change())
+}
+
+/// A teardown delete of an object the control plane owns: a failure is logged, and the
+/// garbage collector removes the object with its owner.
+fn gone<T>(result: Result<T, kube::Error>, name: &str) {
+    match result {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 404 => {}
+        Err(e) => {
+            tracing::warn!(%name, error = %e, "delete failed; the garbage collector removes it with its control plane")
+        }
+    }
 }

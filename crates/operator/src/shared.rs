@@ -67,6 +67,7 @@ where
 
     /// The cache, also put into `slot` (where passes look for it).
     pub fn store_into(&self, slot: &OnceLock<Store<K>>) -> Store<K> {
+        // Set once per run; a slot already set holds a cache of the same watch.
         let _ = slot.set(self.reader.clone());
         self.reader.clone()
     }
@@ -112,7 +113,13 @@ where
             let mut events = std::pin::pin!(events);
             while let Some(event) = events.next().await {
                 let objects = match event {
-                    Ok(watcher::Event::Apply(o) | watcher::Event::Delete(o)) => vec![Arc::new(o)],
+                    Ok(watcher::Event::Apply(o)) => vec![Arc::new(o)],
+                    Ok(watcher::Event::Delete(o)) => {
+                        // What was kept about a deleted object goes with it.
+                        ctx.pacing.forget(&crate::context::object_key(&o));
+                        ctx.written.forget(&o);
+                        vec![Arc::new(o)]
+                    }
                     // A (re)list fills the cache only when it is complete: what it listed is
                     // handed on then, from the cache. Handed on one by one, a controller would
                     // look for an object the cache does not have yet, and drop it.
@@ -125,7 +132,8 @@ where
                 };
                 for obj in objects {
                     for tx in &mut subscribers {
-                        // A subscriber that ended (its controller stopped) no longer hears.
+                        // A subscriber that ended (its controller stopped) no longer hears:
+                        // its send fails, and nothing else is to be done about it.
                         let _ = tx.send(obj.clone()).await;
                     }
                 }

@@ -43,6 +43,31 @@ impl Observed {
     }
 }
 
+/// Write `status` to `obj`'s status subresource (a merge patch) unless it is what `obj`
+/// already reports: a pass that changes nothing writes nothing. The one status writer of the
+/// controllers whose status is a plain struct.
+pub async fn write<K, S>(
+    api: &kube::Api<K>,
+    obj: &K,
+    current: Option<&S>,
+    status: &S,
+) -> Result<(), crate::error::Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    S: PartialEq + serde::Serialize,
+{
+    if current == Some(status) {
+        return Ok(());
+    }
+    api.patch_status(
+        &kube::ResourceExt::name_any(obj),
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(serde_json::json!({ "status": status })),
+    )
+    .await?;
+    Ok(())
+}
+
 /// The condition type reporting a component's readiness on the control plane.
 pub fn component_condition(c: Component) -> &'static str {
     match c {

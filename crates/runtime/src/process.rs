@@ -567,14 +567,6 @@ impl ProcessRuntime {
         }
     }
 
-    /// Stop the processes of one component.
-    pub async fn stop_component(&self, key: &TenantKey, component: Component) {
-        let gk = (key.clone(), component);
-        for g in self.take_groups(|k| *k == gk) {
-            stop_group(&mut *g.lock().await).await;
-        }
-    }
-
     /// Stop every process of a tenant and remove its data and address block.
     pub async fn remove(&self, key: &TenantKey) -> Result<(), RuntimeError> {
         {

@@ -547,10 +547,11 @@ pub async fn join_node(
         api_port,
         images: image_names.iter().map(|n| all[*n].clone()).collect(),
         pause_image: "registry.k8s.io/pause:3.2".into(),
-        labels: Default::default(),
-        taints: vec![],
+        spec: nestplane_nodes::config::NodeSpec {
+            version: "v1.20.2".into(),
+            ..Default::default()
+        },
         cluster: Default::default(),
-        version: "v1.20.2".into(),
         group: control_plane,
         control_plane_user: control_plane,
         guard: None,

@@ -346,6 +346,7 @@ fn tenants_of(ctx: &Context, ds: &NestedDatastore) -> Vec<Arc<NestedControlPlane
 }
 
 /// Reconcile one datastore.
+#[tracing::instrument(name = "NestedDatastore", skip_all, fields(namespace = ds.metadata.namespace.as_deref().unwrap_or_default(), datastore = ds.metadata.name.as_deref().unwrap_or_default()))]
 pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started("NestedDatastore");
     let ns = ds.namespace().unwrap_or_default();
@@ -356,17 +357,7 @@ pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Ac
     if ds.metadata.deletion_timestamp.is_some() {
         return delete(&ctx, &ds, &api, &tenants).await;
     }
-    if !ds.finalizers().iter().any(|f| f == FINALIZER) {
-        let mut list: Vec<String> = ds.finalizers().to_vec();
-        list.push(FINALIZER.into());
-        api.patch(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({"metadata": {
-                "finalizers": list, "resourceVersion": ds.resource_version()}})),
-        )
-        .await?;
-    }
+    crate::finalizer::add(&api, ds.as_ref(), FINALIZER).await?;
     let kind = if ds.spec.external.is_some() {
         EXTERNAL
     } else {
@@ -662,8 +653,7 @@ async fn check(a: &Access) -> Result<Vec<nestplane_api::datastore::DatastoreMemb
             ..LeafSpec::default()
         },
         time::OffsetDateTime::now_utc(),
-    )
-    .map_err(|e| Error::Internal(e.to_string()))?;
+    )?;
     let probe = etcd::Credentials {
         ca_pem: a.creds.ca_pem.clone(),
         cert_pem: stranger.cert_pem,
@@ -681,7 +671,7 @@ async fn delete(
     api: &Api<NestedDatastore>,
     tenants: &[Arc<NestedControlPlane>],
 ) -> Result<Action, Error> {
-    if !ds.finalizers().iter().any(|f| f == FINALIZER) {
+    if !crate::finalizer::has(ds, FINALIZER) {
         return Ok(Action::await_change());
     }
     if !tenants.is_empty() {
@@ -721,19 +711,7 @@ async fn delete(
         let t = etcd_tenant(ds, etcd);
         ctx.runtime.remove(&ctx.client, &t.ncp).await?;
     }
-    let list: Vec<String> = ds
-        .finalizers()
-        .iter()
-        .filter(|f| *f != FINALIZER)
-        .cloned()
-        .collect();
-    api.patch(
-        &ds.name_any(),
-        &PatchParams::default(),
-        &Patch::Merge(serde_json::json!({"metadata": {
-            "finalizers": list, "resourceVersion": ds.resource_version()}})),
-    )
-    .await?;
+    crate::finalizer::remove(api, ds, FINALIZER).await?;
     Ok(Action::await_change())
 }
 
@@ -1176,7 +1154,7 @@ pub async fn unbind(ctx: &Context, ncp: &NestedControlPlane) -> Result<(), Error
     };
     let a = match access(ctx, &ds, true).await? {
         Ok(a) => a,
-        Err((_, m)) => return Err(Error::Internal(format!("datastore not reachable: {m}"))),
+        Err((_, m)) => return Err(Error::Unavailable(format!("datastore not reachable: {m}"))),
     };
     let mut admin = etcd::Admin::connect(&a.endpoints, &a.creds).await?;
     let deleted = admin.remove_tenant(&bound.user, &bound.prefix).await?;

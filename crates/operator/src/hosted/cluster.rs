@@ -8,47 +8,37 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Namespace, Secret};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::api::core::v1::{Namespace, ObjectReference, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Resource, ResourceExt};
-use nestplane_api::NestedControlPlane;
 use nestplane_api::conditions;
 use nestplane_api::hosted::{
     ClusterVersionStatus, DnsProvider, DnsStatus, ExternalInfraCluster, HostedCluster,
-    HostedClusterStatus, NodePool, Release, SecretKeyRef, UpdateHistory, types,
+    HostedClusterStatus, NodePool, NodePoolManagement, NodePoolSpec, Release, SecretKeyRef,
+    UpdateHistory, types,
 };
 use nestplane_api::names;
+use nestplane_api::{
+    ApiEndpoint, ClusterNetwork, NestedAPIServer, NestedAPIServerSpec, NestedControlPlane,
+    NestedControlPlaneSpec, NestedControlPlaneStatus, NetworkRanges,
+};
 
-use super::plan;
-use crate::context::{Context, Error};
+use super::claim::{self, control_plane_namespace, key, made_for};
+pub use super::claim::{HOSTED_CLUSTER_ANNOTATION, HOSTED_CLUSTER_UID_ANNOTATION};
+use super::{HostedContext, plan};
+use crate::context::Error;
 
 /// The finalizer on a HostedCluster.
 pub const FINALIZER: &str = "nestplane.io/hostedcluster";
-/// `namespace/name` of the HostedCluster an object was made for (cross-namespace, so not an
-/// owner reference).
-pub const HOSTED_CLUSTER_ANNOTATION: &str = "nestplane.io/hosted-cluster";
-/// The UID of the HostedCluster an object was made for: with [`HOSTED_CLUSTER_ANNOTATION`],
-/// the claim a HostedCluster checks before it patches or deletes anything (see [`made_for`]).
-pub const HOSTED_CLUSTER_UID_ANNOTATION: &str = "nestplane.io/hosted-cluster-uid";
 /// The key of the admin kubeconfig copied into the HostedCluster's namespace.
 pub const KUBECONFIG_KEY: &str = "kubeconfig";
 /// How often a cluster that is not Available yet, or a teardown, is looked at again.
 pub const PROGRESS_RECHECK: Duration = Duration::from_secs(3);
-
-/// The namespace of a hosted cluster's control plane.
-pub fn control_plane_namespace(hc: &HostedCluster) -> String {
-    format!("{}-{}", hc.namespace().unwrap_or_default(), hc.name_any())
-}
-
-/// `namespace/name` of `hc`.
-pub fn key(hc: &HostedCluster) -> String {
-    format!("{}/{}", hc.namespace().unwrap_or_default(), hc.name_any())
-}
 
 /// The name of the admin kubeconfig copy in the HostedCluster's namespace.
 pub fn admin_kubeconfig(hc: &HostedCluster) -> String {
@@ -62,312 +52,414 @@ fn cluster_resource() -> ApiResource {
     )
 }
 
-fn annotated(hc: &HostedCluster) -> serde_json::Value {
-    serde_json::json!({
-        HOSTED_CLUSTER_ANNOTATION: key(hc),
-        HOSTED_CLUSTER_UID_ANNOTATION: hc.uid().unwrap_or_default(),
-    })
+/// One pass over one HostedCluster: what every step reads and the status it builds.
+struct Pass<'a> {
+    ctx: &'a HostedContext,
+    hc: &'a HostedCluster,
+    api: Api<HostedCluster>,
+    status: HostedClusterStatus,
+    now: Timestamp,
+    /// The control plane's namespace and name.
+    cp_ns: String,
+    name: String,
 }
 
-/// Whether the object of `meta` was made for this very HostedCluster (its namespace/name and
-/// its UID, so neither a same-named one in another namespace whose control-plane namespace
-/// collides, nor a deleted and recreated one, nor anyone else's object qualifies). A
-/// HostedCluster never patches, deletes or finalizes anything else. Pure.
-pub fn made_for(meta: &ObjectMeta, hc: &HostedCluster) -> bool {
-    let a = meta.annotations.as_ref();
-    let get = |k: &str| a.and_then(|a| a.get(k));
-    // Objects made before the UID annotation existed carry the namespace/name only.
-    get(HOSTED_CLUSTER_ANNOTATION) == Some(&key(hc))
-        && hc.uid().is_some()
-        && get(HOSTED_CLUSTER_UID_ANNOTATION).is_none_or(|u| Some(u) == hc.uid().as_ref())
+impl Pass<'_> {
+    fn set(&mut self, c: Condition) {
+        conditions::set(
+            &mut self.status.conditions,
+            c,
+            self.hc.metadata.generation,
+            self.now,
+        );
+    }
+
+    async fn event(&self, type_: EventType, reason: &str, note: &str) {
+        self.ctx
+            .event(self.hc.object_ref(&()), type_, reason, note)
+            .await;
+    }
+
+    async fn write(&self) -> Result<(), Error> {
+        crate::status::write(&self.api, self.hc, self.hc.status.as_ref(), &self.status).await
+    }
+
+    /// A refusal: `ValidConfiguration` False and `Degraded` with `reason`, an Event when new,
+    /// the status written; nothing else is touched.
+    async fn refuse(mut self, reason: &str, message: String) -> Result<Action, Error> {
+        let before = conditions::get(&self.status.conditions, types::VALID_CONFIGURATION)
+            .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()));
+        self.set(conditions::new(
+            types::VALID_CONFIGURATION,
+            false,
+            reason,
+            &message,
+        ));
+        self.set(conditions::new(types::DEGRADED, true, reason, &message));
+        let now = Some((
+            "False".to_string(),
+            reason.to_string(),
+            conditions::cut(&message, conditions::MAX_MESSAGE),
+        ));
+        if before != now {
+            self.event(EventType::Warning, reason, &message).await;
+        }
+        self.write().await?;
+        Ok(Action::await_change())
+    }
+
+    fn ncps(&self) -> Api<NestedControlPlane> {
+        Api::namespaced(self.ctx.client.clone(), &self.cp_ns)
+    }
+
+    /// Metadata of an object made for this HostedCluster in its control plane's namespace.
+    fn meta(&self, name: &str) -> ObjectMeta {
+        ObjectMeta {
+            name: Some(name.to_string()),
+            namespace: Some(self.cp_ns.clone()),
+            annotations: Some(claim::annotations(self.hc)),
+            ..Default::default()
+        }
+    }
 }
 
-/// Reconcile one HostedCluster.
-pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<Context>) -> Result<Action, Error> {
+/// What already exists under this HostedCluster's control-plane name, claimed.
+struct Claimed {
+    namespace: Option<Namespace>,
+    ncp: Option<NestedControlPlane>,
+}
+
+/// Reconcile one HostedCluster, in seed 002's order: validate → claim → pause → finalizer →
+/// namespace → control plane → infrastructure → Cluster → initial pool → kubeconfig →
+/// cluster DNS → status.
+#[tracing::instrument(name = "HostedCluster", skip_all, fields(hostedcluster = %key(&hc)))]
+pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<HostedContext>) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started("HostedCluster");
     let ns = hc.namespace().unwrap_or_default();
-    let api: Api<HostedCluster> = Api::namespaced(ctx.client.clone(), &ns);
-    let mut status = hc.status.clone().unwrap_or_default();
-    let now = Timestamp::now();
-    let generation = hc.metadata.generation;
+    let mut pass = Pass {
+        ctx: &ctx,
+        hc: &hc,
+        api: Api::namespaced(ctx.client.clone(), &ns),
+        status: hc.status.clone().unwrap_or_default(),
+        now: Timestamp::now(),
+        cp_ns: control_plane_namespace(&hc),
+        name: hc.name_any(),
+    };
     if hc.metadata.deletion_timestamp.is_some() {
-        return teardown(&hc, &ctx, &api, status).await;
+        return teardown(pass).await;
     }
-
-    // Valid configuration, or nothing is touched.
     let networking = plan::networking(&hc.spec);
-    let invalid = plan::validate(&hc.spec).err().or_else(|| {
-        status
-            .networking
-            .as_ref()
-            .filter(|recorded| **recorded != networking)
-            .map(|recorded| {
-                format!(
-                    "networking is immutable: the control plane was created with clusterNetwork {} and serviceNetwork {}; set them back",
-                    recorded.cluster_network.first().map(|e| e.cidr.as_str()).unwrap_or_default(),
-                    recorded.service_network.first().map(|e| e.cidr.as_str()).unwrap_or_default()
-                )
-            })
-    });
-    let paused = plan::paused(hc.spec.paused_until.as_deref(), now);
-    let invalid = invalid.or_else(|| paused.as_ref().err().cloned());
-    if let Some(msg) = invalid {
-        let before = conditions::get(&status.conditions, types::VALID_CONFIGURATION)
-            .map(|c| (c.status.clone(), c.message.clone()));
-        let set = |st: &mut HostedClusterStatus, c| {
-            conditions::set(&mut st.conditions, c, generation, now)
-        };
-        set(
-            &mut status,
-            conditions::new(
-                types::VALID_CONFIGURATION,
-                false,
-                "InvalidConfiguration",
-                &msg,
-            ),
-        );
-        set(
-            &mut status,
-            conditions::new(types::DEGRADED, true, "InvalidConfiguration", &msg),
-        );
-        if before
-            != Some((
-                "False".into(),
-                conditions::cut(&msg, conditions::MAX_MESSAGE),
-            ))
-        {
-            ctx.event(
-                hc.object_ref(&()),
-                EventType::Warning,
-                "InvalidConfiguration",
-                &msg,
-            )
-            .await;
-        }
-        write_status(&api, &hc, status).await?;
-        return Ok(Action::await_change());
-    }
-    let set =
-        |st: &mut HostedClusterStatus, c| conditions::set(&mut st.conditions, c, generation, now);
-    set(
-        &mut status,
-        conditions::new(types::VALID_CONFIGURATION, true, "AsExpected", ""),
-    );
-    let cp_ns = control_plane_namespace(&hc);
-    let name = hc.name_any();
-    let ncps: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &cp_ns);
-
-    // Claim before touching: a control-plane namespace (or control plane) that was not made
-    // for this HostedCluster is refused before any finalizer, patch or delete.
-    let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
-    let existing_ns = namespaces.get_opt(&cp_ns).await?;
-    let existing_ncp = match &existing_ns {
-        Some(n) if made_for(&n.metadata, &hc) => ncps.get_opt(&name).await?,
-        _ => None,
+    let paused = match validate(&pass, &networking) {
+        Ok(p) => p,
+        Err(msg) => return pass.refuse("InvalidConfiguration", msg).await,
     };
-    let taken = match (&existing_ns, &existing_ncp) {
-        (Some(n), _) if !made_for(&n.metadata, &hc) => Some(format!(
+    pass.set(conditions::new(
+        types::VALID_CONFIGURATION,
+        true,
+        "AsExpected",
+        "",
+    ));
+    let claimed = match claim(&pass).await? {
+        Ok(c) => c,
+        Err(msg) => return pass.refuse("NamespaceTaken", msg).await,
+    };
+    if let Some(action) = pause(&mut pass, claimed.ncp.as_ref(), paused).await? {
+        return Ok(action);
+    }
+    crate::finalizer::add(&pass.api, hc.as_ref(), FINALIZER).await?;
+    if claimed.namespace.is_none() {
+        create_namespace(&pass).await?;
+    }
+    let version = plan::version(&hc.spec.release.version);
+    let ncp = control_plane(&pass, claimed.ncp, &networking, &version).await?;
+    pass.status.networking = Some(networking.clone());
+    pass.status.control_plane_namespace = Some(pass.cp_ns.clone());
+    keep_ranges_unreachable(&pass, &networking);
+    let ready = ncp.status.as_ref().is_some_and(|s| s.ready);
+    let endpoint = infrastructure(&pass, &ncp, ready).await?;
+    cluster_api_cluster(&pass, &networking).await?;
+    initial_pool(&mut pass).await?;
+    copy_kubeconfig(&mut pass).await?;
+    let provider = plan::dns_provider(&hc.spec, ctx.dns.default_provider, ctx.nodes.is_some());
+    let pass_ctx = pass.ctx;
+    let dns_available = keep_dns(
+        pass_ctx,
+        &hc,
+        &mut pass.status,
+        ready,
+        provider,
+        &networking,
+        &version,
+    )
+    .await;
+    pass.status.control_plane_endpoint = endpoint;
+    report(pass, &ncp, &version, dns_available).await
+}
+
+/// The configuration is valid and networking unchanged since creation; returns the pause.
+fn validate(
+    pass: &Pass<'_>,
+    networking: &nestplane_api::hosted::ClusterNetworking,
+) -> Result<Option<Option<Timestamp>>, String> {
+    plan::validate(&pass.hc.spec)?;
+    if let Some(recorded) = pass
+        .status
+        .networking
+        .as_ref()
+        .filter(|recorded| *recorded != networking)
+    {
+        return Err(format!(
+            "networking is immutable: the control plane was created with clusterNetwork {} and serviceNetwork {}; set them back",
+            recorded
+                .cluster_network
+                .first()
+                .map(|e| e.cidr.as_str())
+                .unwrap_or_default(),
+            recorded
+                .service_network
+                .first()
+                .map(|e| e.cidr.as_str())
+                .unwrap_or_default()
+        ));
+    }
+    plan::paused(pass.hc.spec.paused_until.as_deref(), pass.now)
+}
+
+/// Claim before touching: a control-plane namespace (or control plane) that was not made for
+/// this HostedCluster is refused before any finalizer, patch or delete.
+async fn claim(pass: &Pass<'_>) -> Result<Result<Claimed, String>, Error> {
+    let (cp_ns, name) = (&pass.cp_ns, &pass.name);
+    let namespace = Api::<Namespace>::all(pass.ctx.client.clone())
+        .get_opt(cp_ns)
+        .await?;
+    if let Some(n) = &namespace
+        && !made_for(&n.metadata, pass.hc)
+    {
+        return Ok(Err(format!(
             "namespace {cp_ns} exists and was not made for this HostedCluster; nothing is created, changed or deleted in it"
-        )),
-        (_, Some(ncp)) if !made_for(&ncp.metadata, &hc) => Some(format!(
-            "NestedControlPlane {cp_ns}/{name} exists and was not made for this HostedCluster; it is left alone"
-        )),
-        _ => None,
-    };
-    if let Some(msg) = taken {
-        set(
-            &mut status,
-            conditions::new(types::VALID_CONFIGURATION, false, "NamespaceTaken", &msg),
-        );
-        set(
-            &mut status,
-            conditions::new(types::DEGRADED, true, "NamespaceTaken", &msg),
-        );
-        let before = hc
-            .status
-            .as_ref()
-            .and_then(|s| conditions::get(&s.conditions, types::VALID_CONFIGURATION))
-            .map(|c| c.reason.clone());
-        if before.as_deref() != Some("NamespaceTaken") {
-            ctx.event(
-                hc.object_ref(&()),
-                EventType::Warning,
-                "NamespaceTaken",
-                &msg,
-            )
-            .await;
-        }
-        write_status(&api, &hc, status).await?;
-        return Ok(Action::await_change());
+        )));
     }
+    let ncp = match &namespace {
+        Some(_) => pass.ctx.caches.ncp(&pass.ctx.client, cp_ns, name).await?,
+        None => None,
+    };
+    if let Some(ncp) = &ncp
+        && !made_for(&ncp.metadata, pass.hc)
+    {
+        return Ok(Err(format!(
+            "NestedControlPlane {cp_ns}/{name} exists and was not made for this HostedCluster; it is left alone"
+        )));
+    }
+    Ok(Ok(Claimed { namespace, ncp }))
+}
 
-    // Paused: the control plane is paused too; nothing else changes.
-    let paused = paused.unwrap_or_default();
-    set(
-        &mut status,
-        match &paused {
-            Some(until) => conditions::new(
-                types::RECONCILIATION_ACTIVE,
-                false,
-                "ReconciliationPaused",
-                match until {
-                    Some(t) => format!("paused until {t}"),
-                    None => "paused (pausedUntil: \"true\")".into(),
-                },
-            ),
-            None => conditions::new(types::RECONCILIATION_ACTIVE, true, "AsExpected", ""),
-        },
-    );
+/// `ReconciliationActive`, and the control plane paused with the HostedCluster. While paused
+/// nothing else changes: returns when to look again.
+async fn pause(
+    pass: &mut Pass<'_>,
+    ncp: Option<&NestedControlPlane>,
+    paused: Option<Option<Timestamp>>,
+) -> Result<Option<Action>, Error> {
+    pass.set(match &paused {
+        Some(Some(t)) => conditions::new(
+            types::RECONCILIATION_ACTIVE,
+            false,
+            "ReconciliationPaused",
+            format!("paused until {t}"),
+        ),
+        Some(None) => conditions::new(
+            types::RECONCILIATION_ACTIVE,
+            false,
+            "ReconciliationPaused",
+            "paused (pausedUntil: \"true\")",
+        ),
+        None => conditions::new(types::RECONCILIATION_ACTIVE, true, "AsExpected", ""),
+    });
     let pause_value = paused.as_ref().map(|_| "true");
-    if let Some(ncp) = &existing_ncp
+    if let Some(ncp) = ncp
         && ncp
             .annotations()
             .get(names::PAUSED_ANNOTATION)
             .map(String::as_str)
             != pause_value
     {
-        ncps.patch(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {names::PAUSED_ANNOTATION: pause_value}}})),
-        )
-        .await?;
-    }
-    if let Some(until) = paused {
-        write_status(&api, &hc, status).await?;
-        return Ok(match until {
-            Some(t) => Action::requeue(
-                Duration::try_from(t.duration_since(now)).unwrap_or(Duration::from_secs(1)),
-            ),
-            None => Action::await_change(),
-        });
-    }
-
-    // Finalizer.
-    if !hc.finalizers().iter().any(|f| f == FINALIZER) {
-        let mut list = hc.finalizers().to_vec();
-        list.push(FINALIZER.into());
-        api.patch(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({"metadata": {"finalizers": list, "resourceVersion": hc.resource_version()}})),
-        )
-        .await?;
-    }
-
-    // The control plane's namespace, claimed above.
-    match existing_ns {
-        Some(_) => {}
-        None => {
-            let n: Namespace = serde_json::from_value(serde_json::json!({
-                "metadata": {"name": cp_ns, "annotations": annotated(&hc),
-                             "labels": {names::MANAGED_BY_LABEL: names::MANAGED_BY}}
-            }))
-            .map_err(|e| Error::Internal(e.to_string()))?;
-            create(&namespaces, &n).await?;
-        }
-    }
-
-    // The control plane.
-    let version = plan::version(&hc.spec.release.version);
-    let ncp = match existing_ncp {
-        Some(ncp) => {
-            if ncp.spec.version.as_deref() != Some(version.as_str()) {
-                ncps.patch(
-                    &name,
-                    &PatchParams::default(),
-                    &Patch::Merge(serde_json::json!({"spec": {"version": version}})),
-                )
-                .await?;
-            }
-            ncp
-        }
-        None => {
-            let mut spec = serde_json::json!({
-                "version": version,
-                "clusterNetwork": {
-                    "services": {"cidrBlocks": [networking.service_network[0].cidr]},
-                    "pods": {"cidrBlocks": [networking.cluster_network[0].cidr]},
-                },
-            });
-            if let Some(s) = hc.spec.services.iter().find(|s| s.service == "APIServer") {
-                let apiserver = format!("{name}-apiserver");
-                let obj: nestplane_api::NestedAPIServer = serde_json::from_value(serde_json::json!({
-                    "apiVersion": "controlplane.cluster.x-k8s.io/v1alpha1",
-                    "kind": "NestedAPIServer",
-                    "metadata": {"name": apiserver, "namespace": cp_ns, "annotations": annotated(&hc)},
-                    "spec": {"serviceType": s.service_publishing_strategy.type_},
-                }))
-                .map_err(|e| Error::Internal(e.to_string()))?;
-                create(&Api::namespaced(ctx.client.clone(), &cp_ns), &obj).await?;
-                spec["apiserver"] = serde_json::json!({
-                    "apiVersion": "controlplane.cluster.x-k8s.io/v1alpha1",
-                    "kind": "NestedAPIServer", "name": apiserver, "namespace": cp_ns,
-                });
-            }
-            let obj: NestedControlPlane = serde_json::from_value(serde_json::json!({
-                "apiVersion": "controlplane.cluster.x-k8s.io/v1alpha1",
-                "kind": "NestedControlPlane",
-                "metadata": {"name": name, "namespace": cp_ns, "annotations": annotated(&hc),
-                             "labels": {names::CLUSTER_NAME_LABEL: name}},
-                "spec": spec,
-            }))
-            .map_err(|e| Error::Internal(e.to_string()))?;
-            create(&ncps, &obj).await?;
-            ctx.event(
-                hc.object_ref(&()),
-                EventType::Normal,
-                "ControlPlaneCreated",
-                &format!("NestedControlPlane {cp_ns}/{name}"),
+        pass.ncps()
+            .patch(
+                &pass.name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({"metadata": {"annotations": {names::PAUSED_ANNOTATION: pause_value}}})),
             )
-            .await;
-            ncps.get(&name).await?
-        }
+            .await?;
+    }
+    let Some(until) = paused else {
+        return Ok(None);
     };
-    status.networking = Some(networking.clone());
-    // A service or pod network of the user's choosing is made unreachable on this machine
-    // too (the defaults already are), so that the API server's calls to a Service address
-    // never leave it.
-    if ctx.node_settings.is_some() {
-        use nestplane_nodes::net::{HANDED_OUT, holds, install_unreachable};
-        let own: Vec<&str> = networking
-            .service_network
-            .iter()
-            .chain(&networking.cluster_network)
-            .map(|n| n.cidr.as_str())
-            .filter(|c| !HANDED_OUT.iter().any(|h| holds(h, c)))
-            .collect();
-        if !own.is_empty() {
-            match install_unreachable(&own) {
-                Ok(skipped) => {
-                    for s in skipped {
-                        tracing::warn!(hostedcluster = %key(&hc), "{s}");
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot make the cluster's ranges unreachable")
-                }
+    pass.write().await?;
+    Ok(Some(match until {
+        Some(t) => Action::requeue(
+            Duration::try_from(t.duration_since(pass.now)).unwrap_or(Duration::from_secs(1)),
+        ),
+        None => Action::await_change(),
+    }))
+}
+
+/// The control plane's namespace, claimed for this HostedCluster.
+async fn create_namespace(pass: &Pass<'_>) -> Result<(), Error> {
+    let n = Namespace {
+        metadata: ObjectMeta {
+            name: Some(pass.cp_ns.clone()),
+            annotations: Some(claim::annotations(pass.hc)),
+            labels: Some(
+                [(
+                    names::MANAGED_BY_LABEL.to_string(),
+                    names::MANAGED_BY.to_string(),
+                )]
+                .into(),
+            ),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    create(&Api::all(pass.ctx.client.clone()), &n).await
+}
+
+/// The control plane (HyperShift's `HostedControlPlane`): made once, its version kept.
+async fn control_plane(
+    pass: &Pass<'_>,
+    existing: Option<NestedControlPlane>,
+    networking: &nestplane_api::hosted::ClusterNetworking,
+    version: &str,
+) -> Result<NestedControlPlane, Error> {
+    let ncps = pass.ncps();
+    let name = &pass.name;
+    if let Some(ncp) = existing {
+        if ncp.spec.version.as_deref() != Some(version) {
+            ncps.patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({"spec": {"version": version}})),
+            )
+            .await?;
+        }
+        return Ok(ncp);
+    }
+    let mut spec = NestedControlPlaneSpec {
+        version: Some(version.to_string()),
+        cluster_network: Some(cluster_network(networking)),
+        ..Default::default()
+    };
+    if let Some(s) = pass
+        .hc
+        .spec
+        .services
+        .iter()
+        .find(|s| s.service == "APIServer")
+    {
+        spec.apiserver = Some(api_server(pass, &s.service_publishing_strategy.type_).await?);
+    }
+    let mut meta = pass.meta(name);
+    meta.labels = Some([(names::CLUSTER_NAME_LABEL.to_string(), name.clone())].into());
+    let ncp = NestedControlPlane {
+        metadata: meta,
+        spec,
+        status: None,
+    };
+    create(&ncps, &ncp).await?;
+    let note = format!("NestedControlPlane {}/{name}", pass.cp_ns);
+    pass.event(EventType::Normal, "ControlPlaneCreated", &note)
+        .await;
+    Ok(ncps.get(name).await?)
+}
+
+/// The API server component, published as the HostedCluster's `APIServer` service says;
+/// returns the control plane's reference to it.
+async fn api_server(pass: &Pass<'_>, publishing: &str) -> Result<ObjectReference, Error> {
+    let name = format!("{}-apiserver", pass.name);
+    // `plan::validate` accepted only the types the component knows.
+    let service_type = serde_json::from_value(serde_json::Value::String(publishing.into()))
+        .map_err(|e| Error::Internal(format!("publishing type {publishing:?}: {e}")))?;
+    let obj = NestedAPIServer {
+        metadata: pass.meta(&name),
+        spec: NestedAPIServerSpec {
+            service_type: Some(service_type),
+            ..Default::default()
+        },
+        status: None,
+    };
+    create(&Api::namespaced(pass.ctx.client.clone(), &pass.cp_ns), &obj).await?;
+    Ok(ObjectReference {
+        api_version: Some(NestedAPIServer::api_version(&()).into()),
+        kind: Some(NestedAPIServer::kind(&()).into()),
+        name: Some(name),
+        namespace: Some(pass.cp_ns.clone()),
+        ..Default::default()
+    })
+}
+
+/// The first service and pod network, as Cluster API writes them.
+fn cluster_network(n: &nestplane_api::hosted::ClusterNetworking) -> ClusterNetwork {
+    let first = |entries: Vec<String>| NetworkRanges {
+        cidr_blocks: entries.into_iter().take(1).collect(),
+    };
+    ClusterNetwork {
+        services: Some(first(
+            n.service_network.iter().map(|e| e.cidr.clone()).collect(),
+        )),
+        pods: Some(first(
+            n.cluster_network.iter().map(|e| e.cidr.clone()).collect(),
+        )),
+        service_domain: None,
+    }
+}
+
+/// A service or pod network of the user's choosing is made unreachable on this machine too
+/// (the defaults already are), so that the API server's calls to a Service address never
+/// leave it. Only where this operator makes nodes (it runs as root there); failures are
+/// logged.
+fn keep_ranges_unreachable(pass: &Pass<'_>, networking: &nestplane_api::hosted::ClusterNetworking) {
+    if pass.ctx.nodes.is_none() {
+        return;
+    }
+    use nestplane_nodes::net::{HANDED_OUT, holds, install_unreachable};
+    let own: Vec<&str> = networking
+        .service_network
+        .iter()
+        .chain(&networking.cluster_network)
+        .map(|n| n.cidr.as_str())
+        .filter(|c| !HANDED_OUT.iter().any(|h| holds(h, c)))
+        .collect();
+    if own.is_empty() {
+        return;
+    }
+    match install_unreachable(&own) {
+        Ok(skipped) => {
+            for s in skipped {
+                tracing::warn!("{s}");
             }
         }
+        Err(e) => tracing::warn!(error = %e, "cannot make the cluster's ranges unreachable"),
     }
-    status.control_plane_namespace = Some(cp_ns.clone());
-    let ncp_status = ncp.status.clone().unwrap_or_default();
-    let ready = ncp_status.ready;
+}
 
-    // The infrastructure: nothing to provision; the endpoint mirrored once Ready.
-    let eics: Api<ExternalInfraCluster> = Api::namespaced(ctx.client.clone(), &cp_ns);
-    let eic = match eics.get_opt(&name).await? {
+/// The infrastructure: nothing to provision; the endpoint mirrored once Ready. Returns the
+/// control plane's endpoint.
+async fn infrastructure(
+    pass: &Pass<'_>,
+    ncp: &NestedControlPlane,
+    ready: bool,
+) -> Result<Option<ApiEndpoint>, Error> {
+    let name = &pass.name;
+    let eics: Api<ExternalInfraCluster> = Api::namespaced(pass.ctx.client.clone(), &pass.cp_ns);
+    let eic = match eics.get_opt(name).await? {
         Some(e) => e,
         None => {
-            let obj: ExternalInfraCluster = serde_json::from_value(serde_json::json!({
-                "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
-                "kind": "ExternalInfraCluster",
-                "metadata": {"name": name, "namespace": cp_ns, "annotations": annotated(&hc)},
-                "spec": {},
-            }))
-            .map_err(|e| Error::Internal(e.to_string()))?;
+            let obj = ExternalInfraCluster {
+                metadata: pass.meta(name),
+                spec: Default::default(),
+                status: None,
+            };
             create(&eics, &obj).await?;
-            eics.get(&name).await?
+            eics.get(name).await?
         }
     };
     let endpoint = ncp
@@ -377,7 +469,7 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<Context>) -> Result<Acti
         .filter(|e| !e.host.is_empty());
     if ready && endpoint.is_some() && eic.spec.control_plane_endpoint != endpoint {
         eics.patch(
-            &name,
+            name,
             &PatchParams::default(),
             &Patch::Merge(serde_json::json!({"spec": {"controlPlaneEndpoint": endpoint}})),
         )
@@ -385,194 +477,222 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<Context>) -> Result<Acti
     }
     if eic.status.as_ref().map(|s| s.ready) != Some(ready) {
         eics.patch_status(
-            &name,
+            name,
             &PatchParams::default(),
             &Patch::Merge(serde_json::json!({"status": {"ready": ready}})),
         )
         .await?;
     }
+    Ok(endpoint)
+}
 
-    // A Cluster API Cluster referencing both, where the kind is served.
+/// A Cluster API Cluster referencing the control plane and the infrastructure, where the
+/// kind is served (Cluster API's own type, written as its documents give it).
+async fn cluster_api_cluster(
+    pass: &Pass<'_>,
+    networking: &nestplane_api::hosted::ClusterNetworking,
+) -> Result<(), Error> {
+    let (cp_ns, name) = (&pass.cp_ns, &pass.name);
     let clusters =
-        Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &cp_ns, &cluster_resource());
-    match clusters.get_opt(&name).await {
-        Ok(Some(_)) => {}
-        Ok(None) => {
-            let mut obj = DynamicObject::new(&name, &cluster_resource()).within(&cp_ns);
-            obj.metadata.annotations = serde_json::from_value(annotated(&hc))
-                .map_err(|e| Error::Internal(e.to_string()))?;
-            obj.data = serde_json::json!({"spec": {
-                "clusterNetwork": {
-                    "services": {"cidrBlocks": [networking.service_network[0].cidr]},
-                    "pods": {"cidrBlocks": [networking.cluster_network[0].cidr]},
-                },
-                "controlPlaneRef": {"apiVersion": "controlplane.cluster.x-k8s.io/v1alpha1", "kind": "NestedControlPlane", "name": name, "namespace": cp_ns},
-                "infrastructureRef": {"apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "ExternalInfraCluster", "name": name, "namespace": cp_ns},
-            }});
-            match clusters.create(&PostParams::default(), &obj).await {
-                Ok(_) => {}
-                Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
+        Api::<DynamicObject>::namespaced_with(pass.ctx.client.clone(), cp_ns, &cluster_resource());
+    match clusters.get_opt(name).await {
+        Ok(Some(_)) => return Ok(()),
+        Ok(None) => {}
         // The kind is not served here.
-        Err(kube::Error::Api(e)) if e.code == 404 => {}
+        Err(kube::Error::Api(e)) if e.code == 404 => return Ok(()),
         Err(e) => return Err(e.into()),
     }
-
-    // The initial NodePool, once.
-    if let Some(n) = hc.spec.initial_nodes.filter(|n| *n > 0)
-        && !status.initial_node_pool_created
-    {
-        let pools: Api<NodePool> = Api::namespaced(ctx.client.clone(), &ns);
-        let obj: NodePool = serde_json::from_value(serde_json::json!({
-            "apiVersion": "nestplane.io/v1alpha1",
-            "kind": "NodePool",
-            "metadata": {"name": name, "namespace": ns},
-            "spec": {"clusterName": name, "replicas": n, "management": {"upgradeType": "Replace"}},
-        }))
-        .map_err(|e| Error::Internal(e.to_string()))?;
-        create(&pools, &obj).await?;
-        status.initial_node_pool_created = true;
+    let mut obj = DynamicObject::new(name, &cluster_resource()).within(cp_ns);
+    obj.metadata.annotations = Some(claim::annotations(pass.hc));
+    let reference = |api_version: String, kind: String| serde_json::json!({"apiVersion": api_version, "kind": kind, "name": name, "namespace": cp_ns});
+    obj.data = serde_json::json!({"spec": {
+        "clusterNetwork": cluster_network(networking),
+        "controlPlaneRef": reference(NestedControlPlane::api_version(&()).into(), NestedControlPlane::kind(&()).into()),
+        "infrastructureRef": reference(ExternalInfraCluster::api_version(&()).into(), ExternalInfraCluster::kind(&()).into()),
+    }});
+    match clusters.create(&PostParams::default(), &obj).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(()),
+        Err(e) => Err(e.into()),
     }
+}
 
-    // The admin kubeconfig, copied where the HostedCluster's users can read it.
-    let cp_secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &cp_ns);
-    if let Some(value) = cp_secrets
-        .get_opt(&names::SecretPurpose::AdminKubeconfig.secret_name(&name))
+/// The initial NodePool (`initialNodes`), once: a pool deleted later is not made again.
+async fn initial_pool(pass: &mut Pass<'_>) -> Result<(), Error> {
+    let Some(n) = pass.hc.spec.initial_nodes.filter(|n| *n > 0) else {
+        return Ok(());
+    };
+    if pass.status.initial_node_pool_created {
+        return Ok(());
+    }
+    let ns = pass.hc.namespace().unwrap_or_default();
+    let mut pool = NodePool::new(
+        &pass.name,
+        NodePoolSpec {
+            cluster_name: pass.name.clone(),
+            replicas: Some(n),
+            management: NodePoolManagement {
+                upgrade_type: Some("Replace".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    );
+    pool.metadata.namespace = Some(ns.clone());
+    create(&Api::namespaced(pass.ctx.client.clone(), &ns), &pool).await?;
+    pass.status.initial_node_pool_created = true;
+    Ok(())
+}
+
+/// The admin kubeconfig, copied where the HostedCluster's users can read it (owned by the
+/// HostedCluster, so it goes with it).
+async fn copy_kubeconfig(pass: &mut Pass<'_>) -> Result<(), Error> {
+    let source = names::SecretPurpose::AdminKubeconfig.secret_name(&pass.name);
+    let cp_secrets: Api<Secret> = Api::namespaced(pass.ctx.client.clone(), &pass.cp_ns);
+    let Some(value) = cp_secrets
+        .get_opt(&source)
         .await?
         .and_then(|s| s.data)
         .and_then(|d| d.get(names::KUBECONFIG_KEY).cloned())
-    {
-        let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
-        let copy = admin_kubeconfig(&hc);
-        let current = secrets.get_opt(&copy).await?;
-        if current
-            .and_then(|s| s.data)
-            .and_then(|d| d.get(KUBECONFIG_KEY).cloned())
-            != Some(value.clone())
-        {
-            let mut owner = hc.controller_owner_ref(&()).unwrap_or_default();
-            owner.block_owner_deletion = Some(true);
-            let obj = serde_json::json!({
-                "apiVersion": "v1", "kind": "Secret",
-                "metadata": {"name": copy, "namespace": ns, "ownerReferences": [owner],
-                             "labels": {names::MANAGED_BY_LABEL: names::MANAGED_BY}},
-                "type": "Opaque",
-                "data": {KUBECONFIG_KEY: value},
-            });
-            secrets
-                .patch(
-                    &copy,
-                    &PatchParams::apply(crate::crds::FIELD_MANAGER).force(),
-                    &Patch::Apply(obj),
-                )
-                .await?;
-        }
-        status.kubeconfig = Some(SecretKeyRef {
-            name: copy,
-            key: KUBECONFIG_KEY.into(),
+    else {
+        return Ok(());
+    };
+    let ns = pass.hc.namespace().unwrap_or_default();
+    let secrets: Api<Secret> = Api::namespaced(pass.ctx.client.clone(), &ns);
+    let copy = admin_kubeconfig(pass.hc);
+    let current = secrets
+        .get_opt(&copy)
+        .await?
+        .and_then(|s| s.data)
+        .and_then(|d| d.get(KUBECONFIG_KEY).cloned());
+    if current.as_ref() != Some(&value) {
+        let mut owner = pass.hc.controller_owner_ref(&()).unwrap_or_default();
+        owner.block_owner_deletion = Some(true);
+        let obj = Secret {
+            metadata: ObjectMeta {
+                name: Some(copy.clone()),
+                namespace: Some(ns),
+                owner_references: Some(vec![owner]),
+                labels: Some(
+                    [(
+                        names::MANAGED_BY_LABEL.to_string(),
+                        names::MANAGED_BY.to_string(),
+                    )]
+                    .into(),
+                ),
+                ..Default::default()
+            },
+            type_: Some("Opaque".into()),
+            data: Some([(KUBECONFIG_KEY.to_string(), value)].into()),
+            ..Default::default()
+        };
+        secrets
+            .patch(
+                &copy,
+                &PatchParams::apply(crate::crds::FIELD_MANAGER).force(),
+                &Patch::Apply(&obj),
+            )
+            .await?;
+    }
+    pass.status.kubeconfig = Some(SecretKeyRef {
+        name: copy,
+        key: KUBECONFIG_KEY.into(),
+    });
+    Ok(())
+}
+
+/// The conditions mirrored from the control plane (a pure step: the HostedCluster says what
+/// its `NestedControlPlane` says, under HyperShift's names). Returns whether the cluster has
+/// reached `version`.
+pub fn mirror(
+    status: &mut HostedClusterStatus,
+    ncp: &NestedControlPlaneStatus,
+    version: &str,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> bool {
+    let from = |t: &str| conditions::get(&ncp.conditions, t).cloned();
+    let mut set = |c: Condition| conditions::set(&mut status.conditions, c, generation, now);
+    for (ty, source) in [
+        (types::ETCD_AVAILABLE, "EtcdReady"),
+        (types::KUBE_APISERVER_AVAILABLE, "APIServerReady"),
+        (types::AVAILABLE, "Available"),
+    ] {
+        set(match from(source) {
+            Some(c) => conditions::new(ty, c.status == "True", &c.reason, &c.message),
+            None => conditions::new(
+                ty,
+                false,
+                "WaitingForControlPlane",
+                "the control plane reports nothing yet",
+            ),
         });
     }
-
-    // Cluster DNS, kept in the cluster once its API serves.
-    let provider = plan::dns_provider(
-        &hc.spec,
-        ctx.dns.default_provider,
-        ctx.node_settings.is_some(),
-    );
-    let dns_available = keep_dns(
-        &ctx,
-        &hc,
-        &mut status,
-        ready,
-        provider,
-        &networking,
-        &version,
-    )
-    .await;
-
-    // Status from the control plane.
-    status.control_plane_endpoint = endpoint;
-    let from = |t: &str| conditions::get(&ncp_status.conditions, t).cloned();
-    let mirror =
-        |st: &mut HostedClusterStatus,
-         ty: &str,
-         src: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>| {
-            let c = match src {
-                Some(c) => conditions::new(ty, c.status == "True", &c.reason, &c.message),
-                None => conditions::new(
-                    ty,
-                    false,
-                    "WaitingForControlPlane",
-                    "the control plane reports nothing yet",
-                ),
-            };
-            conditions::set(&mut st.conditions, c, generation, now);
-        };
-    mirror(&mut status, types::ETCD_AVAILABLE, from("EtcdReady"));
-    mirror(
-        &mut status,
-        types::KUBE_APISERVER_AVAILABLE,
-        from("APIServerReady"),
-    );
-    let available = from("Available");
-    mirror(&mut status, types::AVAILABLE, available.clone());
-    let failing = ncp_status.failure_reason.is_some();
-    set(
-        &mut status,
-        if failing {
-            conditions::new(
-                types::DEGRADED,
-                true,
-                ncp_status.failure_reason.as_deref().unwrap_or("Failed"),
-                ncp_status.failure_message.clone().unwrap_or_default(),
-            )
-        } else {
-            conditions::new(types::DEGRADED, false, "AsExpected", "")
-        },
-    );
-    let reached = ncp_status.version.as_deref() == Some(version.as_str()) && ready;
-    set(
-        &mut status,
-        if reached {
-            conditions::new(
-                types::PROGRESSING,
-                false,
-                "AsExpected",
-                format!("at {version}"),
-            )
-        } else {
-            conditions::new(
-                types::PROGRESSING,
-                true,
-                "Progressing",
-                format!("on the way to {version}"),
-            )
-        },
-    );
+    set(match &ncp.failure_reason {
+        Some(reason) => conditions::new(
+            types::DEGRADED,
+            true,
+            reason,
+            ncp.failure_message.clone().unwrap_or_default(),
+        ),
+        None => conditions::new(types::DEGRADED, false, "AsExpected", ""),
+    });
+    let reached = ncp.version.as_deref() == Some(version) && ncp.ready;
+    set(if reached {
+        conditions::new(
+            types::PROGRESSING,
+            false,
+            "AsExpected",
+            format!("at {version}"),
+        )
+    } else {
+        conditions::new(
+            types::PROGRESSING,
+            true,
+            "Progressing",
+            format!("on the way to {version}"),
+        )
+    });
     status.version = Some(version_status(
         status.version.take(),
-        &version,
+        version,
         reached,
         generation,
         now,
     ));
     status.observed_generation = generation;
-    let was_available = hc
+    reached
+}
+
+/// Status from the control plane, written; an Event when the cluster becomes available.
+async fn report(
+    mut pass: Pass<'_>,
+    ncp: &NestedControlPlane,
+    version: &str,
+    dns_available: bool,
+) -> Result<Action, Error> {
+    let ncp_status = ncp.status.clone().unwrap_or_default();
+    let reached = mirror(
+        &mut pass.status,
+        &ncp_status,
+        version,
+        pass.hc.metadata.generation,
+        pass.now,
+    );
+    let was_available = pass
+        .hc
         .status
         .as_ref()
         .is_some_and(|s| conditions::is_true(&s.conditions, types::AVAILABLE));
-    if ready && !was_available {
-        ctx.event(
-            hc.object_ref(&()),
+    if ncp_status.ready && !was_available {
+        pass.event(
             EventType::Normal,
             "Available",
             "the hosted control plane is available",
         )
         .await;
     }
-    write_status(&api, &hc, status).await?;
+    pass.write().await?;
     Ok(if reached && dns_available {
         Action::requeue(Duration::from_secs(60))
     } else if reached {
@@ -587,7 +707,7 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<Context>) -> Result<Acti
 /// report it in `status.dns` and the `ClusterDNSAvailable` condition (an Event when it becomes
 /// available, a Warning when keeping it fails). Returns whether it is available.
 async fn keep_dns(
-    ctx: &Context,
+    ctx: &HostedContext,
     hc: &HostedCluster,
     status: &mut HostedClusterStatus,
     ready: bool,
@@ -610,10 +730,7 @@ async fn keep_dns(
         let minor = nestplane_render::KubeVersion::parse(version)
             .map(|v| v.minor)
             .map_err(|e| e.to_string())?;
-        let Some(t) = super::pool::target(ctx, hc)
-            .await
-            .map_err(|e| e.to_string())?
-        else {
+        let Some(t) = ctx.targets.get(ctx, hc).await.map_err(|e| e.to_string())? else {
             return Ok(None);
         };
         super::dns::keep(&t.client, provider, ip, minor, &ctx.dns)
@@ -729,148 +846,153 @@ where
     }
 }
 
-async fn write_status(
-    api: &Api<HostedCluster>,
-    hc: &HostedCluster,
-    status: HostedClusterStatus,
-) -> Result<(), Error> {
-    if hc.status.as_ref() == Some(&status) {
-        return Ok(());
-    }
-    let body = serde_json::to_value(&status).map_err(|e| Error::Internal(e.to_string()))?;
-    api.patch_status(
-        &hc.name_any(),
-        &PatchParams::default(),
-        &Patch::Merge(serde_json::json!({ "status": body })),
-    )
-    .await?;
-    Ok(())
-}
-
 /// Deletion, in order; each step is visible as the `Deleting` condition's reason, and a step
 /// whose object is already gone is done.
-async fn teardown(
-    hc: &HostedCluster,
-    ctx: &Context,
-    api: &Api<HostedCluster>,
-    mut status: HostedClusterStatus,
-) -> Result<Action, Error> {
-    if !hc.finalizers().iter().any(|f| f == FINALIZER) {
+async fn teardown(mut pass: Pass<'_>) -> Result<Action, Error> {
+    let hc = pass.hc;
+    if !crate::finalizer::has(hc, FINALIZER) {
         return Ok(Action::await_change());
     }
-    let ns = hc.namespace().unwrap_or_default();
-    let name = hc.name_any();
-    let cp_ns = control_plane_namespace(hc);
-    let now = Timestamp::now();
-    let mut step = |reason: &str, message: String| {
+    if let Some((reason, message)) = next_deletion(&pass).await? {
         let previous =
-            conditions::get(&status.conditions, types::DELETING).map(|c| c.reason.clone());
-        conditions::set(
-            &mut status.conditions,
-            conditions::new(types::DELETING, true, reason, message),
-            hc.metadata.generation,
-            now,
-        );
-        previous.as_deref() != Some(reason)
-    };
-    let dp = DeleteParams::background();
+            conditions::get(&pass.status.conditions, types::DELETING).map(|c| c.reason.clone());
+        pass.set(conditions::new(types::DELETING, true, reason, &message));
+        if previous.as_deref() != Some(reason) {
+            pass.event(EventType::Normal, reason, &message).await;
+        }
+        pass.write().await?;
+        return Ok(Action::requeue(PROGRESS_RECHECK));
+    }
+    pass.ctx.targets.forget(hc);
+    crate::finalizer::remove(&pass.api, hc, FINALIZER).await?;
+    tracing::info!("hosted cluster removed");
+    Ok(Action::await_change())
+}
 
-    // 1. NodePools (their controller drains and removes the nodes).
-    let pools: Api<NodePool> = Api::namespaced(ctx.client.clone(), &ns);
-    let mine: Vec<NodePool> = pools
-        .list(&ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .filter(|p| p.spec.cluster_name == name)
-        .collect();
-    if !mine.is_empty() {
-        for p in mine
+/// Start the next step of the teardown: 1. NodePools (their controller drains and removes
+/// the nodes), 2. the Cluster (where served), 3. the control plane, 4. the namespace; only
+/// what was made for this HostedCluster (anything else is someone else's). Returns the step
+/// waited for, `None` when all are done. A delete that fails is tried again on the next pass.
+async fn next_deletion(pass: &Pass<'_>) -> Result<Option<(&'static str, String)>, Error> {
+    let (hc, cp_ns, name) = (pass.hc, &pass.cp_ns, &pass.name);
+    let ns = hc.namespace().unwrap_or_default();
+    let client = &pass.ctx.client;
+    let dp = DeleteParams::background();
+    let pools = pass.ctx.pools_of(&ns, name).await?;
+    if !pools.is_empty() {
+        let api: Api<NodePool> = Api::namespaced(client.clone(), &ns);
+        for p in pools
             .iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none())
         {
-            let _ = pools.delete(&p.name_any(), &dp).await;
+            deleting(
+                api.delete(&p.name_any(), &dp).await,
+                "NodePool",
+                &p.name_any(),
+            );
         }
-        let names: Vec<String> = mine.iter().map(|p| p.name_any()).collect();
-        if step(
-            "DeletingNodePools",
-            format!(
-                "waiting for NodePool(s) {} to drain and go",
-                names.join(", ")
-            ),
-        ) {
-            ctx.event(
-                hc.object_ref(&()),
-                EventType::Normal,
-                "DeletingNodePools",
-                &names.join(", "),
-            )
-            .await;
-        }
-        write_status(api, hc, status).await?;
-        return Ok(Action::requeue(PROGRESS_RECHECK));
+        let names: Vec<String> = pools.iter().map(|p| p.name_any()).collect();
+        let message = format!(
+            "waiting for NodePool(s) {} to drain and go",
+            names.join(", ")
+        );
+        return Ok(Some(("DeletingNodePools", message)));
     }
-
-    // 2. The Cluster (where served), 3. the control plane, 4. the namespace.
     let clusters =
-        Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &cp_ns, &cluster_resource());
-    // Only what was made for this HostedCluster: anything else is someone else's.
-    let cluster_left = match clusters.get_opt(&name).await {
+        Api::<DynamicObject>::namespaced_with(client.clone(), cp_ns, &cluster_resource());
+    let cluster_left = match clusters.get_opt(name).await {
         Ok(c) => c.is_some_and(|c| made_for(&c.metadata, hc)),
         Err(kube::Error::Api(e)) if e.code == 404 => false,
         Err(e) => return Err(e.into()),
     };
-    let ncps: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &cp_ns);
-    let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
-    let ncp_left = ncps
-        .get_opt(&name)
-        .await?
-        .is_some_and(|n| made_for(&n.metadata, hc));
-    let waiting: Option<(&str, String)> = if cluster_left {
-        let _ = clusters.delete(&name, &dp).await;
-        Some((
+    if cluster_left {
+        deleting(clusters.delete(name, &dp).await, "Cluster", name);
+        return Ok(Some((
             "DeletingCluster",
             format!("waiting for Cluster {cp_ns}/{name} to go"),
-        ))
-    } else if ncp_left {
-        let _ = ncps.delete(&name, &dp).await;
-        Some((
+        )));
+    }
+    let ncps = pass.ncps();
+    if ncps
+        .get_opt(name)
+        .await?
+        .is_some_and(|n| made_for(&n.metadata, hc))
+    {
+        deleting(ncps.delete(name, &dp).await, "NestedControlPlane", name);
+        return Ok(Some((
             "DeletingControlPlane",
             format!("waiting for NestedControlPlane {cp_ns}/{name} to stop and go"),
-        ))
-    } else if let Some(n) = namespaces.get_opt(&cp_ns).await?
+        )));
+    }
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    if let Some(n) = namespaces.get_opt(cp_ns).await?
         && made_for(&n.metadata, hc)
     {
-        let _ = namespaces.delete(&cp_ns, &dp).await;
-        Some((
+        deleting(namespaces.delete(cp_ns, &dp).await, "namespace", cp_ns);
+        return Ok(Some((
             "DeletingNamespace",
             format!("waiting for namespace {cp_ns} to go"),
-        ))
-    } else {
-        None
-    };
-    if let Some((reason, message)) = waiting {
-        if step(reason, message.clone()) {
-            ctx.event(hc.object_ref(&()), EventType::Normal, reason, &message)
-                .await;
-        }
-        write_status(api, hc, status).await?;
-        return Ok(Action::requeue(PROGRESS_RECHECK));
+        )));
     }
+    Ok(None)
+}
 
-    // 5. The finalizer.
-    let list: Vec<String> = hc
-        .finalizers()
-        .iter()
-        .filter(|f| *f != FINALIZER)
-        .cloned()
-        .collect();
-    api.patch(
-        &name,
-        &PatchParams::default(),
-        &Patch::Merge(serde_json::json!({"metadata": {"finalizers": list, "resourceVersion": hc.resource_version()}})),
-    )
-    .await?;
-    tracing::info!(namespace = %ns, hostedcluster = %name, "hosted cluster removed");
-    Ok(Action::await_change())
+/// A teardown delete's outcome: gone or going is fine; a failure is logged, and the step
+/// (still waiting for the object) deletes it again on the next pass.
+fn deleting<T>(result: Result<T, kube::Error>, kind: &str, name: &str) {
+    match result {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 404 => {}
+        Err(e) => tracing::warn!(%kind, %name, error = %e, "delete failed; next pass tries again"),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hosted_cluster_says_what_its_control_plane_says() {
+        let mut status = HostedClusterStatus::default();
+        let now = Timestamp::now();
+        let ncp = NestedControlPlaneStatus {
+            ready: true,
+            version: Some("v1.20.2".into()),
+            conditions: vec![
+                conditions::new("EtcdReady", true, "AsExpected", ""),
+                conditions::new("APIServerReady", false, "Starting", "waiting"),
+            ],
+            ..Default::default()
+        };
+        let reached = mirror(&mut status, &ncp, "v1.20.2", Some(3), now);
+        assert!(reached);
+        let get = |t: &str| conditions::get(&status.conditions, t).cloned().unwrap();
+        assert_eq!(get(types::ETCD_AVAILABLE).status, "True");
+        let api = get(types::KUBE_APISERVER_AVAILABLE);
+        assert_eq!(
+            (api.status.as_str(), api.reason.as_str()),
+            ("False", "Starting")
+        );
+        assert_eq!(get(types::AVAILABLE).reason, "WaitingForControlPlane");
+        assert_eq!(get(types::DEGRADED).status, "False");
+        assert_eq!(get(types::PROGRESSING).message, "at v1.20.2");
+        assert_eq!(status.observed_generation, Some(3));
+        let history = &status.version.as_ref().unwrap().history;
+        assert_eq!(history[0].state, "Completed");
+
+        // Upgrading, and failing on the way.
+        let failing = NestedControlPlaneStatus {
+            failure_reason: Some("ControlPlaneFailed".into()),
+            failure_message: Some("etcd lost quorum".into()),
+            ..ncp
+        };
+        assert!(!mirror(&mut status, &failing, "v1.21.0", Some(4), now));
+        let degraded = conditions::get(&status.conditions, types::DEGRADED).unwrap();
+        assert_eq!(degraded.reason, "ControlPlaneFailed");
+        let v = status.version.unwrap();
+        assert_eq!(v.desired.version, "v1.21.0");
+        assert_eq!(v.history[0].state, "Partial");
+        assert_eq!(v.history[1].version, "v1.20.2");
+    }
 }

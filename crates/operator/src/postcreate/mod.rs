@@ -43,6 +43,38 @@ pub const WAITING_RECHECK: Duration = Duration::from_secs(15);
 /// watch brings it back sooner).
 pub const PROBLEM_RECHECK: Duration = Duration::from_secs(60);
 
+/// What the PostCreateConfig controller has: the operator's [`Context`] and its per-cluster
+/// retries.
+pub struct AddonContext {
+    /// What every controller shares.
+    pub core: std::sync::Arc<Context>,
+    /// Per-cluster retries.
+    pub retries: Retries,
+}
+
+impl AddonContext {
+    /// The addon controller's context on `core`.
+    pub fn new(core: std::sync::Arc<Context>) -> AddonContext {
+        AddonContext {
+            core,
+            retries: Retries::default(),
+        }
+    }
+}
+
+impl std::ops::Deref for AddonContext {
+    type Target = Context;
+    fn deref(&self) -> &Context {
+        &self.core
+    }
+}
+
+impl AsRef<Context> for AddonContext {
+    fn as_ref(&self) -> &Context {
+        &self.core
+    }
+}
+
 /// Per-cluster retries: exponential backoff (2 s … 5 min) with ±20 % jitter, and the last
 /// error, so that a broken cluster is retried on its own schedule and never delays others.
 #[derive(Default)]
@@ -324,7 +356,11 @@ async fn wait_established(client: &kube::Client, first: &[plan::Doc]) -> Result<
 }
 
 /// Reconcile one PostCreateConfig.
-pub async fn reconcile(pcc: Arc<PostCreateConfig>, ctx: Arc<Context>) -> Result<Action, Error> {
+#[tracing::instrument(name = "PostCreateConfig", skip_all, fields(namespace = pcc.metadata.namespace.as_deref().unwrap_or_default(), postcreateconfig = pcc.metadata.name.as_deref().unwrap_or_default()))]
+pub async fn reconcile(
+    pcc: Arc<PostCreateConfig>,
+    ctx: Arc<AddonContext>,
+) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started("PostCreateConfig");
     if pcc.metadata.deletion_timestamp.is_some() {
         // Nothing here or in the clusters is deleted with it.
@@ -393,7 +429,7 @@ pub async fn reconcile(pcc: Arc<PostCreateConfig>, ctx: Arc<Context>) -> Result<
                     }
                     Step::Apply => {
                         let key = format!("{ns}/{name}/{}", t.uid);
-                        if let Some((left, err)) = ctx.postcreate_retries.pending(&key) {
+                        if let Some((left, err)) = ctx.retries.pending(&key) {
                             pass.failed.push((t.name.clone(), err));
                             sooner(left);
                             continue;
@@ -423,7 +459,7 @@ pub async fn reconcile(pcc: Arc<PostCreateConfig>, ctx: Arc<Context>) -> Result<
             for (t, key, r) in futures::future::join_all(jobs).await {
                 match r {
                     Ok(n) => {
-                        ctx.postcreate_retries.succeeded(&key);
+                        ctx.retries.succeeded(&key);
                         ctx.event(
                             pcc.object_ref(&()),
                             EventType::Normal,
@@ -434,7 +470,7 @@ pub async fn reconcile(pcc: Arc<PostCreateConfig>, ctx: Arc<Context>) -> Result<
                         pass.applied_now.push((t, docs.hash.clone()));
                     }
                     Err(e) => {
-                        sooner(ctx.postcreate_retries.failed(&key, &e));
+                        sooner(ctx.retries.failed(&key, &e));
                         tracing::warn!(postcreateconfig = %name, namespace = %ns, cluster = %t.name, error = %e, "applying failed");
                         ctx.event(
                             pcc.object_ref(&()),
