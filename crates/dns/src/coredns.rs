@@ -59,14 +59,8 @@ pub fn corefile(zone: &str) -> String {
 /// Every object, in the order to apply them.
 pub fn manifests(c: &CoreDns) -> Vec<Value> {
     use crate::objects::*;
-    use k8s_openapi::api::apps::v1::{DeploymentStrategy, RollingUpdateDeployment};
-    use k8s_openapi::api::core::v1::{
-        Capabilities, ConfigMap, ConfigMapVolumeSource, KeyToPath, PodSpec, Probe,
-        ResourceRequirements, SecurityContext, Toleration, Volume, VolumeMount,
-    };
-    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    use k8s_openapi::api::core::v1::ConfigMap;
 
-    let own = || labels(&[("k8s-app", "kube-dns")]);
     let (role, binding) = cluster_role(
         "system:coredns",
         vec![
@@ -84,6 +78,45 @@ pub fn manifests(c: &CoreDns) -> Vec<Value> {
         data: Some([("Corefile".to_string(), corefile(&c.zone))].into()),
         ..ConfigMap::default()
     };
+    let mut service_meta = meta(
+        "kube-dns",
+        Some(labels(&[
+            ("k8s-app", "kube-dns"),
+            ("kubernetes.io/name", "CoreDNS"),
+        ])),
+    );
+    service_meta.annotations = Some(labels(&[
+        ("prometheus.io/port", "9153"),
+        ("prometheus.io/scrape", "true"),
+    ]));
+    let service = kube_dns_service(
+        &c.service_ip,
+        service_meta,
+        vec![
+            service_port("dns", 53, None, "UDP"),
+            service_port("dns-tcp", 53, None, "TCP"),
+            service_port("metrics", 9153, None, "TCP"),
+        ],
+    );
+    vec![
+        value(&service_account("coredns")),
+        value(&role),
+        value(&binding),
+        value(&config),
+        value(&workload(c)),
+        value(&service),
+    ]
+}
+
+/// CoreDNS's container: the Corefile mounted, DNS and metrics ports, health and readiness
+/// probes, no privileges but binding port 53.
+fn server(c: &CoreDns) -> k8s_openapi::api::core::v1::Container {
+    use crate::objects::*;
+    use k8s_openapi::api::core::v1::{
+        Capabilities, Probe, ResourceRequirements, SecurityContext, VolumeMount,
+    };
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
     let http = |path: &str, port: i32| {
         let mut p = http_probe(path, IntOrString::Int(port));
         if let Some(get) = p.http_get.as_mut() {
@@ -91,7 +124,7 @@ pub fn manifests(c: &CoreDns) -> Vec<Value> {
         }
         p
     };
-    let server = k8s_openapi::api::core::v1::Container {
+    k8s_openapi::api::core::v1::Container {
         args: Some(vec!["-conf".into(), "/etc/coredns/Corefile".into()]),
         resources: Some(ResourceRequirements {
             limits: Some(amounts(&[("memory", "170Mi")])),
@@ -127,7 +160,19 @@ pub fn manifests(c: &CoreDns) -> Vec<Value> {
         }),
         readiness_probe: Some(http("/ready", 8181)),
         ..container("coredns", &image(&c.registry, c.kubernetes_minor))
+    }
+}
+
+/// CoreDNS's Deployment: critical, on Linux nodes, tolerating control-plane taints, one
+/// replica unavailable at most during a rollout.
+fn workload(c: &CoreDns) -> k8s_openapi::api::apps::v1::Deployment {
+    use crate::objects::*;
+    use k8s_openapi::api::apps::v1::{DeploymentStrategy, RollingUpdateDeployment};
+    use k8s_openapi::api::core::v1::{
+        ConfigMapVolumeSource, KeyToPath, PodSpec, Toleration, Volume,
     };
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
     let toleration = |key: &str, operator: Option<&str>, effect: Option<&str>| Toleration {
         key: Some(key.into()),
         operator: operator.map(str::to_string),
@@ -136,7 +181,7 @@ pub fn manifests(c: &CoreDns) -> Vec<Value> {
     };
     let mut workload = deployment(
         "coredns",
-        own(),
+        labels(&[("k8s-app", "kube-dns")]),
         c.replicas,
         PodSpec {
             priority_class_name: Some("system-cluster-critical".into()),
@@ -164,7 +209,7 @@ pub fn manifests(c: &CoreDns) -> Vec<Value> {
                 }),
                 ..Volume::default()
             }]),
-            containers: vec![server],
+            containers: vec![server(c)],
             ..PodSpec::default()
         },
     );
@@ -177,34 +222,7 @@ pub fn manifests(c: &CoreDns) -> Vec<Value> {
             }),
         });
     }
-    let mut service_meta = meta(
-        "kube-dns",
-        Some(labels(&[
-            ("k8s-app", "kube-dns"),
-            ("kubernetes.io/name", "CoreDNS"),
-        ])),
-    );
-    service_meta.annotations = Some(labels(&[
-        ("prometheus.io/port", "9153"),
-        ("prometheus.io/scrape", "true"),
-    ]));
-    let service = kube_dns_service(
-        &c.service_ip,
-        service_meta,
-        vec![
-            service_port("dns", 53, None, "UDP"),
-            service_port("dns-tcp", 53, None, "TCP"),
-            service_port("metrics", 9153, None, "TCP"),
-        ],
-    );
-    vec![
-        value(&service_account("coredns")),
-        value(&role),
-        value(&binding),
-        value(&config),
-        value(&workload),
-        value(&service),
-    ]
+    workload
 }
 
 #[cfg(test)]

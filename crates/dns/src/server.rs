@@ -99,7 +99,9 @@ impl Caches {
 
     /// Wait until both caches have listed once.
     pub async fn ready(&self) {
+        // A store whose writer is gone never becomes ready; serving goes on without it.
         let _ = self.services.wait_until_ready().await;
+        // A store whose writer is gone never becomes ready; serving goes on without it.
         let _ = self.endpoints.wait_until_ready().await;
     }
 }

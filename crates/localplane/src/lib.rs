@@ -150,11 +150,10 @@ fn load_or(path: &Path, make: impl FnOnce() -> Result<CertKey, Error>) -> Result
     Ok(ck)
 }
 
+/// What the plane keeps of its PKI in memory (everything is also under `<dir>/pki`).
 struct Pki {
     ca: CertKey,
-    serving: CertKey,
     admin: CertKey,
-    sa: CertKey,
 }
 
 fn ensure_pki(dir: &Path, extra_ips: &[std::net::IpAddr]) -> Result<Pki, Error> {
@@ -165,7 +164,8 @@ fn ensure_pki(dir: &Path, extra_ips: &[std::net::IpAddr]) -> Result<Pki, Error> 
     let ca = load_or(&pki_dir.join("ca"), || {
         Ok(pki::generate_ca("nestplane-management-ca", now)?)
     })?;
-    let sa = load_or(&pki_dir.join("sa"), || {
+    // Only its files are used (the API server's and controller-manager's flags).
+    load_or(&pki_dir.join("sa"), || {
         Ok(pki::generate_service_account_key()?)
     })?;
     let serving = pki::issue(
@@ -230,12 +230,188 @@ fn ensure_pki(dir: &Path, extra_ips: &[std::net::IpAddr]) -> Result<Pki, Error> 
         write_private(&pki_dir.join(format!("{name}.crt")), &ck.cert_pem)?;
         write_private(&pki_dir.join(format!("{name}.key")), &ck.key_pem)?;
     }
-    Ok(Pki {
-        ca,
-        serving,
-        admin,
-        sa,
-    })
+    Ok(Pki { ca, admin })
+}
+
+/// The plane's directory: `dir`, or a temporary one removed with the plane.
+fn work_dir(dir: Option<&PathBuf>) -> Result<(PathBuf, Option<tempfile::TempDir>), Error> {
+    let (dir, temp) = match dir {
+        Some(d) => (d.clone(), None),
+        None => {
+            let t = tempfile::Builder::new()
+                .prefix("nestplane-localplane-")
+                .tempdir()
+                .map_err(io_err("creating a temporary directory"))?;
+            (t.path().to_path_buf(), Some(t))
+        }
+    };
+    std::fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+    Ok((dir, temp))
+}
+
+/// A file of the plane's PKI.
+fn pki_path(dir: &Path, name: &str) -> String {
+    dir.join("pki").join(name).display().to_string()
+}
+
+/// etcd: TLS on loopback, clients and peers with certificates of its own CA only. Pure.
+fn etcd_spec(program: PathBuf, dir: &Path, client: u16, peer: u16) -> Spec {
+    let p = |name: &str| pki_path(dir, name);
+    let url = format!("https://127.0.0.1:{client}");
+    Spec {
+        name: "etcd".into(),
+        program,
+        args: vec![
+            format!("--data-dir={}", dir.join("etcd").display()),
+            format!("--listen-client-urls={url}"),
+            format!("--advertise-client-urls={url}"),
+            format!("--listen-peer-urls=https://127.0.0.1:{peer}"),
+            format!("--initial-advertise-peer-urls=https://127.0.0.1:{peer}"),
+            format!("--initial-cluster=default=https://127.0.0.1:{peer}"),
+            format!("--cert-file={}", p("etcd-server.crt")),
+            format!("--key-file={}", p("etcd-server.key")),
+            format!("--trusted-ca-file={}", p("etcd-ca.crt")),
+            "--client-cert-auth=true".into(),
+            format!("--peer-cert-file={}", p("etcd-server.crt")),
+            format!("--peer-key-file={}", p("etcd-server.key")),
+            format!("--peer-trusted-ca-file={}", p("etcd-ca.crt")),
+            "--peer-client-cert-auth=true".into(),
+            "--name=default".into(),
+            "--quota-backend-bytes=4294967296".into(),
+            "--unsafe-no-fsync=true".into(),
+            "--log-level=warn".into(),
+        ],
+        log: dir.join("logs").join("etcd.log"),
+        ..Spec::default()
+    }
+}
+
+/// kube-apiserver on loopback `port`. With nodes, pods reach it through their node's proxy
+/// at the node-local address; kubelets join by bootstrap token and are authorized as nodes;
+/// it reaches kubelets (logs, exec) with the admin certificate. Pure.
+fn apiserver_spec(
+    program: PathBuf,
+    dir: &Path,
+    port: u16,
+    etcd_url: &str,
+    service_cidr: &str,
+    nodes: bool,
+) -> Spec {
+    let p = |name: &str| pki_path(dir, name);
+    let mut args = vec![
+        "--allow-privileged=true".into(),
+        "--bind-address=127.0.0.1".into(),
+        format!("--cert-dir={}", dir.join("pki").display()),
+        format!("--client-ca-file={}", p("ca.crt")),
+        format!("--etcd-servers={etcd_url}"),
+        format!("--etcd-cafile={}", p("etcd-ca.crt")),
+        format!("--etcd-certfile={}", p("apiserver-etcd-client.crt")),
+        format!("--etcd-keyfile={}", p("apiserver-etcd-client.key")),
+        "--insecure-port=0".into(),
+        format!("--secure-port={port}"),
+        "--service-account-issuer=https://kubernetes.default.svc".into(),
+        format!("--service-account-key-file={}", p("sa.crt")),
+        format!("--service-account-signing-key-file={}", p("sa.key")),
+        format!("--service-cluster-ip-range={service_cidr}"),
+        format!("--tls-cert-file={}", p("apiserver.crt")),
+        format!("--tls-private-key-file={}", p("apiserver.key")),
+        "--v=1".into(),
+    ];
+    if nodes {
+        args.extend([
+            format!(
+                "--advertise-address={}",
+                nestplane_nodes::config::NODE_LOCAL_APISERVER
+            ),
+            "--authorization-mode=Node,RBAC".into(),
+            "--enable-admission-plugins=NodeRestriction".into(),
+            "--enable-bootstrap-token-auth=true".into(),
+            format!("--kubelet-client-certificate={}", p("admin.crt")),
+            format!("--kubelet-client-key={}", p("admin.key")),
+            "--kubelet-preferred-address-types=InternalIP".into(),
+        ]);
+    } else {
+        args.extend([
+            "--advertise-address=127.0.0.1".into(),
+            "--authorization-mode=RBAC".into(),
+            "--endpoint-reconciler-type=none".into(),
+        ]);
+    }
+    args.sort();
+    Spec {
+        name: "kube-apiserver".into(),
+        program,
+        args,
+        log: dir.join("logs").join("kube-apiserver.log"),
+        ..Spec::default()
+    }
+}
+
+/// kube-controller-manager on loopback `port`, with the admin kubeconfig; with nodes, it
+/// signs kubelet certificates and runs the bootstrap-token controllers. Pure.
+fn controller_manager_spec(
+    program: PathBuf,
+    dir: &Path,
+    port: u16,
+    service_cidr: &str,
+    nodes: bool,
+    disabled: &[String],
+) -> Spec {
+    let p = |name: &str| pki_path(dir, name);
+    let mut controllers = vec!["*".to_string()];
+    let mut args = Vec::new();
+    if nodes {
+        controllers.extend(["bootstrapsigner".into(), "tokencleaner".into()]);
+        args.extend([
+            format!("--cluster-signing-cert-file={}", p("ca.crt")),
+            format!("--cluster-signing-key-file={}", p("ca.key")),
+            format!("--service-cluster-ip-range={service_cidr}"),
+        ]);
+    }
+    controllers.extend(disabled.iter().map(|c| format!("-{c}")));
+    args.extend([
+        "--bind-address=127.0.0.1".into(),
+        format!("--cert-dir={}", dir.join("pki").join("kcm").display()),
+        format!("--controllers={}", controllers.join(",")),
+        format!("--kubeconfig={}", dir.join("admin.kubeconfig").display()),
+        "--leader-elect=false".into(),
+        "--port=0".into(),
+        format!("--root-ca-file={}", p("ca.crt")),
+        format!("--secure-port={port}"),
+        format!("--service-account-private-key-file={}", p("sa.key")),
+        "--use-service-account-credentials=true".into(),
+        "--concurrent-gc-syncs=5".into(),
+        "--v=1".into(),
+    ]);
+    Spec {
+        name: "kube-controller-manager".into(),
+        program,
+        args,
+        log: dir.join("logs").join("kube-controller-manager.log"),
+        ..Spec::default()
+    }
+}
+
+/// kube-scheduler on loopback `port`, with the admin kubeconfig. Pure.
+fn scheduler_spec(program: PathBuf, dir: &Path, port: u16) -> Spec {
+    let kubeconfig = dir.join("admin.kubeconfig").display().to_string();
+    Spec {
+        name: "kube-scheduler".into(),
+        program,
+        args: vec![
+            "--bind-address=127.0.0.1".into(),
+            format!("--kubeconfig={kubeconfig}"),
+            format!("--authentication-kubeconfig={kubeconfig}"),
+            format!("--authorization-kubeconfig={kubeconfig}"),
+            "--leader-elect=false".into(),
+            "--port=0".into(),
+            format!("--secure-port={port}"),
+            format!("--cert-dir={}", dir.join("pki").join("scheduler").display()),
+            "--v=1".into(),
+        ],
+        log: dir.join("logs").join("kube-scheduler.log"),
+        ..Spec::default()
+    }
 }
 
 impl LocalPlane {
@@ -243,17 +419,7 @@ impl LocalPlane {
     /// `/readyz`, and return a client.
     pub async fn start(opts: Options) -> Result<LocalPlane, Error> {
         let started = Instant::now();
-        let (dir, temp) = match &opts.dir {
-            Some(d) => (d.clone(), None),
-            None => {
-                let t = tempfile::Builder::new()
-                    .prefix("nestplane-localplane-")
-                    .tempdir()
-                    .map_err(io_err("creating a temporary directory"))?;
-                (t.path().to_path_buf(), Some(t))
-            }
-        };
-        std::fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        let (dir, temp) = work_dir(opts.dir.as_ref())?;
         let apiserver_bin = binaries::kubernetes("kube-apiserver", DEFAULT_VERSION)?;
         let kcm_bin = if opts.controller_manager {
             Some(binaries::kubernetes(
@@ -284,97 +450,24 @@ impl LocalPlane {
                 nestplane_nodes::config::NODE_LOCAL_APISERVER.into(),
             ],
         )?;
-        let p = |name: &str| dir.join("pki").join(name).display().to_string();
-        let logs = dir.join("logs");
-
         let mut children = Vec::new();
-        // etcd: TLS on loopback, clients and peers with certificates of its own CA only.
         let (etcd_client, etcd_peer) = (free_port()?, free_port()?);
-        let etcd_url = format!("https://127.0.0.1:{etcd_client}");
-        let etcd = Spec {
-            name: "etcd".into(),
-            program: etcd_bin,
-            args: vec![
-                format!("--data-dir={}", dir.join("etcd").display()),
-                format!("--listen-client-urls={etcd_url}"),
-                format!("--advertise-client-urls={etcd_url}"),
-                format!("--listen-peer-urls=https://127.0.0.1:{etcd_peer}"),
-                format!("--initial-advertise-peer-urls=https://127.0.0.1:{etcd_peer}"),
-                format!("--initial-cluster=default=https://127.0.0.1:{etcd_peer}"),
-                format!("--cert-file={}", p("etcd-server.crt")),
-                format!("--key-file={}", p("etcd-server.key")),
-                format!("--trusted-ca-file={}", p("etcd-ca.crt")),
-                "--client-cert-auth=true".into(),
-                format!("--peer-cert-file={}", p("etcd-server.crt")),
-                format!("--peer-key-file={}", p("etcd-server.key")),
-                format!("--peer-trusted-ca-file={}", p("etcd-ca.crt")),
-                "--peer-client-cert-auth=true".into(),
-                "--name=default".into(),
-                "--quota-backend-bytes=4294967296".into(),
-                "--unsafe-no-fsync=true".into(),
-                "--log-level=warn".into(),
-            ],
-            log: logs.join("etcd.log"),
-            ..Spec::default()
-        };
-        let mut etcd_child = Child::spawn(&etcd).map_err(io_err("starting etcd"))?;
+        let mut etcd_child = Child::spawn(&etcd_spec(etcd_bin, &dir, etcd_client, etcd_peer))
+            .map_err(io_err("starting etcd"))?;
         wait_tcp(&mut etcd_child, etcd_client, Duration::from_secs(30)).await?;
         children.push(etcd_child);
 
         let port = free_port()?;
         let server = format!("https://127.0.0.1:{port}");
-        let mut api_args = vec![
-            "--allow-privileged=true".into(),
-            "--bind-address=127.0.0.1".into(),
-            format!("--cert-dir={}", dir.join("pki").display()),
-            format!("--client-ca-file={}", p("ca.crt")),
-            format!("--etcd-servers={etcd_url}"),
-            format!("--etcd-cafile={}", p("etcd-ca.crt")),
-            format!("--etcd-certfile={}", p("apiserver-etcd-client.crt")),
-            format!("--etcd-keyfile={}", p("apiserver-etcd-client.key")),
-            "--insecure-port=0".into(),
-            format!("--secure-port={port}"),
-            "--service-account-issuer=https://kubernetes.default.svc".into(),
-            format!("--service-account-key-file={}", p("sa.crt")),
-            format!("--service-account-signing-key-file={}", p("sa.key")),
-            format!("--service-cluster-ip-range={service_cidr}"),
-            format!("--tls-cert-file={}", p("apiserver.crt")),
-            format!("--tls-private-key-file={}", p("apiserver.key")),
-            "--v=1".into(),
-        ];
-        if opts.nodes.is_some() {
-            // Pods reach the API server through their node's proxy at the node-local address;
-            // kubelets join by bootstrap token and are authorized as nodes; the API server
-            // reaches kubelets (logs, exec) with the admin certificate.
-            api_args.extend([
-                format!(
-                    "--advertise-address={}",
-                    nestplane_nodes::config::NODE_LOCAL_APISERVER
-                ),
-                "--authorization-mode=Node,RBAC".into(),
-                "--enable-admission-plugins=NodeRestriction".into(),
-                "--enable-bootstrap-token-auth=true".into(),
-                format!("--kubelet-client-certificate={}", p("admin.crt")),
-                format!("--kubelet-client-key={}", p("admin.key")),
-                "--kubelet-preferred-address-types=InternalIP".into(),
-            ]);
-        } else {
-            api_args.extend([
-                "--advertise-address=127.0.0.1".into(),
-                "--authorization-mode=RBAC".into(),
-                "--endpoint-reconciler-type=none".into(),
-            ]);
-        }
-        api_args.sort();
-        let apiserver = Spec {
-            name: "kube-apiserver".into(),
-            program: apiserver_bin,
-            args: api_args,
-            log: logs.join("kube-apiserver.log"),
-            ..Spec::default()
-        };
+        let apiserver = apiserver_spec(
+            apiserver_bin,
+            &dir,
+            port,
+            &format!("https://127.0.0.1:{etcd_client}"),
+            &service_cidr,
+            opts.nodes.is_some(),
+        );
         let mut api_child = Child::spawn(&apiserver).map_err(io_err("starting kube-apiserver"))?;
-
         let kubeconfig = pki::kubeconfig(
             "nestplane-management",
             &server,
@@ -390,39 +483,14 @@ impl LocalPlane {
 
         if let Some(kcm_bin) = kcm_bin {
             let kcm_port = free_port()?;
-            let mut controllers = vec!["*".to_string()];
-            let mut kcm_args = Vec::new();
-            if opts.nodes.is_some() {
-                // Bootstrap tokens and kubelet certificates.
-                controllers.extend(["bootstrapsigner".into(), "tokencleaner".into()]);
-                kcm_args.extend([
-                    format!("--cluster-signing-cert-file={}", p("ca.crt")),
-                    format!("--cluster-signing-key-file={}", p("ca.key")),
-                    format!("--service-cluster-ip-range={service_cidr}"),
-                ]);
-            }
-            controllers.extend(opts.disabled_controllers.iter().map(|c| format!("-{c}")));
-            kcm_args.extend([
-                "--bind-address=127.0.0.1".into(),
-                format!("--cert-dir={}", dir.join("pki").join("kcm").display()),
-                format!("--controllers={}", controllers.join(",")),
-                format!("--kubeconfig={}", kubeconfig_path.display()),
-                "--leader-elect=false".into(),
-                "--port=0".into(),
-                format!("--root-ca-file={}", p("ca.crt")),
-                format!("--secure-port={kcm_port}"),
-                format!("--service-account-private-key-file={}", p("sa.key")),
-                "--use-service-account-credentials=true".into(),
-                "--concurrent-gc-syncs=5".into(),
-                "--v=1".into(),
-            ]);
-            let kcm = Spec {
-                name: "kube-controller-manager".into(),
-                program: kcm_bin,
-                args: kcm_args,
-                log: logs.join("kube-controller-manager.log"),
-                ..Spec::default()
-            };
+            let kcm = controller_manager_spec(
+                kcm_bin,
+                &dir,
+                kcm_port,
+                &service_cidr,
+                opts.nodes.is_some(),
+                &opts.disabled_controllers,
+            );
             let mut kcm_child =
                 Child::spawn(&kcm).map_err(io_err("starting kube-controller-manager"))?;
             wait_tcp(&mut kcm_child, kcm_port, Duration::from_secs(30)).await?;
@@ -430,29 +498,16 @@ impl LocalPlane {
         }
         if opts.nodes.is_some() {
             // Pods need a scheduler.
-            let port = free_port()?;
-            let sched = Spec {
-                name: "kube-scheduler".into(),
-                program: binaries::kubernetes("kube-scheduler", DEFAULT_VERSION)?,
-                args: vec![
-                    "--bind-address=127.0.0.1".into(),
-                    format!("--kubeconfig={}", kubeconfig_path.display()),
-                    format!("--authentication-kubeconfig={}", kubeconfig_path.display()),
-                    format!("--authorization-kubeconfig={}", kubeconfig_path.display()),
-                    "--leader-elect=false".into(),
-                    "--port=0".into(),
-                    format!("--secure-port={port}"),
-                    format!("--cert-dir={}", dir.join("pki").join("scheduler").display()),
-                    "--v=1".into(),
-                ],
-                log: logs.join("kube-scheduler.log"),
-                ..Spec::default()
-            };
+            let sched_port = free_port()?;
+            let sched = scheduler_spec(
+                binaries::kubernetes("kube-scheduler", DEFAULT_VERSION)?,
+                &dir,
+                sched_port,
+            );
             let mut child = Child::spawn(&sched).map_err(io_err("starting kube-scheduler"))?;
-            wait_tcp(&mut child, port, Duration::from_secs(30)).await?;
+            wait_tcp(&mut child, sched_port, Duration::from_secs(30)).await?;
             children.push(child);
         }
-        let _ = (&pki.serving, &pki.sa);
         let mut plane = LocalPlane {
             nodes: Vec::new(),
             tasks: Vec::new(),

@@ -163,6 +163,7 @@ async fn pass(
             .map(|l| PathBuf::from(&l.path))
             && path.starts_with(dir)
         {
+            // Best effort: what cannot be removed now is left for the next cleanup.
             let _ = std::fs::remove_dir_all(&path);
         }
         match volumes

@@ -251,12 +251,26 @@ pub fn judge(
     if policy.level == Level::Privileged {
         return Ok(false);
     }
-    let mut refused = Vec::new();
     let sandbox = spec
         .pointer("/annotations/io.kubernetes.cri.container-type")
         .and_then(Value::as_str)
         == Some("sandbox");
+    let restricted = policy.level == Level::Restricted && !sandbox;
+    let mut refused = isolation_refusals(spec, restricted);
+    let changed = judge_mounts(spec, policy, &resolve, &mut refused);
+    if restricted {
+        refused.extend(restricted_refusals(spec));
+    }
+    if !refused.is_empty() {
+        return Err(refused);
+    }
+    Ok(confine(spec) || changed)
+}
 
+/// What a spec shares with the host or adds to a container: namespaces, capabilities (only
+/// `NET_BIND_SERVICE` when `restricted`), an unmasked /proc, devices, unsafe sysctls.
+fn isolation_refusals(spec: &Value, restricted: bool) -> Vec<String> {
+    let mut refused = Vec::new();
     let have: BTreeSet<String> = spec
         .pointer("/linux/namespaces")
         .and_then(Value::as_array)
@@ -269,8 +283,6 @@ pub fn judge(
             refused.push(format!("it would share {what}"));
         }
     }
-
-    let restricted = policy.level == Level::Restricted && !sandbox;
     let allowed: &[&str] = if restricted {
         &["CAP_NET_BIND_SERVICE"]
     } else {
@@ -296,7 +308,6 @@ pub fn judge(
             extra.into_iter().collect::<Vec<_>>().join(", ")
         ));
     }
-
     let masked = strings(spec.pointer("/linux/maskedPaths"));
     let read_only = strings(spec.pointer("/linux/readonlyPaths"));
     if MASKED.iter().any(|p| !masked.iter().any(|m| m == p))
@@ -321,7 +332,18 @@ pub fn judge(
             refused.push(format!("unsafe sysctls ({})", unsafe_.join(", ")));
         }
     }
+    refused
+}
 
+/// Bind mounts only from the node's pod directories (each source replaced by the path it
+/// resolves to, so runc mounts what was judged), and no writable sysfs or cgroup. Returns
+/// whether a source was replaced; refusals go into `refused`.
+fn judge_mounts(
+    spec: &mut Value,
+    policy: &Policy,
+    resolve: &impl Fn(&Path) -> Option<PathBuf>,
+    refused: &mut Vec<String>,
+) -> bool {
     let mut changed = false;
     for m in spec
         .get_mut("mounts")
@@ -334,54 +356,60 @@ pub fn judge(
         let dest = m
             .get("destination")
             .and_then(Value::as_str)
-            .unwrap_or_default();
+            .unwrap_or_default()
+            .to_string();
         let bind = type_ == "bind" || options.iter().any(|o| o == "bind" || o == "rbind");
-        if bind {
-            let source = m
-                .get("source")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_string();
-            match resolve(Path::new(&source)) {
-                Some(real) if allowed_source(&real, policy) && real.to_str().is_some() => {
-                    let real = real.to_str().unwrap_or_default().to_string();
-                    if real != source {
-                        m["source"] = Value::String(real);
-                        changed = true;
-                    }
-                }
-                Some(real) => refused.push(format!(
-                    "a bind mount of {} at {dest} (hostPath, or a path outside the node's pod directories)",
-                    real.display()
-                )),
-                None => refused.push(format!(
-                    "a bind mount of {source} at {dest} that does not resolve"
-                )),
+        if !bind {
+            if matches!(type_, "sysfs" | "cgroup" | "cgroup2") && !options.iter().any(|o| o == "ro")
+            {
+                refused.push(format!("a writable {type_} at {dest}"));
             }
-        } else if matches!(type_, "sysfs" | "cgroup" | "cgroup2")
-            && !options.iter().any(|o| o == "ro")
-        {
-            refused.push(format!("a writable {type_} at {dest}"));
+            continue;
+        }
+        let source = m
+            .get("source")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        match resolve(Path::new(&source)) {
+            Some(real) if allowed_source(&real, policy) && real.to_str().is_some() => {
+                let real = real.to_str().unwrap_or_default().to_string();
+                if real != source {
+                    m["source"] = Value::String(real);
+                    changed = true;
+                }
+            }
+            Some(real) => refused.push(format!(
+                "a bind mount of {} at {dest} (hostPath, or a path outside the node's pod directories)",
+                real.display()
+            )),
+            None => refused.push(format!(
+                "a bind mount of {source} at {dest} that does not resolve"
+            )),
         }
     }
+    changed
+}
 
-    if restricted {
-        if spec.pointer("/process/user/uid").and_then(Value::as_u64) == Some(0) {
-            refused.push("it runs as root (Restricted needs runAsNonRoot)".into());
-        }
-        if spec
-            .pointer("/process/noNewPrivileges")
-            .and_then(Value::as_bool)
-            != Some(true)
-        {
-            refused.push("privilege escalation is allowed (allowPrivilegeEscalation)".into());
-        }
+/// What Restricted adds: not root, no privilege escalation.
+fn restricted_refusals(spec: &Value) -> Vec<String> {
+    let mut refused = Vec::new();
+    if spec.pointer("/process/user/uid").and_then(Value::as_u64) == Some(0) {
+        refused.push("it runs as root (Restricted needs runAsNonRoot)".into());
     }
-    if !refused.is_empty() {
-        return Err(refused);
+    if spec
+        .pointer("/process/noNewPrivileges")
+        .and_then(Value::as_bool)
+        != Some(true)
+    {
+        refused.push("privilege escalation is allowed (allowPrivilegeEscalation)".into());
     }
+    refused
+}
 
-    // No profile, or one that allows everything: the node's default.
+/// No seccomp profile, or one that allows everything: the node's default is put in. Returns
+/// whether it was.
+fn confine(spec: &mut Value) -> bool {
     let unconfined = match spec.pointer("/linux/seccomp") {
         None | Some(Value::Null) => true,
         Some(s) => {
@@ -391,15 +419,15 @@ pub fn judge(
                     .is_none_or(|v| v.is_empty())
         }
     };
-    if unconfined {
-        changed = true;
-        if let Some(linux) = spec.get_mut("linux").and_then(Value::as_object_mut) {
-            linux.insert("seccomp".into(), default_seccomp());
-        } else if let Some(obj) = spec.as_object_mut() {
-            obj.insert("linux".into(), json!({"seccomp": default_seccomp()}));
-        }
+    if !unconfined {
+        return false;
     }
-    Ok(changed)
+    if let Some(linux) = spec.get_mut("linux").and_then(Value::as_object_mut) {
+        linux.insert("seccomp".into(), default_seccomp());
+    } else if let Some(obj) = spec.as_object_mut() {
+        obj.insert("linux".into(), json!({"seccomp": default_seccomp()}));
+    }
+    true
 }
 
 /// Where runc's arguments put the subcommand, the bundle and the log file.
@@ -496,6 +524,7 @@ pub fn main(args: Vec<String>) -> i32 {
                     .append(true)
                     .open(log)
                 {
+                    // Best effort: a log line that cannot be written is not worth failing the container for.
                     let _ = writeln!(f, "{line}");
                 }
             }

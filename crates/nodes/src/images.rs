@@ -321,6 +321,7 @@ fn stage(spec: &ImageSpec, root: &Path) -> Result<(), Error> {
                     std::fs::create_dir_all(d)
                         .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
                 }
+                // Best effort: what cannot be removed now is left for the next cleanup.
                 let _ = std::fs::remove_file(&l);
                 std::os::unix::fs::symlink(target, &l)
                     .map_err(|e| Error::io(format!("linking {}", l.display()), e))?;
@@ -421,6 +422,7 @@ pub fn build(
                 .map(|f| f.to_string_lossy().into_owned())
                 .unwrap_or_default(),
         );
+        // Best effort: what cannot be removed now is left for the next cleanup.
         let _ = std::fs::remove_dir_all(&work);
         let rootfs = work.join("rootfs");
         std::fs::create_dir_all(&rootfs)
@@ -431,6 +433,7 @@ pub fn build(
         let current = std::fs::read_to_string(&digest_file).unwrap_or_default();
         if current.trim() == sum && archive.exists() {
             progress(&format!("{}: up to date", spec.name));
+            // Best effort: what cannot be removed now is left for the next cleanup.
             let _ = std::fs::remove_dir_all(&work);
             out.push(Built {
                 name: spec.name.clone(),
@@ -442,6 +445,7 @@ pub fn build(
         progress(&format!("{}: building", spec.name));
         commit(spec, dir, &work)?;
         let tmp = archive.with_extension("tmp");
+        // Best effort: what cannot be removed now is left for the next cleanup.
         let _ = std::fs::remove_file(&tmp);
         run(
             buildah(dir)
@@ -452,6 +456,7 @@ pub fn build(
             "buildah push",
         )?;
         std::fs::rename(&tmp, &archive).map_err(|e| Error::io("renaming the archive", e))?;
+        // Best effort: a leftover image only takes space until the next build.
         let _ = run(
             buildah(dir).arg("rmi").arg("--force").arg(&spec.name),
             "buildah rmi",
@@ -459,6 +464,7 @@ pub fn build(
         let mut f = std::fs::File::create(&digest_file)
             .map_err(|e| Error::io(format!("writing {}", digest_file.display()), e))?;
         writeln!(f, "{sum}").map_err(|e| Error::io("writing the digest", e))?;
+        // Best effort: what cannot be removed now is left for the next cleanup.
         let _ = std::fs::remove_dir_all(&work);
         out.push(Built {
             name: spec.name.clone(),
@@ -522,6 +528,7 @@ fn commit(spec: &ImageSpec, dir: &Path, work: &Path) -> Result<(), Error> {
             "buildah commit",
         )
     })();
+    // Best effort: a leftover working container only takes space until the next build.
     let _ = run(buildah(dir).arg("rm").arg(&ctr), "buildah rm");
     result.map(|_| ())
 }

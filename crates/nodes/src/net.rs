@@ -27,6 +27,7 @@ pub struct Slot {
 impl Slot {
     /// Give the slot back.
     pub fn release(self) {
+        // Best effort: what cannot be removed now is left for the next cleanup.
         let _ = std::fs::remove_file(&self.path);
     }
 }
@@ -73,6 +74,7 @@ fn claim_in(sd: &Path, max: u8, dir: &Path, stale: impl Fn(u8, &Path)) -> Result
                 continue;
             }
             stale(n, &old);
+            // Best effort: what cannot be removed now is left for the next cleanup.
             let _ = std::fs::remove_file(&path);
         }
         match std::fs::OpenOptions::new()
@@ -207,10 +209,12 @@ pub fn setup(a: &Addresses) -> Result<(), Error> {
 pub fn teardown(a: &Addresses) {
     unisolate(a);
     if netns_path(a).exists() {
+        // Best effort: a rule, link or setting that is not there needs no undoing.
         let _ = run(&["ip", "netns", "delete", &a.netns]);
     }
     // Deleting the namespace deletes the pair; a half-made setup may have left the host end.
     if Path::new("/sys/class/net").join(&a.host_veth).exists() {
+        // Best effort: a rule, link or setting that is not there needs no undoing.
         let _ = run(&["ip", "link", "delete", &a.host_veth]);
     }
 }
@@ -280,6 +284,7 @@ pub fn unisolate(a: &Addresses) {
             }
             let mut args = vec!["iptables", "-w", "-t", table, "-D", chain];
             args.extend(rule.split_whitespace());
+            // Best effort: a rule, link or setting that is not there needs no undoing.
             let _ = run(&args);
         }
     }

@@ -110,6 +110,36 @@ fn write(p: &Path, contents: &str) -> Result<(), Error> {
 
 /// The cgroup hierarchies of this machine (cgroup v1: one directory per controller; v2: the
 /// one unified tree).
+/// The node guard's policy at `level` and the wrapper containerd runs instead of runc;
+/// returns the wrapper.
+fn write_guard(
+    layout: &Layout,
+    g: &crate::guard::Setup,
+    level: crate::guard::Level,
+) -> Result<PathBuf, Error> {
+    mkdir(&layout.kubelet_pods())?;
+    let policy = crate::guard::Policy {
+        level,
+        kubelet_pods: layout.kubelet_pods(),
+        sandbox_dirs: layout.sandbox_dirs(),
+        runc: nestplane_runtime::binaries::on_path("runc")
+            .map_err(|e| Error::io("finding runc", std::io::Error::other(e.to_string())))?,
+    };
+    write(
+        &layout.guard_policy(),
+        &serde_json::to_string(&policy).unwrap_or_default(),
+    )?;
+    let wrapper = layout.guard_wrapper();
+    write(
+        &wrapper,
+        &crate::guard::wrapper_script(&g.nestplane, &layout.guard_policy()),
+    )?;
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| Error::io(format!("making {} executable", wrapper.display()), e))?;
+    Ok(wrapper)
+}
+
 fn cgroup_hierarchies() -> Vec<PathBuf> {
     let base = Path::new("/sys/fs/cgroup");
     if base.join("cgroup.controllers").exists() {
@@ -160,18 +190,49 @@ impl Node {
         match node.bring_up(&cfg, kubelet_bin, proxy_bin).await {
             Ok(()) => Ok(node),
             Err(e) => {
-                let _ = tokio::task::spawn_blocking(move || node.teardown()).await;
+                // What was set up goes; the start's own error is what is reported.
+                if let Err(j) = tokio::task::spawn_blocking(move || node.teardown()).await {
+                    tracing::warn!(error = %j, "cleaning up after a failed node start panicked");
+                }
                 Err(e)
             }
         }
     }
 
+    /// Files → network → mount namespace → containerd and images → API proxy → kubelet and
+    /// kube-proxy (supervised).
     async fn bring_up(
         &mut self,
         cfg: &NodeConfig,
         kubelet_bin: PathBuf,
         proxy_bin: PathBuf,
     ) -> Result<(), Error> {
+        self.write_files(cfg)?;
+        self.connect(cfg)?;
+        let hpid = self.mount_namespace().await?;
+        let containerd = self.start_containerd(hpid, &cfg.images).await?;
+        let listen = SocketAddr::new(NODE_LOCAL_APISERVER.into(), cfg.api_port);
+        self.tasks.push(crate::proxy::start(
+            net::netns_path(&self.addrs),
+            listen,
+            cfg.apiservers.clone(),
+        )?);
+        let kubelet = self.kubelet_spec(cfg, hpid, kubelet_bin);
+        let k = Child::spawn(&kubelet).map_err(|e| Error::io("starting the kubelet", e))?;
+        self.procs.lock().map_err(poisoned)?.kubelet = Some(k);
+        let proxy = self.kube_proxy_spec(hpid, proxy_bin);
+        self.tasks.push(supervise(
+            self.procs.clone(),
+            containerd,
+            kubelet,
+            proxy,
+            self.layout.kubelet_kubeconfig(),
+        ));
+        Ok(())
+    }
+
+    /// The node's directories, credentials and configuration files, and its cgroups.
+    fn write_files(&self, cfg: &NodeConfig) -> Result<(), Error> {
         let layout = &self.layout;
         let addrs = &self.addrs;
         for d in [
@@ -191,32 +252,7 @@ impl Node {
             &config::bootstrap_kubeconfig(layout, cfg.api_port, &cfg.token),
         )?;
         let runc = match &cfg.guard {
-            Some(g) => {
-                mkdir(&layout.kubelet_pods())?;
-                let policy = crate::guard::Policy {
-                    level: cfg.spec.pod_security,
-                    kubelet_pods: layout.kubelet_pods(),
-                    sandbox_dirs: layout.sandbox_dirs(),
-                    runc: nestplane_runtime::binaries::on_path("runc").map_err(|e| {
-                        Error::io("finding runc", std::io::Error::other(e.to_string()))
-                    })?,
-                };
-                write(
-                    &layout.guard_policy(),
-                    &serde_json::to_string(&policy).unwrap_or_default(),
-                )?;
-                let wrapper = layout.guard_wrapper();
-                write(
-                    &wrapper,
-                    &crate::guard::wrapper_script(&g.nestplane, &layout.guard_policy()),
-                )?;
-                use std::os::unix::fs::PermissionsExt as _;
-                std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o700))
-                    .map_err(|e| {
-                        Error::io(format!("making {} executable", wrapper.display()), e)
-                    })?;
-                Some(wrapper)
-            }
+            Some(g) => Some(write_guard(layout, g, cfg.spec.pod_security)?),
             None => None,
         };
         write(
@@ -243,6 +279,13 @@ impl Node {
             let p = h.join(config::cgroup_root(addrs).trim_start_matches('/'));
             mkdir(&p)?;
         }
+        Ok(())
+    }
+
+    /// The node's network: its namespace and link, its isolation group, and the cluster's
+    /// control-plane user let in.
+    fn connect(&self, cfg: &NodeConfig) -> Result<(), Error> {
+        let addrs = &self.addrs;
         net::setup(addrs)?;
         if let Some(g) = cfg.group {
             net::isolate(addrs, g)?;
@@ -256,14 +299,21 @@ impl Node {
                 }
             })?;
         }
+        Ok(())
+    }
 
-        // The mount namespace: a holder process keeps it; every node process joins it.
+    /// The mount namespace: a holder process keeps it; every node process joins it. The
+    /// node's own /var/log (pod logs), /run/netns (pod network namespaces), /run/containerd
+    /// (shim sockets) and /var/lib/cni (CNI's cache) are mounted there. Returns the holder's
+    /// pid.
+    async fn mount_namespace(&mut self) -> Result<u32, Error> {
+        let layout = &self.layout;
         let holder = spawn(
-            &self.layout,
+            layout,
             "holder",
             Path::new("/usr/bin/nsenter"),
             vec![
-                format!("--net={}", net::netns_path(addrs).display()),
+                format!("--net={}", net::netns_path(&self.addrs).display()),
                 "unshare".into(),
                 "--mount".into(),
                 "--propagation".into(),
@@ -281,11 +331,9 @@ impl Node {
             },
             Duration::from_secs(10),
             "the node's mount namespace",
-            &self.layout.logs().join("holder.log"),
+            &layout.logs().join("holder.log"),
         )
         .await?;
-        // The node's own /var/log (pod logs), /run/netns (pod network namespaces),
-        // /run/containerd (shim sockets) and /var/lib/cni (CNI's cache).
         for (src, dst) in [
             (layout.var_log(), "/var/log"),
             (layout.dir.join("netns"), "/run/netns"),
@@ -304,12 +352,16 @@ impl Node {
                 dst,
             ])?;
         }
+        Ok(hpid)
+    }
 
+    /// containerd in the node, answering, with `images` imported; returns its spec (for the
+    /// supervisor).
+    async fn start_containerd(&mut self, hpid: u32, images: &[PathBuf]) -> Result<Spec, Error> {
         let containerd = self.containerd_spec(hpid);
         let c = Child::spawn(&containerd).map_err(|e| Error::io("starting containerd", e))?;
         self.procs.lock().map_err(poisoned)?.containerd = Some(c);
-        let sock = layout.containerd_socket();
-        let log = containerd.log.clone();
+        let sock = self.layout.containerd_socket();
         wait_for(
             || {
                 std::process::Command::new("ctr")
@@ -322,32 +374,13 @@ impl Node {
             },
             Duration::from_secs(30),
             "containerd",
-            &log,
+            &containerd.log,
         )
         .await?;
-        for archive in &cfg.images {
+        for archive in images {
             import(&sock, archive)?;
         }
-
-        let listen = SocketAddr::new(NODE_LOCAL_APISERVER.into(), cfg.api_port);
-        self.tasks.push(crate::proxy::start(
-            net::netns_path(addrs),
-            listen,
-            cfg.apiservers.clone(),
-        )?);
-
-        let kubelet = self.kubelet_spec(cfg, hpid, kubelet_bin);
-        let k = Child::spawn(&kubelet).map_err(|e| Error::io("starting the kubelet", e))?;
-        self.procs.lock().map_err(poisoned)?.kubelet = Some(k);
-        let proxy = self.kube_proxy_spec(hpid, proxy_bin);
-        self.tasks.push(supervise(
-            self.procs.clone(),
-            containerd,
-            kubelet,
-            proxy,
-            layout.kubelet_kubeconfig(),
-        ));
-        Ok(())
+        Ok(containerd)
     }
 
     fn in_node(&self, hpid: u32, name: &str, program: &Path, args: Vec<String>) -> Spec {
@@ -512,6 +545,7 @@ impl Node {
         }
         remove_cgroups(&cgroup);
         net::teardown(&self.addrs);
+        // Best effort: what cannot be removed now is left for the next cleanup.
         let _ = std::fs::remove_dir_all(&self.layout.dir);
         if let Some(s) = self.slot.take() {
             s.release();
@@ -696,6 +730,7 @@ fn remove_cgroups(root: &str) {
         std::thread::sleep(Duration::from_millis(100));
     }
     for h in cgroup_hierarchies() {
+        // Best effort: what cannot be removed now is left for the next cleanup.
         let _ = std::fs::remove_dir(h.join("nestplane"));
     }
 }
@@ -715,6 +750,7 @@ fn clean_stale(slot: u8, dir: &Path) {
     remove_cgroups(&cgroup);
     net::teardown(&addrs);
     if dir.join("containerd.toml").exists() {
+        // Best effort: what cannot be removed now is left for the next cleanup.
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -69,6 +69,7 @@ pub(crate) fn start(
                 for i in 0..upstreams.len() {
                     let up = upstreams[(start + i) % upstreams.len()];
                     if let Ok(mut outbound) = TcpStream::connect(up).await {
+                        // A connection that ends in an error has ended: each side sees it.
                         let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
                         return;
                     }

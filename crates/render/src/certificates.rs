@@ -75,150 +75,161 @@ pub fn plan(
     hosts: &[String],
     endpoint: Option<(&str, i32)>,
 ) -> Plan {
-    let cluster = &input.cluster;
-    let none = Sans::default;
     match c {
-        Component::Etcd => {
-            let sans = crate::etcd_sans(input);
-            Plan {
-                items: vec![
-                    Issue::Ca(SecretPurpose::EtcdCa),
-                    Issue::Leaf {
-                        purpose: SecretPurpose::EtcdServer,
-                        ca: SecretPurpose::EtcdCa,
-                        spec: leaf(
-                            &format!("{cluster}-etcd"),
-                            &[],
-                            sans.clone(),
-                            Usage::ServerAndClient,
-                        ),
-                    },
-                    Issue::Leaf {
-                        purpose: SecretPurpose::EtcdPeer,
-                        ca: SecretPurpose::EtcdCa,
-                        spec: leaf(
-                            &format!("{cluster}-etcd-peer"),
-                            &[],
-                            sans,
-                            Usage::ServerAndClient,
-                        ),
-                    },
-                ],
-                health_ca: None,
-            }
+        Component::Etcd => etcd_plan(input),
+        Component::ApiServer => apiserver_plan(input, hosts, endpoint),
+        Component::ControllerManager | Component::Scheduler => client_component_plan(c, input),
+    }
+}
+
+/// etcd: its CA, a server and a peer certificate.
+fn etcd_plan(input: &RenderInput) -> Plan {
+    let cluster = &input.cluster;
+    let sans = crate::etcd_sans(input);
+    Plan {
+        items: vec![
+            Issue::Ca(SecretPurpose::EtcdCa),
+            Issue::Leaf {
+                purpose: SecretPurpose::EtcdServer,
+                ca: SecretPurpose::EtcdCa,
+                spec: leaf(
+                    &format!("{cluster}-etcd"),
+                    &[],
+                    sans.clone(),
+                    Usage::ServerAndClient,
+                ),
+            },
+            Issue::Leaf {
+                purpose: SecretPurpose::EtcdPeer,
+                ca: SecretPurpose::EtcdCa,
+                spec: leaf(
+                    &format!("{cluster}-etcd-peer"),
+                    &[],
+                    sans,
+                    Usage::ServerAndClient,
+                ),
+            },
+        ],
+        health_ca: None,
+    }
+}
+
+/// The API server's serving SANs: its own, and every address it is reached at.
+fn apiserver_serving_sans(input: &RenderInput, hosts: &[String]) -> Sans {
+    let mut sans = crate::apiserver_sans(input, hosts.first().map(String::as_str));
+    for h in hosts.iter().skip(1) {
+        match h.parse::<IpAddr>() {
+            Ok(ip) if !sans.ips.contains(&ip) => sans.ips.push(ip),
+            Ok(_) => {}
+            Err(_) if !sans.dns.contains(h) => sans.dns.push(h.clone()),
+            Err(_) => {}
         }
-        Component::ApiServer => {
-            let host = hosts.first().map(String::as_str);
-            let mut sans = crate::apiserver_sans(input, host);
-            for h in hosts.iter().skip(1) {
-                match h.parse::<IpAddr>() {
-                    Ok(ip) if !sans.ips.contains(&ip) => sans.ips.push(ip),
-                    Ok(_) => {}
-                    Err(_) if !sans.dns.contains(h) => sans.dns.push(h.clone()),
-                    Err(_) => {}
-                }
-            }
-            let server = match (host, endpoint) {
-                (_, Some((h, port))) if !h.is_empty() => format!("https://{h}:{port}"),
-                (Some(h), _) => format!("https://{h}:{}", ports::APISERVER),
-                _ => crate::apiserver_internal_url(input),
-            };
-            let mut plan = Plan {
-                items: vec![
-                    Issue::Ca(SecretPurpose::ClusterCa),
-                    Issue::Ca(SecretPurpose::EtcdCa),
-                    Issue::Ca(SecretPurpose::FrontProxyCa),
-                    Issue::Ca(SecretPurpose::ServiceAccount),
-                    Issue::Leaf {
-                        purpose: SecretPurpose::ApiServer,
-                        ca: SecretPurpose::ClusterCa,
-                        spec: leaf("kube-apiserver", &[], sans, Usage::Server),
-                    },
-                    Issue::Leaf {
+    }
+    sans
+}
+
+/// The API server: every CA, its serving certificate, its clients of etcd and kubelets, the
+/// front proxy's client, and the admin kubeconfig (pointing at the endpoint when set). On a
+/// shared datastore the etcd CA (its certificate only) and the client certificate of the
+/// tenant's etcd user are issued from the datastore's CA, whose key stays in the datastore's
+/// namespace: they are not in the plan.
+fn apiserver_plan(input: &RenderInput, hosts: &[String], endpoint: Option<(&str, i32)>) -> Plan {
+    let none = Sans::default;
+    let server = match (hosts.first(), endpoint) {
+        (_, Some((h, port))) if !h.is_empty() => format!("https://{h}:{port}"),
+        (Some(h), _) => format!("https://{h}:{}", ports::APISERVER),
+        _ => crate::apiserver_internal_url(input),
+    };
+    let client = |cn: &str, orgs: &[&str]| leaf(cn, orgs, none(), Usage::Client);
+    let mut plan = Plan {
+        items: vec![
+            Issue::Ca(SecretPurpose::ClusterCa),
+            Issue::Ca(SecretPurpose::EtcdCa),
+            Issue::Ca(SecretPurpose::FrontProxyCa),
+            Issue::Ca(SecretPurpose::ServiceAccount),
+            Issue::Leaf {
+                purpose: SecretPurpose::ApiServer,
+                ca: SecretPurpose::ClusterCa,
+                spec: leaf(
+                    "kube-apiserver",
+                    &[],
+                    apiserver_serving_sans(input, hosts),
+                    Usage::Server,
+                ),
+            },
+            Issue::Leaf {
+                purpose: SecretPurpose::ApiServerEtcdClient,
+                ca: SecretPurpose::EtcdCa,
+                spec: client("kube-apiserver-etcd-client", &["system:masters"]),
+            },
+            Issue::Leaf {
+                purpose: SecretPurpose::ApiServerKubeletClient,
+                ca: SecretPurpose::ClusterCa,
+                spec: client("kube-apiserver-kubelet-client", &["system:masters"]),
+            },
+            Issue::Leaf {
+                purpose: SecretPurpose::FrontProxyClient,
+                ca: SecretPurpose::FrontProxyCa,
+                spec: client("front-proxy-client", &[]),
+            },
+            Issue::Kubeconfig {
+                purpose: SecretPurpose::AdminKubeconfig,
+                server,
+                user: "kubernetes-admin".into(),
+                groups: vec!["system:masters".into()],
+            },
+        ],
+        health_ca: Some(SecretPurpose::ClusterCa),
+    };
+    if input.datastore_prefix.is_some() {
+        plan.items.retain(|i| {
+            !matches!(
+                i,
+                Issue::Ca(SecretPurpose::EtcdCa)
+                    | Issue::Leaf {
                         purpose: SecretPurpose::ApiServerEtcdClient,
-                        ca: SecretPurpose::EtcdCa,
-                        spec: leaf(
-                            "kube-apiserver-etcd-client",
-                            &["system:masters"],
-                            none(),
-                            Usage::Client,
-                        ),
-                    },
-                    Issue::Leaf {
-                        purpose: SecretPurpose::ApiServerKubeletClient,
-                        ca: SecretPurpose::ClusterCa,
-                        spec: leaf(
-                            "kube-apiserver-kubelet-client",
-                            &["system:masters"],
-                            none(),
-                            Usage::Client,
-                        ),
-                    },
-                    Issue::Leaf {
-                        purpose: SecretPurpose::FrontProxyClient,
-                        ca: SecretPurpose::FrontProxyCa,
-                        spec: leaf("front-proxy-client", &[], none(), Usage::Client),
-                    },
-                    Issue::Kubeconfig {
-                        purpose: SecretPurpose::AdminKubeconfig,
-                        server,
-                        user: "kubernetes-admin".into(),
-                        groups: vec!["system:masters".into()],
-                    },
-                ],
-                health_ca: Some(SecretPurpose::ClusterCa),
-            };
-            if input.datastore_prefix.is_some() {
-                // On a shared datastore the etcd CA (its certificate only) and the client
-                // certificate of the tenant's etcd user are issued from the datastore's CA,
-                // whose key stays in the datastore's namespace.
-                plan.items.retain(|i| {
-                    !matches!(
-                        i,
-                        Issue::Ca(SecretPurpose::EtcdCa)
-                            | Issue::Leaf {
-                                purpose: SecretPurpose::ApiServerEtcdClient,
-                                ..
-                            }
-                    )
-                });
-            }
-            plan
-        }
-        Component::ControllerManager | Component::Scheduler => {
-            let (kubeconfig, serving, user, sans) = if c == Component::ControllerManager {
-                (
-                    SecretPurpose::ControllerManagerKubeconfig,
-                    SecretPurpose::ControllerManagerServing,
-                    "system:kube-controller-manager",
-                    crate::controller_manager_sans(input),
-                )
-            } else {
-                (
-                    SecretPurpose::SchedulerKubeconfig,
-                    SecretPurpose::SchedulerServing,
-                    "system:kube-scheduler",
-                    crate::scheduler_sans(input),
-                )
-            };
-            Plan {
-                items: vec![
-                    Issue::Ca(SecretPurpose::ClusterCa),
-                    Issue::Kubeconfig {
-                        purpose: kubeconfig,
-                        server: crate::apiserver_internal_url(input),
-                        user: user.into(),
-                        groups: vec![],
-                    },
-                    Issue::Leaf {
-                        purpose: serving,
-                        ca: SecretPurpose::ClusterCa,
-                        spec: leaf(user, &[], sans, Usage::Server),
-                    },
-                ],
-                health_ca: Some(SecretPurpose::ClusterCa),
-            }
-        }
+                        ..
+                    }
+            )
+        });
+    }
+    plan
+}
+
+/// The controller-manager or the scheduler: a kubeconfig for its user and a serving
+/// certificate.
+fn client_component_plan(c: Component, input: &RenderInput) -> Plan {
+    let (kubeconfig, serving, user, sans) = if c == Component::ControllerManager {
+        (
+            SecretPurpose::ControllerManagerKubeconfig,
+            SecretPurpose::ControllerManagerServing,
+            "system:kube-controller-manager",
+            crate::controller_manager_sans(input),
+        )
+    } else {
+        (
+            SecretPurpose::SchedulerKubeconfig,
+            SecretPurpose::SchedulerServing,
+            "system:kube-scheduler",
+            crate::scheduler_sans(input),
+        )
+    };
+    Plan {
+        items: vec![
+            Issue::Ca(SecretPurpose::ClusterCa),
+            Issue::Kubeconfig {
+                purpose: kubeconfig,
+                server: crate::apiserver_internal_url(input),
+                user: user.into(),
+                groups: vec![],
+            },
+            Issue::Leaf {
+                purpose: serving,
+                ca: SecretPurpose::ClusterCa,
+                spec: leaf(user, &[], sans, Usage::Server),
+            },
+        ],
+        health_ca: Some(SecretPurpose::ClusterCa),
     }
 }
 

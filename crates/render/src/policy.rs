@@ -232,6 +232,14 @@ fn same(b: &Value, a: &Value, field: &str) -> bool {
     b.get(field) == a.get(field)
 }
 
+/// A field's list, or an empty one.
+fn list(v: &Value, f: &str) -> Vec<Value> {
+    v.get(f)
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default()
+}
+
 fn check_pod(b: &Value, a: &Value, runtime: Runtime) -> Result<(), String> {
     for f in [
         "securityContext",
@@ -258,15 +266,31 @@ fn check_pod(b: &Value, a: &Value, runtime: Runtime) -> Result<(), String> {
             ));
         }
     }
-    let empty = Vec::new();
-    let list = |v: &Value, f: &str| {
-        v.get(f)
-            .and_then(Value::as_array)
-            .cloned()
-            .unwrap_or_default()
-    };
-    // Volumes: the rendered ones unchanged; in the kubernetes runtime, new emptyDir and
-    // configMap volumes too.
+    check_volumes(b, a, runtime)?;
+    let bcs = list(b, "containers");
+    let acs = list(a, "containers");
+    if runtime == Runtime::Process {
+        let names = |cs: &[Value]| -> Vec<Value> {
+            cs.iter()
+                .map(|c| c.get("name").cloned().unwrap_or(Value::Null))
+                .collect()
+        };
+        if names(&bcs) != names(&acs) {
+            return Err("the process runtime runs only the rendered containers".into());
+        }
+    }
+    for c in &acs {
+        let name = c.get("name").and_then(Value::as_str).unwrap_or("?");
+        let rendered = bcs.iter().find(|r| r.get("name") == c.get("name"));
+        check_container(rendered.unwrap_or(&Value::Null), c, runtime)
+            .map_err(|e| format!("container {name:?}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Volumes: the rendered ones unchanged; in the kubernetes runtime, new emptyDir and
+/// configMap volumes too.
+fn check_volumes(b: &Value, a: &Value, runtime: Runtime) -> Result<(), String> {
     let bvols = list(b, "volumes");
     for v in list(a, "volumes") {
         if bvols.contains(&v) {
@@ -291,83 +315,77 @@ fn check_pod(b: &Value, a: &Value, runtime: Runtime) -> Result<(), String> {
     if runtime == Runtime::Process && list(a, "volumes").len() != bvols.len() {
         return Err("the process runtime runs only the rendered volumes".into());
     }
-    let bcs = list(b, "containers");
-    let acs = list(a, "containers");
-    if runtime == Runtime::Process {
-        let names = |cs: &[Value]| -> Vec<Value> {
-            cs.iter()
-                .map(|c| c.get("name").cloned().unwrap_or(Value::Null))
-                .collect()
-        };
-        if names(&bcs) != names(&acs) {
-            return Err("the process runtime runs only the rendered containers".into());
+    Ok(())
+}
+
+/// One patched container `c` against its rendered self `r` (`null` when the patch added it).
+fn check_container(r: &Value, c: &Value, runtime: Runtime) -> Result<(), String> {
+    let empty = Vec::new();
+    if c.get("securityContext") != r.get("securityContext") {
+        return Err("securityContext may not be changed by a patch".into());
+    }
+    if c.get("envFrom").is_some_and(|v| !v.is_null()) && c.get("envFrom") != r.get("envFrom") {
+        return Err("envFrom may not be set by a patch".into());
+    }
+    let rports = r.get("ports").and_then(Value::as_array).unwrap_or(&empty);
+    for p in c.get("ports").and_then(Value::as_array).unwrap_or(&empty) {
+        if p.get("hostPort").is_some_and(|v| !v.is_null()) && !rports.contains(p) {
+            return Err(
+                "ports: hostPort may not be set by a patch (it takes the node's port)".into(),
+            );
         }
     }
-    for c in &acs {
-        let name = c.get("name").and_then(Value::as_str).unwrap_or("?");
-        let rendered = bcs.iter().find(|r| r.get("name") == c.get("name"));
-        let r = rendered.unwrap_or(&Value::Null);
-        let here = |f: &str| format!("container {name:?}: {f}");
-        if c.get("securityContext") != r.get("securityContext") {
-            return Err(here("securityContext may not be changed by a patch"));
+    check_env(r, c, runtime)?;
+    // Mounts may only use volumes of the pod (the API server checks names; a subPath must
+    // stay inside its volume).
+    for m in c
+        .get("volumeMounts")
+        .and_then(Value::as_array)
+        .unwrap_or(&empty)
+    {
+        let sub = m.get("subPath").and_then(Value::as_str).unwrap_or("");
+        if sub.starts_with('/') || sub.split('/').any(|p| p == "..") {
+            return Err(format!("volumeMount subPath {sub:?} leaves its volume"));
         }
-        if c.get("envFrom").is_some_and(|v| !v.is_null()) && c.get("envFrom") != r.get("envFrom") {
-            return Err(here("envFrom may not be set by a patch"));
-        }
-        let rports = r.get("ports").and_then(Value::as_array).unwrap_or(&empty);
-        for p in c.get("ports").and_then(Value::as_array).unwrap_or(&empty) {
-            if p.get("hostPort").is_some_and(|v| !v.is_null()) && !rports.contains(p) {
-                return Err(here(
-                    "ports: hostPort may not be set by a patch (it takes the node's port)",
+    }
+    if runtime == Runtime::Process {
+        for f in ["command", "volumeMounts", "workingDir", "volumeDevices"] {
+            if c.get(f) != r.get(f) {
+                return Err(format!(
+                    "{f} may not be changed in the process runtime (it runs on the operator's host)"
                 ));
             }
         }
-        let renv = r.get("env").and_then(Value::as_array).unwrap_or(&empty);
-        for e in c.get("env").and_then(Value::as_array).unwrap_or(&empty) {
-            let ename = e.get("name").and_then(Value::as_str).unwrap_or("");
-            // POD_IP, POD_NAME, …: nestplane's own, expanded into listen addresses and names.
-            if renv.iter().any(|r| {
-                r.get("name") == e.get("name") && r.get("valueFrom").is_some_and(|v| !v.is_null())
-            }) && !renv.contains(e)
-            {
-                return Err(here(&format!(
-                    "env {ename:?} is set by nestplane (it becomes addresses and names) and may not be changed by a patch"
-                )));
-            }
-            if e.get("valueFrom").is_some_and(|v| !v.is_null()) && !renv.contains(e) {
-                return Err(here(&format!(
-                    "env {ename:?}: valueFrom may not be set by a patch (it reads other objects)"
-                )));
-            }
-            if runtime == Runtime::Process && !renv.contains(e) && dangerous_env(ename) {
-                return Err(here(&format!(
-                    "env {ename:?} may not be set in the process runtime (the loader, libc or the component reads files or code from it)"
-                )));
-            }
-        }
-        // Mounts may only use volumes of the pod (the API server checks names; a subPath
-        // must stay inside its volume).
-        for m in c
-            .get("volumeMounts")
-            .and_then(Value::as_array)
-            .unwrap_or(&empty)
+        check_args(r, c)?;
+    }
+    Ok(())
+}
+
+/// A patched container's environment: nestplane's own variables (POD_IP, POD_NAME, …,
+/// expanded into listen addresses and names) unchanged, no `valueFrom`, and in the process
+/// runtime nothing the loader, libc or the component reads code or files from.
+fn check_env(r: &Value, c: &Value, runtime: Runtime) -> Result<(), String> {
+    let empty = Vec::new();
+    let renv = r.get("env").and_then(Value::as_array).unwrap_or(&empty);
+    for e in c.get("env").and_then(Value::as_array).unwrap_or(&empty) {
+        let ename = e.get("name").and_then(Value::as_str).unwrap_or("");
+        if renv.iter().any(|r| {
+            r.get("name") == e.get("name") && r.get("valueFrom").is_some_and(|v| !v.is_null())
+        }) && !renv.contains(e)
         {
-            let sub = m.get("subPath").and_then(Value::as_str).unwrap_or("");
-            if sub.starts_with('/') || sub.split('/').any(|p| p == "..") {
-                return Err(here(&format!(
-                    "volumeMount subPath {sub:?} leaves its volume"
-                )));
-            }
+            return Err(format!(
+                "env {ename:?} is set by nestplane (it becomes addresses and names) and may not be changed by a patch"
+            ));
         }
-        if runtime == Runtime::Process {
-            for f in ["command", "volumeMounts", "workingDir", "volumeDevices"] {
-                if c.get(f) != r.get(f) {
-                    return Err(here(&format!(
-                        "{f} may not be changed in the process runtime (it runs on the operator's host)"
-                    )));
-                }
-            }
-            check_args(r, c).map_err(|e| here(&e))?;
+        if e.get("valueFrom").is_some_and(|v| !v.is_null()) && !renv.contains(e) {
+            return Err(format!(
+                "env {ename:?}: valueFrom may not be set by a patch (it reads other objects)"
+            ));
+        }
+        if runtime == Runtime::Process && !renv.contains(e) && dangerous_env(ename) {
+            return Err(format!(
+                "env {ename:?} may not be set in the process runtime (the loader, libc or the component reads files or code from it)"
+            ));
         }
     }
     Ok(())

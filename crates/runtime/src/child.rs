@@ -31,7 +31,7 @@ pub struct Spec {
     /// Run as this user (and group, with no supplementary groups) instead of the caller's. The
     /// working directory is entered before the switch, so the user needs no access to the
     /// directories above it: paths in `args` go through it (`/proc/self/cwd/…`).
-    pub user: Option<crate::egress::User>,
+    pub user: Option<crate::user::User>,
 }
 
 /// Build the `Command` for `spec`, with output appended to the log and the parent-death
@@ -172,7 +172,9 @@ impl Child {
 
     /// Kill (SIGKILL) and reap.
     pub fn kill(&mut self) {
+        // Best effort: the process may be gone already.
         let _ = self.child.kill();
+        // Best effort: the process may be gone already.
         let _ = self.child.wait();
     }
 
@@ -216,6 +218,7 @@ fn signal(pid: u32, sig: rustix::process::Signal) {
         .ok()
         .and_then(rustix::process::Pid::from_raw)
     {
+        // Best effort: the process may be gone already.
         let _ = rustix::process::kill_process(pid, sig);
     }
 }
@@ -227,6 +230,7 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
     };
     let len = f.metadata().map(|m| m.len()).unwrap_or(0);
     let start = len.saturating_sub(16 * 1024);
+    // Best effort: reading from the start shows more, never less.
     let _ = f.seek(SeekFrom::Start(start));
     let mut buf = String::new();
     let mut bytes = Vec::new();

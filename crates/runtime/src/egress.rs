@@ -16,35 +16,10 @@
 
 use std::process::Command;
 
-/// The first uid (and gid) of tenant users; a tenant's is this plus its loopback block.
-pub const UID_BASE: u32 = 0x4e50_0000;
-/// How many uids tenant users may have.
-pub const UID_COUNT: u32 = 1 << 16;
+pub use crate::user::{UID_BASE, UID_COUNT, User};
+
 /// The filter chain every packet of a tenant user goes through.
 pub const CHAIN: &str = "NESTPLANE-EGRESS";
-
-/// A tenant's user and group.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct User {
-    /// User id.
-    pub uid: u32,
-    /// Group id (the same number).
-    pub gid: u32,
-}
-
-impl User {
-    /// The user of the tenant whose loopback block is `127.a.b.0/24`.
-    pub fn for_block(block: [u8; 2]) -> User {
-        let id = UID_BASE + ((block[0] as u32) << 8 | block[1] as u32);
-        User { uid: id, gid: id }
-    }
-
-    /// The user of the tenant one of whose replica addresses (`127.a.b.i`) is `host`.
-    pub fn for_host(host: std::net::Ipv4Addr) -> User {
-        let o = host.octets();
-        User::for_block([o[1], o[2]])
-    }
-}
 
 /// Whether this process may switch users (it runs as root).
 pub fn can_switch_users() -> bool {
@@ -282,6 +257,7 @@ fn remove_node_rules(host_veth: &str) {
         }
         let mut args = vec!["-D", CHAIN];
         args.extend(rule.split_whitespace());
+        // Best effort: a rule, link or setting that is not there needs no undoing.
         let _ = run("iptables", &args);
     }
 }

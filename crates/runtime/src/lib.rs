@@ -6,3 +6,4 @@ pub mod child;
 pub mod egress;
 pub mod files;
 pub mod process;
+pub mod user;

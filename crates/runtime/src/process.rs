@@ -407,23 +407,7 @@ impl ProcessRuntime {
             })?
             .clone();
         let program = program_for(&container, version)?;
-
-        let mut th = Sha256::new();
-        th.update(nestplane_render::template_hash(rendered));
-        th.update(program.display().to_string());
-        let template = format!("{:x}", th.finalize());
-        let mut sh = Sha256::new();
-        for name in mounted_secrets(&rendered.pod_template) {
-            let data = secrets
-                .get(&name)
-                .ok_or_else(|| RuntimeError::MissingSecret(name.clone()))?;
-            sh.update(name.as_bytes());
-            for (k, v) in data {
-                sh.update(k.as_bytes());
-                sh.update(v);
-            }
-        }
-        let secrets_hash = format!("{:x}", sh.finalize());
+        let (template, secrets_hash) = hashes(rendered, &program, secrets)?;
 
         let gk = (key.clone(), component);
         let group = self.group(&gk);
@@ -440,40 +424,9 @@ impl ProcessRuntime {
                 reason: format!("at most {MAX_REPLICAS} replicas"),
             });
         }
-        // Directories, secret files and process specs: filesystem work, off the async
-        // workers.
-        let user = self.user(key)?;
-        let specs = {
-            let dir = self.tenant_dir(key)?;
-            let workload = rendered.workload_name.clone();
-            let template = rendered.pod_template.clone();
-            let (program, secrets) = (program.clone(), secrets.clone());
-            let hosts = hosts.clone();
-            tokio::task::spawn_blocking(move || {
-                if user.is_some() {
-                    crate::egress::ensure_chain()?;
-                }
-                (0..replicas)
-                    .map(|i| {
-                        let pod_name = format!("{workload}-{i}");
-                        let rdir = dir.join(&pod_name);
-                        let replica = Place {
-                            dir: &rdir,
-                            pod_name: &pod_name,
-                            host: hosts[i],
-                            user,
-                        };
-                        prepare_replica(&replica, &template, &container, &program, &secrets)
-                            .map(|spec| (spec, rdir.join("pid")))
-                    })
-                    .collect::<Result<Vec<_>, _>>()
-            })
-            .await
-            .map_err(|e| RuntimeError::Io {
-                context: "preparing replicas".into(),
-                source: std::io::Error::other(e.to_string()),
-            })??
-        };
+        let specs = self
+            .prepare(key, rendered, container, program, secrets, hosts)
+            .await?;
 
         let first_start = g.replicas.is_empty();
         let template_changed = g.template != template;
@@ -515,6 +468,49 @@ impl ProcessRuntime {
         } else {
             Ok(Ensured::Reloaded)
         }
+    }
+
+    /// Directories, secret files and process specs of each replica: filesystem work, off the
+    /// async workers.
+    async fn prepare(
+        &self,
+        key: &TenantKey,
+        rendered: &Rendered,
+        container: k8s_openapi::api::core::v1::Container,
+        program: PathBuf,
+        secrets: &SecretData,
+        hosts: Vec<std::net::Ipv4Addr>,
+    ) -> Result<Vec<(crate::child::Spec, PathBuf)>, RuntimeError> {
+        let user = self.user(key)?;
+        let dir = self.tenant_dir(key)?;
+        let workload = rendered.workload_name.clone();
+        let template = rendered.pod_template.clone();
+        let replicas = rendered.replicas as usize;
+        let secrets = secrets.clone();
+        tokio::task::spawn_blocking(move || {
+            if user.is_some() {
+                crate::egress::ensure_chain()?;
+            }
+            (0..replicas)
+                .map(|i| {
+                    let pod_name = format!("{workload}-{i}");
+                    let rdir = dir.join(&pod_name);
+                    let replica = Place {
+                        dir: &rdir,
+                        pod_name: &pod_name,
+                        host: hosts[i],
+                        user,
+                    };
+                    prepare_replica(&replica, &template, &container, &program, &secrets)
+                        .map(|spec| (spec, rdir.join("pid")))
+                })
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await
+        .map_err(|e| RuntimeError::Io {
+            context: "preparing replicas".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?
     }
 
     /// Record that every replica of a component answered its health endpoint; the first time
@@ -693,6 +689,7 @@ fn reserve(b: [u8; 2], dir: &Path) {
     if std::fs::read_to_string(&path).ok().as_deref() == Some(&dir.display().to_string()) {
         return;
     }
+    // Best effort: a missing directory shows up as the error of what follows.
     let _ = std::fs::create_dir_all(BLOCKS_DIR);
     if let Err(e) = crate::files::write_private(&path, dir.display().to_string().as_bytes()) {
         tracing::warn!(error = %e, "cannot record the loopback block {b:?}");
@@ -703,6 +700,7 @@ fn reserve(b: [u8; 2], dir: &Path) {
 fn release(b: [u8; 2], dir: &Path) {
     let path = reservation(b);
     if std::fs::read_to_string(&path).ok().as_deref() == Some(&dir.display().to_string()) {
+        // Best effort: what cannot be removed now is left for the next cleanup.
         let _ = std::fs::remove_file(path);
     }
 }
@@ -763,6 +761,30 @@ fn program_for(container: &Container, version: &str) -> Result<PathBuf, RuntimeE
     } else {
         Ok(binaries::kubernetes(cmd, version)?)
     }
+}
+/// What a component's processes are made from: the hash of its template and program, and
+/// the hash of the secrets it mounts (a missing one is an error). Pure.
+fn hashes(
+    rendered: &Rendered,
+    program: &Path,
+    secrets: &SecretData,
+) -> Result<(String, String), RuntimeError> {
+    let mut th = Sha256::new();
+    th.update(nestplane_render::template_hash(rendered));
+    th.update(program.display().to_string());
+    let template = format!("{:x}", th.finalize());
+    let mut sh = Sha256::new();
+    for name in mounted_secrets(&rendered.pod_template) {
+        let data = secrets
+            .get(&name)
+            .ok_or_else(|| RuntimeError::MissingSecret(name.clone()))?;
+        sh.update(name.as_bytes());
+        for (k, v) in data {
+            sh.update(k.as_bytes());
+            sh.update(v);
+        }
+    }
+    Ok((template, format!("{:x}", sh.finalize())))
 }
 
 fn mounted_secrets(t: &PodTemplateSpec) -> Vec<String> {
@@ -1030,6 +1052,7 @@ fn supervise(spec: child::Spec, pidfile: PathBuf) -> Replica {
                     let id = proc.id();
                     *pid2.lock().unwrap_or_else(|e| e.into_inner()) = id;
                     if let Some(id) = id {
+                        // Best effort: the process may be gone already.
                         let _ = std::fs::write(&pidfile, id.to_string());
                     }
                     tokio::select! {
@@ -1043,9 +1066,11 @@ fn supervise(spec: child::Spec, pidfile: PathBuf) -> Replica {
                                 child::terminate(id);
                             }
                             if tokio::time::timeout(Duration::from_secs(5), proc.wait()).await.is_err() {
+                                // Best effort: what cannot be removed now is left for the next cleanup.
                                 let _ = proc.kill().await;
                             }
                             *pid2.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                            // Best effort: what cannot be removed now is left for the next cleanup.
                             let _ = std::fs::remove_file(&pidfile);
                             return;
                         }
@@ -1080,9 +1105,11 @@ async fn sleep_or_stop(stopped: &mut watch::Receiver<bool>, d: Duration) -> bool
 
 async fn stop_group(g: &mut Group) {
     for r in &g.replicas {
+        // Best effort: a supervisor that already ended has nothing to stop.
         let _ = r.stop.send(true);
     }
     for r in g.replicas.drain(..) {
+        // Best effort: a supervisor that already ended has nothing to stop.
         let _ = r.task.await;
     }
     g.template.clear();
@@ -1090,7 +1117,9 @@ async fn stop_group(g: &mut Group) {
 }
 
 async fn stop_replica(r: Replica) {
+    // Best effort: a supervisor that already ended has nothing to stop.
     let _ = r.stop.send(true);
+    // Best effort: a supervisor that already ended has nothing to stop.
     let _ = r.task.await;
 }
 
