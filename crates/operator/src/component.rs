@@ -143,14 +143,11 @@ pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Resu
         ),
         // A transient failure (the management API, the filesystem) does not make a Ready
         // component not Ready: its status stays, and the pass is retried with backoff.
-        Err(e) if was_ready => {
-            ctx.metrics
-                .reconcile_failed(tenant::kind_of(K::COMPONENT), e.label());
-            return Err(e);
-        }
+        // (counted by the error policy).
+        Err(e) if was_ready => return Err(e),
         Err(e) => {
             ctx.metrics
-                .reconcile_failed(tenant::kind_of(K::COMPONENT), e.label());
+                .reconcile_failed(tenant::kind_of(K::COMPONENT), e.step(), e.label());
             Outcome::waiting(
                 reasons::RECONCILE_ERROR,
                 e.to_string(),

@@ -29,6 +29,7 @@ struct KindLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FailureLabel {
     kind: String,
+    step: String,
     error: String,
 }
 
@@ -108,7 +109,7 @@ impl Default for Metrics {
         registry.register("reconciles", "Reconcile passes by kind", reconciles.clone());
         registry.register(
             "reconcile_failures",
-            "Failed reconcile passes by kind and error",
+            "Failed reconcile passes by kind, the step that failed and the error",
             failures.clone(),
         );
         registry.register(
@@ -191,10 +192,11 @@ impl Metrics {
     }
 
     /// Count a failed reconcile.
-    pub fn reconcile_failed(&self, kind: &str, error: &str) {
+    pub fn reconcile_failed(&self, kind: &str, step: &str, error: &str) {
         self.failures
             .get_or_create(&FailureLabel {
                 kind: kind.into(),
+                step: step.into(),
                 error: error.into(),
             })
             .inc();
@@ -503,6 +505,26 @@ pub fn object_key<K: kube::Resource<DynamicType = ()>>(obj: &K) -> String {
         obj.meta().name.as_deref().unwrap_or_default()
     )
 }
+
+/// A wing's context (a struct with the shared [`Context`] as `core`) reads as the shared
+/// one: `ctx.client`, `ctx.event(..)`, and the controllers' error policy.
+macro_rules! wing_context {
+    ($t:ty) => {
+        impl std::ops::Deref for $t {
+            type Target = $crate::context::Context;
+            fn deref(&self) -> &$crate::context::Context {
+                &self.core
+            }
+        }
+
+        impl AsRef<$crate::context::Context> for $t {
+            fn as_ref(&self) -> &$crate::context::Context {
+                &self.core
+            }
+        }
+    };
+}
+pub(crate) use wing_context;
 
 impl AsRef<Context> for Context {
     fn as_ref(&self) -> &Context {

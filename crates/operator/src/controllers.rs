@@ -50,11 +50,11 @@ where
     K: kube::Resource<DynamicType = ()>,
     C: AsRef<Context>,
 {
-    let delay = (*ctx)
-        .as_ref()
-        .pacing
-        .error(&context::object_key(obj.as_ref()));
-    tracing::warn!(object = %kube::ResourceExt::name_any(obj.as_ref()), error = %err, retry_in = ?delay, "reconcile failed");
+    let ctx = (*ctx).as_ref();
+    let delay = ctx.pacing.error(&context::object_key(obj.as_ref()));
+    ctx.metrics
+        .reconcile_failed(&K::kind(&()), err.step(), err.label());
+    tracing::warn!(object = %kube::ResourceExt::name_any(obj.as_ref()), step = err.step(), error = %err, retry_in = ?delay, "reconcile failed");
     Action::requeue(delay)
 }
 

@@ -34,6 +34,29 @@ pub enum Error {
     /// A bug.
     #[error("internal: {0}")]
     Internal(String),
+    /// A step of a reconciler failed (the step names where: `control plane`, `converge`, …).
+    #[error("{step}: {source}")]
+    At {
+        /// The reconciler's step.
+        step: &'static str,
+        /// What failed there.
+        source: Box<Error>,
+    },
+}
+
+/// Say which step of a reconciler a failure happened in.
+pub trait AtStep<T> {
+    /// The error, if any, as failing at `step`.
+    fn at(self, step: &'static str) -> Result<T, Error>;
+}
+
+impl<T, E: Into<Error>> AtStep<T> for Result<T, E> {
+    fn at(self, step: &'static str) -> Result<T, Error> {
+        self.map_err(|e| Error::At {
+            step,
+            source: Box::new(e.into()),
+        })
+    }
 }
 
 impl Error {
@@ -50,6 +73,15 @@ impl Error {
             Error::Unavailable(_) => "unavailable",
             Error::LeadershipLost => "leadership",
             Error::Internal(_) => "internal",
+            Error::At { source, .. } => source.label(),
+        }
+    }
+
+    /// The step that failed (`""` where no step was named).
+    pub fn step(&self) -> &'static str {
+        match self {
+            Error::At { step, .. } => step,
+            _ => "",
         }
     }
 }

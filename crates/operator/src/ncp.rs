@@ -14,155 +14,234 @@ use nestplane_api::conditions::{self, reasons, types};
 use nestplane_api::names::{self, Component};
 
 use crate::context::{Context, Error};
+use crate::error::AtStep;
 use crate::status::{self, Observed};
 use crate::tenant::{self, ComponentKind, Lookup, Tenant};
 
 /// How often a control plane is looked at without a change.
 pub const RESYNC: Duration = Duration::from_secs(60);
 
-/// Reconcile one control plane.
+/// Reconcile one control plane: provision (finalizer, components, endpoint, etcd CA where
+/// etcd is someone else's) unless paused or invalid → status from what the components
+/// report → write it when it changed, with an Event when `Available` changes.
 #[tracing::instrument(name = "NestedControlPlane", skip_all, fields(namespace = ncp.metadata.namespace.as_deref().unwrap_or_default(), controlplane = ncp.metadata.name.as_deref().unwrap_or_default()))]
 pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started("NestedControlPlane");
     let ncp = ctx.written.latest(ncp);
     let ns = ncp.namespace().unwrap_or_default();
-    let name = ncp.name_any();
     let api: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &ns);
     if ncp.metadata.deletion_timestamp.is_some() {
-        return cleanup(&ncp, &ctx, &api).await;
+        return cleanup(&ncp, &ctx, &api).await.at("teardown");
     }
 
-    let mut tenant = Tenant::load(&ctx.client, &ctx.caches, (*ncp).clone()).await?;
+    let mut tenant = Tenant::load(&ctx.client, &ctx.caches, (*ncp).clone())
+        .await
+        .at("load")?;
     let mut problem = tenant
         .name_problem()
         .map(|m| (reasons::INVALID_SPEC.to_string(), m));
     let paused = tenant.paused(None);
-    let on_datastore = ncp.spec.datastore_ref.is_some();
     let mut binding = None;
     if problem.is_none() && !paused {
-        if !crate::finalizer::has(ncp.as_ref(), names::FINALIZER) {
-            // Its own write first: the identity is fixed with it (see `finalizer_patch`).
-            let written = api
-                .patch(
-                    &name,
-                    &PatchParams::default(),
-                    &Patch::Merge(finalizer_patch(&ncp, true)),
-                )
-                .await?;
-            ctx.written.remember(&tenant.ncp, written.clone());
-            tenant.ncp = written;
-        }
-        // Default components are created first, then referenced; what the spec must gain
-        // (those references, the endpoint the provider owns) is written in one patch, and
-        // what was created or adopted is used as written, without reading it back.
-        let mut spec = serde_json::Map::new();
-        if on_datastore {
-            binding = Some(crate::datastore::bind(&ctx, &tenant).await?);
-        } else if let Some(e) = adopt(&ctx, &tenant, &tenant.etcd, &mut spec).await? {
-            tenant.etcd = Lookup::Found(e);
-        }
-        if let Some(a) = adopt(&ctx, &tenant, &tenant.apiserver, &mut spec).await? {
-            tenant.apiserver = Lookup::Found(a);
-        }
-        if let Some(c) = adopt(&ctx, &tenant, &tenant.controller_manager, &mut spec).await? {
-            tenant.controller_manager = Lookup::Found(c);
-        }
-        if let Some(s) = adopt(&ctx, &tenant, &tenant.scheduler, &mut spec).await? {
-            tenant.scheduler = Lookup::Found(s);
-        }
-        let want = ctx.runtime.endpoint(&ctx.client, &ncp).await?;
-        if let Some(want) = &want
-            && tenant.ncp.spec.control_plane_endpoint.as_ref() != Some(want)
-        {
-            spec.insert(
-                "controlPlaneEndpoint".into(),
-                serde_json::to_value(want).map_err(|e| Error::Internal(e.to_string()))?,
-            );
-        }
-        if !spec.is_empty() {
-            let written = api
-                .patch(
-                    &name,
-                    &PatchParams::default(),
-                    &Patch::Merge(serde_json::json!({ "spec": spec })),
-                )
-                .await?;
-            ctx.written.remember(&tenant.ncp, written.clone());
-            tenant.ncp = written;
-        }
-
-        // An etcd run by someone else serves with a certificate from the tenant's etcd CA,
-        // which must therefore exist before the API server does (a provisioner may also
-        // bring its own by creating `<cluster>-etcd` first: it is then used as it is).
-        if !on_datastore && !ctx.runs_here(&tenant, Component::Etcd) {
-            crate::secrets::ClusterSecrets::new(
-                ctx.client.clone(),
-                &ns,
-                &tenant.cluster(),
-                tenant::owner_ref(&ncp),
-                ctx.clock.clone(),
-            )
-            .with_cache(ctx.caches.secrets.get().cloned())
-            .ca(names::SecretPurpose::EtcdCa)
-            .await?;
-        }
-        // Seed 003: the endpoint is published as a ClusterEndpoint as soon as it is known.
-        if let Some(endpoint) = want
-            .as_ref()
-            .or(tenant.ncp.spec.control_plane_endpoint.as_ref())
-            .filter(|e| !e.host.is_empty())
-        {
-            crate::endpoint::publish(&ctx, &ncp, &tenant.cluster(), endpoint).await?;
-        }
-        if let Some(crate::datastore::Binding::Problem(reason, msg)) = &binding {
-            ctx.event(ncp.object_ref(&()), EventType::Warning, reason, msg)
-                .await;
-            problem.get_or_insert((reason.to_string(), msg.clone()));
-        }
-        for (_, msg) in lookup_problems(&tenant) {
-            ctx.event(
-                ncp.object_ref(&()),
-                EventType::Warning,
-                reasons::REFERENCE_NOT_FOUND,
-                &msg,
-            )
-            .await;
-            problem.get_or_insert((reasons::REFERENCE_NOT_FOUND.to_string(), msg));
+        binding = provision(&ctx, &api, &ncp, &mut tenant)
+            .await
+            .at("provision")?;
+        if let Some(p) = report_problems(&ctx, &ncp, &tenant, binding.as_ref()).await {
+            problem.get_or_insert(p);
         }
     }
+    let new_status = next_status(&ctx, &ncp, &tenant, binding.as_ref(), &problem, paused)
+        .await
+        .at("status")?;
+    ctx.metrics
+        .set_tenant_ready(&ns, &ncp.name_any(), new_status.ready);
+    if ncp.status.as_ref() != Some(&new_status) {
+        write_status(&ctx, &api, &ncp, &mut tenant, new_status, problem.is_some())
+            .await
+            .at("status")?;
+    }
+    Ok(if problem.is_none() && tenant.cluster_paused {
+        // A Cluster's pause is not watched: look again shortly.
+        Action::requeue(crate::component::CLUSTER_PAUSE_RECHECK)
+    } else if problem.is_some() || paused {
+        Action::await_change()
+    } else {
+        Action::requeue(RESYNC)
+    })
+}
 
-    let observed = |c: Component| -> Observed {
-        fn obs<K: ComponentKind>(l: &Lookup<K>, desired: u32, c: Component) -> Observed {
-            match l {
-                Lookup::Found(k) => Observed::Present {
-                    status: k.common_status().cloned(),
-                    desired: desired as i32,
-                },
-                Lookup::NotFound(m) | Lookup::OtherNamespace(m) => Observed::Missing(m.clone()),
-                Lookup::Unreferenced => {
-                    Observed::Missing(format!("creating a default {}", tenant::kind_of(c)))
-                }
+/// The finalizer (its own write first: the identity is fixed with it, see
+/// `finalizer_patch`), components created or adopted, the endpoint, the etcd CA where etcd is
+/// someone else's, the endpoint published. Returns the datastore binding, if on one.
+async fn provision(
+    ctx: &Context,
+    api: &Api<NestedControlPlane>,
+    ncp: &NestedControlPlane,
+    tenant: &mut Tenant,
+) -> Result<Option<crate::datastore::Binding>, Error> {
+    let name = ncp.name_any();
+    if !crate::finalizer::has(ncp, names::FINALIZER) {
+        let written = api
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(finalizer_patch(ncp, true)),
+            )
+            .await?;
+        ctx.written.remember(&tenant.ncp, written.clone());
+        tenant.ncp = written;
+    }
+    let on_datastore = ncp.spec.datastore_ref.is_some();
+    // Default components are created first, then referenced; what the spec must gain
+    // (those references, the endpoint the provider owns) is written in one patch, and what
+    // was created or adopted is used as written, without reading it back.
+    let mut spec = serde_json::Map::new();
+    let binding = if on_datastore {
+        Some(crate::datastore::bind(ctx, tenant).await?)
+    } else {
+        None
+    };
+    adopt_all(ctx, tenant, !on_datastore, &mut spec).await?;
+    let want = ctx.runtime.endpoint(&ctx.client, ncp).await?;
+    if let Some(want) = &want
+        && tenant.ncp.spec.control_plane_endpoint.as_ref() != Some(want)
+    {
+        spec.insert(
+            "controlPlaneEndpoint".into(),
+            serde_json::to_value(want).map_err(|e| Error::Internal(e.to_string()))?,
+        );
+    }
+    if !spec.is_empty() {
+        let written = api
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "spec": spec })),
+            )
+            .await?;
+        ctx.written.remember(&tenant.ncp, written.clone());
+        tenant.ncp = written;
+    }
+    // An etcd run by someone else serves with a certificate from the tenant's etcd CA, which
+    // must therefore exist before the API server does (a provisioner may also bring its own
+    // by creating `<cluster>-etcd` first: it is then used as it is).
+    if !on_datastore && !ctx.runs_here(tenant, Component::Etcd) {
+        crate::secrets::ClusterSecrets::new(
+            ctx.client.clone(),
+            &ncp.namespace().unwrap_or_default(),
+            &tenant.cluster(),
+            tenant::owner_ref(ncp),
+            ctx.clock.clone(),
+        )
+        .with_cache(ctx.caches.secrets.get().cloned())
+        .ca(names::SecretPurpose::EtcdCa)
+        .await?;
+    }
+    // Seed 003: the endpoint is published as a ClusterEndpoint as soon as it is known.
+    if let Some(endpoint) = want
+        .as_ref()
+        .or(tenant.ncp.spec.control_plane_endpoint.as_ref())
+        .filter(|e| !e.host.is_empty())
+    {
+        crate::endpoint::publish(ctx, ncp, &tenant.cluster(), endpoint).await?;
+    }
+    Ok(binding)
+}
+
+/// Each component created (a default) or adopted, and referenced in `spec`; etcd too when
+/// `with_etcd` (not on a shared datastore).
+async fn adopt_all(
+    ctx: &Context,
+    tenant: &mut Tenant,
+    with_etcd: bool,
+    spec: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<(), Error> {
+    if with_etcd && let Some(e) = adopt(ctx, tenant, &tenant.etcd, spec).await? {
+        tenant.etcd = Lookup::Found(e);
+    }
+    if let Some(a) = adopt(ctx, tenant, &tenant.apiserver, spec).await? {
+        tenant.apiserver = Lookup::Found(a);
+    }
+    if let Some(c) = adopt(ctx, tenant, &tenant.controller_manager, spec).await? {
+        tenant.controller_manager = Lookup::Found(c);
+    }
+    if let Some(s) = adopt(ctx, tenant, &tenant.scheduler, spec).await? {
+        tenant.scheduler = Lookup::Found(s);
+    }
+    Ok(())
+}
+
+/// Warning Events for a datastore that refuses the tenant and for references to components
+/// that do not exist; returns the first as the control plane's problem.
+async fn report_problems(
+    ctx: &Context,
+    ncp: &NestedControlPlane,
+    tenant: &Tenant,
+    binding: Option<&crate::datastore::Binding>,
+) -> Option<(String, String)> {
+    let mut problem = None;
+    if let Some(crate::datastore::Binding::Problem(reason, msg)) = binding {
+        ctx.event(ncp.object_ref(&()), EventType::Warning, reason, msg)
+            .await;
+        problem.get_or_insert((reason.to_string(), msg.clone()));
+    }
+    for (_, msg) in lookup_problems(tenant) {
+        let (on, reason) = (ncp.object_ref(&()), reasons::REFERENCE_NOT_FOUND);
+        ctx.event(on, EventType::Warning, reason, &msg).await;
+        problem.get_or_insert((reasons::REFERENCE_NOT_FOUND.to_string(), msg));
+    }
+    problem
+}
+
+/// What the control plane sees of component `c`.
+fn observed(
+    ncp: &NestedControlPlane,
+    tenant: &Tenant,
+    binding: Option<&crate::datastore::Binding>,
+    c: Component,
+) -> Observed {
+    fn obs<K: ComponentKind>(l: &Lookup<K>, desired: u32, c: Component) -> Observed {
+        match l {
+            Lookup::Found(k) => Observed::Present {
+                status: k.common_status().cloned(),
+                desired: desired as i32,
+            },
+            Lookup::NotFound(m) | Lookup::OtherNamespace(m) => Observed::Missing(m.clone()),
+            Lookup::Unreferenced => {
+                Observed::Missing(format!("creating a default {}", tenant::kind_of(c)))
             }
         }
-        let d = tenant.replicas(c);
-        match c {
-            Component::Etcd if on_datastore => datastore_observed(&ncp, binding.as_ref()),
-            Component::Etcd => obs(&tenant.etcd, d, c),
-            Component::ApiServer => obs(&tenant.apiserver, d, c),
-            Component::ControllerManager => obs(&tenant.controller_manager, d, c),
-            Component::Scheduler => obs(&tenant.scheduler, d, c),
-        }
-    };
-    let new_status = status::compute(&status::Inputs {
-        cluster: &name,
+    }
+    let d = tenant.replicas(c);
+    match c {
+        Component::Etcd if ncp.spec.datastore_ref.is_some() => datastore_observed(ncp, binding),
+        Component::Etcd => obs(&tenant.etcd, d, c),
+        Component::ApiServer => obs(&tenant.apiserver, d, c),
+        Component::ControllerManager => obs(&tenant.controller_manager, d, c),
+        Component::Scheduler => obs(&tenant.scheduler, d, c),
+    }
+}
+
+/// The status the control plane should report now ([`status::compute`], pure), with its
+/// recorded name, its datastore binding and its quota condition.
+async fn next_status(
+    ctx: &Context,
+    ncp: &NestedControlPlane,
+    tenant: &Tenant,
+    binding: Option<&crate::datastore::Binding>,
+    problem: &Option<(String, String)>,
+    paused: bool,
+) -> Result<nestplane_api::NestedControlPlaneStatus, Error> {
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let mut new_status = status::compute(&status::Inputs {
+        cluster: &ncp.name_any(),
         generation: ncp.metadata.generation,
         previous: ncp.status.as_ref(),
-        components: Component::ALL.map(|c| (c, observed(c))),
+        components: Component::ALL.map(|c| (c, observed(ncp, tenant, binding, c))),
         problem: problem.clone(),
         paused,
-        now: k8s_openapi::jiff::Timestamp::now(),
+        now,
     });
-    let mut new_status = new_status;
     // The name is recorded once the finalizer holds it, and never changes afterwards.
     new_status.cluster_name = ncp
         .status
@@ -174,72 +253,71 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             .then(|| tenant.cluster())
         });
     // Once bound, a tenant stays bound to its datastore (its data is there) until deleted.
-    new_status.datastore = match &binding {
+    new_status.datastore = match binding {
         Some(crate::datastore::Binding::Bound(b)) => Some(b.clone()),
         _ => ncp.status.as_ref().and_then(|s| s.datastore.clone()),
     };
-    match crate::datastore::quota_condition(&ctx, &ncp).await? {
-        Some(c) => conditions::set(
-            &mut new_status.conditions,
-            c,
-            ncp.metadata.generation,
-            k8s_openapi::jiff::Timestamp::now(),
-        ),
+    match crate::datastore::quota_condition(ctx, ncp).await? {
+        Some(c) => conditions::set(&mut new_status.conditions, c, ncp.metadata.generation, now),
         None => new_status
             .conditions
             .retain(|c| c.type_ != crate::datastore::QUOTA_CONDITION),
     }
-    ctx.metrics.set_tenant_ready(&ns, &name, new_status.ready);
-    if ncp.status.as_ref() != Some(&new_status) {
-        let before = ncp
-            .status
-            .as_ref()
-            .and_then(|s| conditions::get(&s.conditions, types::AVAILABLE))
-            .map(|c| (c.status.clone(), c.reason.clone()));
-        let after = conditions::get(&new_status.conditions, types::AVAILABLE).cloned();
-        // A merge patch (server-side apply in 1.20 turns empty strings into nulls); cleared
-        // optional fields are sent as explicit nulls so they disappear.
-        let mut body =
-            serde_json::to_value(&new_status).map_err(|e| Error::Internal(e.to_string()))?;
-        for field in ["failureReason", "failureMessage"] {
-            if body.get(field).is_none() {
-                body[field] = serde_json::Value::Null;
-            }
-        }
-        let patch = serde_json::json!({ "status": body });
-        let written = api
-            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await?;
-        ctx.written.remember(&tenant.ncp, written);
-        // An Event when Available changes; a new control plane's first state, while it is
-        // only on its way (no problem), is in its status alone (see the components' Events).
-        let first_wait = before.is_none() && problem.is_none();
-        if let Some(after) = after
-            && before != Some((after.status.clone(), after.reason.clone()))
-            && (after.status == "True" || !first_wait)
-        {
-            let (type_, note) = if after.status == "True" {
-                (
-                    EventType::Normal,
-                    "the tenant control plane is available".to_string(),
-                )
-            } else if problem.is_some() {
-                (EventType::Warning, after.message.clone())
-            } else {
-                (EventType::Normal, after.message.clone())
-            };
-            ctx.event(ncp.object_ref(&()), type_, &after.reason, &note)
-                .await;
+    Ok(new_status)
+}
+
+/// Write `new_status` (a merge patch: server-side apply in 1.20 turns empty strings into
+/// nulls; cleared optional fields are sent as explicit nulls so they disappear), with an
+/// Event when `Available` changes. A new control plane's first state, while it is only on
+/// its way (no problem), is in its status alone (see the components' Events).
+async fn write_status(
+    ctx: &Context,
+    api: &Api<NestedControlPlane>,
+    ncp: &NestedControlPlane,
+    tenant: &mut Tenant,
+    new_status: nestplane_api::NestedControlPlaneStatus,
+    problem: bool,
+) -> Result<(), Error> {
+    let before = ncp
+        .status
+        .as_ref()
+        .and_then(|s| conditions::get(&s.conditions, types::AVAILABLE))
+        .map(|c| (c.status.clone(), c.reason.clone()));
+    let after = conditions::get(&new_status.conditions, types::AVAILABLE).cloned();
+    let mut body = serde_json::to_value(&new_status).map_err(|e| Error::Internal(e.to_string()))?;
+    for field in ["failureReason", "failureMessage"] {
+        if body.get(field).is_none() {
+            body[field] = serde_json::Value::Null;
         }
     }
-    Ok(if problem.is_none() && tenant.cluster_paused {
-        // A Cluster's pause is not watched: look again shortly.
-        Action::requeue(crate::component::CLUSTER_PAUSE_RECHECK)
-    } else if problem.is_some() || paused {
-        Action::await_change()
-    } else {
-        Action::requeue(RESYNC)
-    })
+    let patch = serde_json::json!({ "status": body });
+    let written = api
+        .patch_status(
+            &ncp.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await?;
+    ctx.written.remember(&tenant.ncp, written);
+    let first_wait = before.is_none() && !problem;
+    if let Some(after) = after
+        && before != Some((after.status.clone(), after.reason.clone()))
+        && (after.status == "True" || !first_wait)
+    {
+        let (type_, note) = if after.status == "True" {
+            (
+                EventType::Normal,
+                "the tenant control plane is available".to_string(),
+            )
+        } else if problem {
+            (EventType::Warning, after.message.clone())
+        } else {
+            (EventType::Normal, after.message.clone())
+        };
+        ctx.event(ncp.object_ref(&()), type_, &after.reason, &note)
+            .await;
+    }
+    Ok(())
 }
 
 /// A merge patch that adds (or removes) nestplane's finalizer. It carries the

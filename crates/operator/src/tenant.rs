@@ -76,17 +76,28 @@ impl Caches {
         ns: &str,
         name: &str,
     ) -> Result<Option<NestedControlPlane>, kube::Error> {
-        if let Some(hit) = self
-            .ncps
-            .get()
-            .and_then(|s| s.get(&ObjectRef::new(name).within(ns)))
-        {
-            return Ok(Some((*hit).clone()));
-        }
-        Api::<NestedControlPlane>::namespaced(client.clone(), ns)
-            .get_opt(name)
-            .await
+        cached_or_get(self.ncps.get(), client, ns, name).await
     }
+}
+
+/// `ns/name` from `cache` when it has it, else from the API server (an object created a
+/// moment ago, or one the cache does not select).
+pub async fn cached_or_get<K>(
+    cache: Option<&Store<K>>,
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+) -> Result<Option<K>, kube::Error>
+where
+    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    if let Some(hit) = cache.and_then(|s| s.get(&ObjectRef::new(name).within(ns))) {
+        return Ok(Some((*hit).clone()));
+    }
+    Api::<K>::namespaced(client.clone(), ns).get_opt(name).await
 }
 
 macro_rules! component_kind {

@@ -37,7 +37,7 @@ use nestplane_api::{
 use nestplane_pki::{CertKey, LeafSpec, Usage};
 
 use crate::context::Context;
-use crate::error::Error;
+use crate::error::{AtStep, Error};
 use crate::secrets::{ClusterSecrets, Leaf};
 use crate::tenant::Tenant;
 
@@ -345,19 +345,60 @@ fn tenants_of(ctx: &Context, ds: &NestedDatastore) -> Vec<Arc<NestedControlPlane
     out
 }
 
-/// Reconcile one datastore.
+/// Why a datastore is not Ready: a reason, a message, and the Event it deserves.
+type Verdict = Result<(), (&'static str, String, Option<EventType>)>;
+
+/// Reconcile one datastore: finalizer → status from its tenants → (valid) its etcd kept,
+/// reached, its members checked and its tenants measured → `Ready` written.
 #[tracing::instrument(name = "NestedDatastore", skip_all, fields(namespace = ds.metadata.namespace.as_deref().unwrap_or_default(), datastore = ds.metadata.name.as_deref().unwrap_or_default()))]
 pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started("NestedDatastore");
     let ns = ds.namespace().unwrap_or_default();
-    let name = ds.name_any();
     let api: Api<NestedDatastore> = Api::namespaced(ctx.client.clone(), &ns);
     let key = crate::context::object_key(ds.as_ref());
     let tenants = tenants_of(&ctx, &ds);
     if ds.metadata.deletion_timestamp.is_some() {
-        return delete(&ctx, &ds, &api, &tenants).await;
+        return delete(&ctx, &ds, &api, &tenants).await.at("teardown");
     }
-    crate::finalizer::add(&api, ds.as_ref(), FINALIZER).await?;
+    crate::finalizer::add(&api, ds.as_ref(), FINALIZER)
+        .await
+        .at("finalizer")?;
+    let mut status = tenants_status(&ds, &tenants);
+    let mut near_quota = false;
+    let verdict = match problem(&ds) {
+        Some(m) => Err((reasons::INVALID_SPEC, m, Some(EventType::Warning))),
+        None => examine(&ctx, &ds, &tenants, &mut status, &mut near_quota)
+            .await
+            .at("examine")?,
+    };
+    write_ready(&ctx, &api, &ds, &mut status, &verdict)
+        .await
+        .at("status")?;
+    Ok(match verdict {
+        Ok(()) => {
+            ctx.pacing.succeeded(&key);
+            Action::requeue(if near_quota {
+                QUOTA_NEAR_INTERVAL
+            } else if status.tenants.is_empty() {
+                HEALTH_INTERVAL
+            } else {
+                MEASURE_INTERVAL
+            })
+        }
+        Err((OUTDATED_ETCD, ..)) => Action::requeue(HEALTH_INTERVAL),
+        Err((reasons::INVALID_SPEC, ..)) => Action::await_change(),
+        Err((WAITING_FOR_ETCD, ..)) => Action::requeue(ctx.pacing.starting(&key)),
+        Err(_) => Action::requeue(ctx.pacing.error(&key)),
+    })
+}
+
+/// The status's type and tenants (what the last measuring found stays until this pass
+/// measures again). A tenant's user and prefix are computed from its namespace and name,
+/// never read from its status (quotas act on them). Pure.
+fn tenants_status(
+    ds: &NestedDatastore,
+    tenants: &[Arc<NestedControlPlane>],
+) -> NestedDatastoreStatus {
     let kind = if ds.spec.external.is_some() {
         EXTERNAL
     } else {
@@ -366,8 +407,6 @@ pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Ac
     let mut status = NestedDatastoreStatus {
         r#type: Some(kind.into()),
         observed_generation: ds.metadata.generation,
-        // A tenant's user and prefix are computed from its namespace and name, never read
-        // from its status (quotas act on them).
         tenants: tenants
             .iter()
             .filter(|t| {
@@ -398,7 +437,6 @@ pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Ac
         ..Default::default()
     };
     status.tenant_count = status.tenants.len() as i32;
-    // What the last measuring found stays until this pass measures again.
     for t in status.tenants.iter_mut() {
         if let Some(p) = ds
             .status
@@ -410,86 +448,89 @@ pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Ac
             t.read_only = p.read_only;
         }
     }
-    let mut near_quota = false;
-    let verdict: Result<(), (&'static str, String, Option<EventType>)> = match problem(&ds) {
-        Some(m) => Err((reasons::INVALID_SPEC, m, Some(EventType::Warning))),
-        None => {
-            if ds.spec.external.is_none() {
-                // A datastore of a name deleted before runs again.
-                let placeholder = NestedEtcd::new(&etcd_name(&ds), NestedEtcdSpec::default());
-                ctx.runtime.revive(&etcd_tenant(&ds, placeholder).ncp);
-                ensure_etcd(&ctx, &ds).await?;
-            }
-            match access(&ctx, &ds, false).await? {
-                Err((reason, m)) => Err((
-                    reason,
-                    m,
-                    (reason != WAITING_FOR_ETCD).then_some(EventType::Warning),
-                )),
-                Ok(a) => {
-                    status.endpoints = a.endpoints.clone();
-                    match check(&a).await {
-                        Ok(members) => {
-                            let healthy = members.iter().filter(|m| m.healthy).count();
-                            status.healthy_members = Some(format!("{healthy}/{}", members.len()));
-                            let all = healthy == members.len();
-                            let unhealthy: Vec<String> = members
-                                .iter()
-                                .filter(|m| !m.healthy)
-                                .map(|m| {
-                                    format!(
-                                        "{}: {}",
-                                        m.endpoint,
-                                        m.message.clone().unwrap_or_default()
-                                    )
-                                })
-                                .collect();
-                            let outdated = members.iter().find_map(|m| {
-                                let v = m.version.as_deref()?;
-                                nestplane_api::datastore::etcd_version_problem(v)
-                                    .map(|p| format!("{}: {p}", m.endpoint))
-                            });
-                            status.members = members;
-                            // Quotas hold whatever the admission verdict: a member down or
-                            // an old etcd admits no new tenant, but those on it are measured.
-                            let measured =
-                                enforce_quotas(&ctx, &ds, &a, &tenants, &mut status).await;
-                            if let Ok(near) = measured {
-                                near_quota = near;
-                            }
-                            if let Some(problem) = outdated {
-                                Err((
-                                    OUTDATED_ETCD,
-                                    format!(
-                                        "{problem}; no new tenant is admitted, tenants already on it keep running"
-                                    ),
-                                    Some(EventType::Warning),
-                                ))
-                            } else if all {
-                                match measured {
-                                    Ok(_) => Ok(()),
-                                    Err(e) => Err((
-                                        UNREACHABLE,
-                                        format!("measuring tenants: {e}"),
-                                        Some(EventType::Warning),
-                                    )),
-                                }
-                            } else {
-                                Err((
-                                    reasons::UNHEALTHY,
-                                    format!("unhealthy members: {}", unhealthy.join("; ")),
-                                    Some(EventType::Warning),
-                                ))
-                            }
-                        }
-                        Err(e) => Err((UNREACHABLE, e.to_string(), Some(EventType::Warning))),
-                    }
-                }
-            }
+    status
+}
+
+/// A valid datastore's etcd kept (managed), reached, its members checked and its tenants
+/// measured; `near_quota` when a tenant is near its quota.
+async fn examine(
+    ctx: &Context,
+    ds: &NestedDatastore,
+    tenants: &[Arc<NestedControlPlane>],
+    status: &mut NestedDatastoreStatus,
+    near_quota: &mut bool,
+) -> Result<Verdict, Error> {
+    if ds.spec.external.is_none() {
+        // A datastore of a name deleted before runs again.
+        let placeholder = NestedEtcd::new(&etcd_name(ds), NestedEtcdSpec::default());
+        ctx.runtime.revive(&etcd_tenant(ds, placeholder).ncp);
+        ensure_etcd(ctx, ds).await?;
+    }
+    let a = match access(ctx, ds, false).await? {
+        Err((reason, m)) => {
+            let event = (reason != WAITING_FOR_ETCD).then_some(EventType::Warning);
+            return Ok(Err((reason, m, event)));
         }
+        Ok(a) => a,
     };
+    status.endpoints = a.endpoints.clone();
+    let members = match check(&a).await {
+        Ok(m) => m,
+        Err(e) => return Ok(Err((UNREACHABLE, e.to_string(), Some(EventType::Warning)))),
+    };
+    let healthy = members.iter().filter(|m| m.healthy).count();
+    status.healthy_members = Some(format!("{healthy}/{}", members.len()));
+    let all = healthy == members.len();
+    let unhealthy: Vec<String> = members
+        .iter()
+        .filter(|m| !m.healthy)
+        .map(|m| format!("{}: {}", m.endpoint, m.message.clone().unwrap_or_default()))
+        .collect();
+    let outdated = members.iter().find_map(|m| {
+        let v = m.version.as_deref()?;
+        nestplane_api::datastore::etcd_version_problem(v).map(|p| format!("{}: {p}", m.endpoint))
+    });
+    status.members = members;
+    // Quotas hold whatever the admission verdict: a member down or an old etcd admits no new
+    // tenant, but those on it are measured.
+    let measured = enforce_quotas(ctx, ds, &a, tenants, status).await;
+    if let Ok(near) = measured {
+        *near_quota = near;
+    }
+    Ok(if let Some(problem) = outdated {
+        Err((
+            OUTDATED_ETCD,
+            format!("{problem}; no new tenant is admitted, tenants already on it keep running"),
+            Some(EventType::Warning),
+        ))
+    } else if !all {
+        Err((
+            reasons::UNHEALTHY,
+            format!("unhealthy members: {}", unhealthy.join("; ")),
+            Some(EventType::Warning),
+        ))
+    } else {
+        measured.map(|_| ()).map_err(|e| {
+            (
+                UNREACHABLE,
+                format!("measuring tenants: {e}"),
+                Some(EventType::Warning),
+            )
+        })
+    })
+}
+
+/// `Ready` from the verdict, the status written when it changed (a merge patch: lists that
+/// became empty are sent as such, or the old ones would stay), an Event when `Ready` changes.
+async fn write_ready(
+    ctx: &Context,
+    api: &Api<NestedDatastore>,
+    ds: &NestedDatastore,
+    status: &mut NestedDatastoreStatus,
+    verdict: &Verdict,
+) -> Result<(), Error> {
     status.ready = verdict.is_ok();
-    let (reason, message, event) = match &verdict {
+    let (reason, message, event) = match verdict {
         Ok(()) => (
             reasons::AS_EXPECTED,
             format!("{} tenant(s)", status.tenant_count),
@@ -508,55 +549,40 @@ pub async fn reconcile(ds: Arc<NestedDatastore>, ctx: Arc<Context>) -> Result<Ac
         ds.metadata.generation,
         k8s_openapi::jiff::Timestamp::now(),
     );
-    if ds.status.as_ref() != Some(&status) {
-        // A merge patch: lists that became empty are sent as such, or the old ones would stay.
-        let mut body = serde_json::to_value(&status).map_err(|e| Error::Internal(e.to_string()))?;
-        for list in ["tenants", "members", "endpoints"] {
-            if body.get(list).is_none() {
-                body[list] = serde_json::json!([]);
-            }
-        }
-        api.patch_status(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({ "status": body })),
-        )
-        .await?;
-        let after = (
-            if status.ready { "True" } else { "False" }.to_string(),
-            reason.to_string(),
-        );
-        if before != Some(after) {
-            let note = if status.ready {
-                format!("the datastore is ready ({message})")
-            } else {
-                message.clone()
-            };
-            ctx.event(
-                ds.object_ref(&()),
-                event.unwrap_or(EventType::Normal),
-                reason,
-                &note,
-            )
-            .await;
+    if ds.status.as_ref() == Some(&*status) {
+        return Ok(());
+    }
+    let mut body = serde_json::to_value(&*status).map_err(|e| Error::Internal(e.to_string()))?;
+    for list in ["tenants", "members", "endpoints"] {
+        if body.get(list).is_none() {
+            body[list] = serde_json::json!([]);
         }
     }
-    Ok(match verdict {
-        Ok(()) => {
-            ctx.pacing.succeeded(&key);
-            Action::requeue(if near_quota {
-                QUOTA_NEAR_INTERVAL
-            } else if status.tenants.is_empty() {
-                HEALTH_INTERVAL
-            } else {
-                MEASURE_INTERVAL
-            })
-        }
-        Err((OUTDATED_ETCD, ..)) => Action::requeue(HEALTH_INTERVAL),
-        Err((reasons::INVALID_SPEC, ..)) => Action::await_change(),
-        Err((WAITING_FOR_ETCD, ..)) => Action::requeue(ctx.pacing.starting(&key)),
-        Err(_) => Action::requeue(ctx.pacing.error(&key)),
-    })
+    api.patch_status(
+        &ds.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "status": body })),
+    )
+    .await?;
+    let after = (
+        if status.ready { "True" } else { "False" }.to_string(),
+        reason.to_string(),
+    );
+    if before != Some(after) {
+        let note = if status.ready {
+            format!("the datastore is ready ({message})")
+        } else {
+            message.clone()
+        };
+        ctx.event(
+            ds.object_ref(&()),
+            event.unwrap_or(EventType::Normal),
+            reason,
+            &note,
+        )
+        .await;
+    }
+    Ok(())
 }
 
 /// What is wrong with a datastore's spec, said for a person.
@@ -748,33 +774,7 @@ async fn enforce_quotas(
     if status.tenants.is_empty() {
         return Ok(false);
     }
-    let held = |t: &DatastoreTenant| {
-        ds.status
-            .iter()
-            .flat_map(|s| &s.tenants)
-            .find(|p| p.namespace == t.namespace && p.name == t.name)
-            .and_then(|p| p.quota_bytes)
-    };
-    // Each tenant's quota: what it holds, raised only while the datastore can take it.
-    let mut granted: Vec<i64> = status
-        .tenants
-        .iter()
-        .map(|t| held(t).unwrap_or(quotas.tenant_default))
-        .collect();
-    for i in 0..status.tenants.len() {
-        let t = &status.tenants[i];
-        let asked = ncps
-            .iter()
-            .find(|n| n.namespace().as_deref() == Some(&t.namespace) && n.name_any() == t.name)
-            .and_then(|n| n.spec.datastore_ref.as_ref())
-            .and_then(|r| r.quota.as_ref());
-        let others = granted
-            .iter()
-            .enumerate()
-            .filter(|(j, _)| *j != i)
-            .fold(0i64, |sum, (_, q)| sum.saturating_add(*q));
-        granted[i] = granted_quota(&quotas, asked, held(t), others);
-    }
+    let granted = granted_quotas(ds, &quotas, ncps, &status.tenants);
     let mut admin = etcd::Admin::connect(&a.endpoints, &a.creds).await?;
     let mut near = false;
     let mut done: Vec<String> = Vec::new();
@@ -829,39 +829,157 @@ async fn enforce_quotas(
             o.read_only = read_only;
         }
         if changed {
-            let (kind, reason, note) = if read_only {
-                (
-                    EventType::Warning,
-                    QUOTA_EXCEEDED,
-                    format!(
-                        "the tenant stores {} bytes in {} keys, at its quota of {quota} bytes: its API server refuses writes until it stores less than {} bytes; reads keep working",
-                        usage.bytes,
-                        usage.keys,
-                        nestplane_api::datastore::quota_floor(quota)
-                    ),
-                )
-            } else {
-                (
-                    EventType::Normal,
-                    WITHIN_QUOTA,
-                    format!(
-                        "the tenant stores {} bytes, under its quota of {quota} bytes: it may write again",
-                        usage.bytes
-                    ),
-                )
-            };
-            tracing::info!(namespace = %t.namespace, cluster = %t.name, bytes = usage.bytes, quota, read_only, "tenant quota state changed");
-            ctx.event(ncp.object_ref(&()), kind, reason, &note).await;
-            ctx.event(
-                ds.object_ref(&()),
-                kind,
-                reason,
-                &format!("{}/{}: {note}", t.namespace, t.name),
-            )
-            .await;
+            quota_changed(ctx, ds, ncp, &t, &usage, quota, read_only).await;
         }
     }
     Ok(near)
+}
+
+/// Whether a new tenant's quota fits: the datastore's quotas valid, the tenant's valid, and
+/// all of them within what the datastore may hold; `None` admits it. Pure.
+fn admission(ds: &NestedDatastore, t: &Tenant) -> Option<Binding> {
+    let (ds_ns, ds_name) = (ds.namespace().unwrap_or_default(), ds.name_any());
+    let quotas = match Quotas::of(&ds.spec) {
+        Ok(q) => q,
+        Err(e) => {
+            return Some(Binding::Waiting(format!(
+                "NestedDatastore {ds_ns}/{ds_name} has an invalid quota: {e}"
+            )));
+        }
+    };
+    let asked = t
+        .ncp
+        .spec
+        .datastore_ref
+        .as_ref()
+        .and_then(|r| r.quota.as_ref());
+    let own = match quotas.for_tenant(asked) {
+        Ok(q) => q,
+        Err(e) => return Some(Binding::Problem(reasons::INVALID_SPEC, e)),
+    };
+    let ns = t.namespace();
+    let committed: i64 = ds
+        .status
+        .iter()
+        .flat_map(|s| &s.tenants)
+        .filter(|o| !(o.namespace == ns && o.name == t.ncp.name_any()))
+        .map(|o| o.quota_bytes.unwrap_or(quotas.tenant_default))
+        .fold(0, i64::saturating_add);
+    (committed.saturating_add(own) > quotas.capacity()).then(|| {
+        Binding::Problem(
+            DATASTORE_FULL,
+            format!(
+                "NestedDatastore {ds_ns}/{ds_name} cannot take a quota of {own} bytes: its tenants' quotas hold {committed} of the {} bytes they may hold together (three quarters of its quota.backend)",
+                quotas.capacity()
+            ),
+        )
+    })
+}
+
+/// The datastore's CA as the tenant's etcd CA (certificate only) and a client certificate
+/// for the tenant's etcd user.
+async fn issue_credentials(ctx: &Context, t: &Tenant, a: &Access, user: &str) -> Result<(), Error> {
+    let secrets = ClusterSecrets::new(
+        ctx.client.clone(),
+        &t.namespace(),
+        &t.cluster(),
+        t.owner(),
+        ctx.clock.clone(),
+    )
+    .with_cache(ctx.caches.secrets.get().cloned());
+    secrets.trust(SecretPurpose::EtcdCa, &a.ca.cert_pem).await?;
+    secrets
+        .leaf(
+            &Leaf {
+                purpose: SecretPurpose::ApiServerEtcdClient,
+                ca: SecretPurpose::EtcdCa,
+                spec: LeafSpec {
+                    common_name: user.to_string(),
+                    usage: Usage::Client,
+                    ..LeafSpec::default()
+                },
+            },
+            &a.ca,
+        )
+        .await?;
+    Ok(())
+}
+
+/// Each tenant's quota: what it holds, raised only while the datastore can take it. Pure.
+fn granted_quotas(
+    ds: &NestedDatastore,
+    quotas: &Quotas,
+    ncps: &[Arc<NestedControlPlane>],
+    tenants: &[DatastoreTenant],
+) -> Vec<i64> {
+    let held = |t: &DatastoreTenant| {
+        ds.status
+            .iter()
+            .flat_map(|s| &s.tenants)
+            .find(|p| p.namespace == t.namespace && p.name == t.name)
+            .and_then(|p| p.quota_bytes)
+    };
+    let mut granted: Vec<i64> = tenants
+        .iter()
+        .map(|t| held(t).unwrap_or(quotas.tenant_default))
+        .collect();
+    for (i, t) in tenants.iter().enumerate() {
+        let asked = ncps
+            .iter()
+            .find(|n| n.namespace().as_deref() == Some(&t.namespace) && n.name_any() == t.name)
+            .and_then(|n| n.spec.datastore_ref.as_ref())
+            .and_then(|r| r.quota.as_ref());
+        let others = granted
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .fold(0i64, |sum, (_, q)| sum.saturating_add(*q));
+        granted[i] = granted_quota(quotas, asked, held(t), others);
+    }
+    granted
+}
+
+/// A tenant became read-only at its quota, or writable again: said in the log and in Events
+/// on its control plane and on the datastore.
+async fn quota_changed(
+    ctx: &Context,
+    ds: &NestedDatastore,
+    ncp: &NestedControlPlane,
+    t: &DatastoreTenant,
+    usage: &etcd::Usage,
+    quota: i64,
+    read_only: bool,
+) {
+    let (kind, reason, note) = if read_only {
+        (
+            EventType::Warning,
+            QUOTA_EXCEEDED,
+            format!(
+                "the tenant stores {} bytes in {} keys, at its quota of {quota} bytes: its API server refuses writes until it stores less than {} bytes; reads keep working",
+                usage.bytes,
+                usage.keys,
+                nestplane_api::datastore::quota_floor(quota)
+            ),
+        )
+    } else {
+        (
+            EventType::Normal,
+            WITHIN_QUOTA,
+            format!(
+                "the tenant stores {} bytes, under its quota of {quota} bytes: it may write again",
+                usage.bytes
+            ),
+        )
+    };
+    tracing::info!(namespace = %t.namespace, cluster = %t.name, bytes = usage.bytes, quota, read_only, "tenant quota state changed");
+    ctx.event(ncp.object_ref(&()), kind, reason, &note).await;
+    ctx.event(
+        ds.object_ref(&()),
+        kind,
+        reason,
+        &format!("{}/{}: {note}", t.namespace, t.name),
+    )
+    .await;
 }
 
 /// The `DatastoreQuota` condition of a control plane on a shared datastore: whether it may
@@ -1017,41 +1135,10 @@ pub async fn bind(ctx: &Context, t: &Tenant) -> Result<Binding, Error> {
             "NestedDatastore {ds_ns}/{ds_name} is being deleted"
         )));
     }
-    if bound.is_none() {
-        let quotas = match Quotas::of(&ds.spec) {
-            Ok(q) => q,
-            Err(e) => {
-                return Ok(Binding::Waiting(format!(
-                    "NestedDatastore {ds_ns}/{ds_name} has an invalid quota: {e}"
-                )));
-            }
-        };
-        let asked = t
-            .ncp
-            .spec
-            .datastore_ref
-            .as_ref()
-            .and_then(|r| r.quota.as_ref());
-        let own = match quotas.for_tenant(asked) {
-            Ok(q) => q,
-            Err(e) => return Ok(Binding::Problem(reasons::INVALID_SPEC, e)),
-        };
-        let committed: i64 = ds
-            .status
-            .iter()
-            .flat_map(|s| &s.tenants)
-            .filter(|o| !(o.namespace == ns && o.name == t.ncp.name_any()))
-            .map(|o| o.quota_bytes.unwrap_or(quotas.tenant_default))
-            .fold(0, i64::saturating_add);
-        if committed.saturating_add(own) > quotas.capacity() {
-            return Ok(Binding::Problem(
-                DATASTORE_FULL,
-                format!(
-                    "NestedDatastore {ds_ns}/{ds_name} cannot take a quota of {own} bytes: its tenants' quotas hold {committed} of the {} bytes they may hold together (three quarters of its quota.backend)",
-                    quotas.capacity()
-                ),
-            ));
-        }
+    if bound.is_none()
+        && let Some(refused) = admission(&ds, t)
+    {
+        return Ok(refused);
     }
     let ready = ds.status.as_ref().is_some_and(|s| s.ready);
     if !ready
@@ -1085,29 +1172,7 @@ pub async fn bind(ctx: &Context, t: &Tenant) -> Result<Binding, Error> {
     };
     let mut admin = etcd::Admin::connect(&a.endpoints, &a.creds).await?;
     admin.ensure_tenant(&want.user, &want.prefix).await?;
-    let secrets = ClusterSecrets::new(
-        ctx.client.clone(),
-        &ns,
-        &cluster,
-        t.owner(),
-        ctx.clock.clone(),
-    )
-    .with_cache(ctx.caches.secrets.get().cloned());
-    secrets.trust(SecretPurpose::EtcdCa, &a.ca.cert_pem).await?;
-    secrets
-        .leaf(
-            &Leaf {
-                purpose: SecretPurpose::ApiServerEtcdClient,
-                ca: SecretPurpose::EtcdCa,
-                spec: LeafSpec {
-                    common_name: want.user.clone(),
-                    usage: Usage::Client,
-                    ..LeafSpec::default()
-                },
-            },
-            &a.ca,
-        )
-        .await?;
+    issue_credentials(ctx, t, &a, &want.user).await?;
     Ok(Binding::Bound(want))
 }
 

@@ -32,6 +32,7 @@ use super::claim::{self, control_plane_namespace, key, made_for};
 pub use super::claim::{HOSTED_CLUSTER_ANNOTATION, HOSTED_CLUSTER_UID_ANNOTATION};
 use super::{HostedContext, plan};
 use crate::context::Error;
+use crate::error::AtStep;
 
 /// The finalizer on a HostedCluster.
 pub const FINALIZER: &str = "nestplane.io/hostedcluster";
@@ -66,18 +67,12 @@ struct Pass<'a> {
 
 impl Pass<'_> {
     fn set(&mut self, c: Condition) {
-        conditions::set(
-            &mut self.status.conditions,
-            c,
-            self.hc.metadata.generation,
-            self.now,
-        );
+        super::set_condition(&mut self.status.conditions, self.hc, c, self.now);
     }
 
     async fn event(&self, type_: EventType, reason: &str, note: &str) {
-        self.ctx
-            .event(self.hc.object_ref(&()), type_, reason, note)
-            .await;
+        let on = self.hc.object_ref(&());
+        self.ctx.event(on, type_, reason, note).await;
     }
 
     async fn write(&self) -> Result<(), Error> {
@@ -146,7 +141,7 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<HostedContext>) -> Resul
         name: hc.name_any(),
     };
     if hc.metadata.deletion_timestamp.is_some() {
-        return teardown(pass).await;
+        return teardown(pass).await.at("teardown");
     }
     let networking = plan::networking(&hc.spec);
     let paused = match validate(&pass, &networking) {
@@ -159,27 +154,38 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<HostedContext>) -> Resul
         "AsExpected",
         "",
     ));
-    let claimed = match claim(&pass).await? {
+    let claimed = match claim(&pass).await.at("claim")? {
         Ok(c) => c,
         Err(msg) => return pass.refuse("NamespaceTaken", msg).await,
     };
-    if let Some(action) = pause(&mut pass, claimed.ncp.as_ref(), paused).await? {
+    if let Some(action) = pause(&mut pass, claimed.ncp.as_ref(), paused)
+        .await
+        .at("pause")?
+    {
         return Ok(action);
     }
-    crate::finalizer::add(&pass.api, hc.as_ref(), FINALIZER).await?;
+    crate::finalizer::add(&pass.api, hc.as_ref(), FINALIZER)
+        .await
+        .at("finalizer")?;
     if claimed.namespace.is_none() {
-        create_namespace(&pass).await?;
+        create_namespace(&pass).await.at("namespace")?;
     }
     let version = plan::version(&hc.spec.release.version);
-    let ncp = control_plane(&pass, claimed.ncp, &networking, &version).await?;
+    let ncp = control_plane(&pass, claimed.ncp, &networking, &version)
+        .await
+        .at("control plane")?;
     pass.status.networking = Some(networking.clone());
     pass.status.control_plane_namespace = Some(pass.cp_ns.clone());
     keep_ranges_unreachable(&pass, &networking);
     let ready = ncp.status.as_ref().is_some_and(|s| s.ready);
-    let endpoint = infrastructure(&pass, &ncp, ready).await?;
-    cluster_api_cluster(&pass, &networking).await?;
-    initial_pool(&mut pass).await?;
-    copy_kubeconfig(&mut pass).await?;
+    let endpoint = infrastructure(&pass, &ncp, ready)
+        .await
+        .at("infrastructure")?;
+    cluster_api_cluster(&pass, &networking)
+        .await
+        .at("Cluster")?;
+    initial_pool(&mut pass).await.at("initial pool")?;
+    copy_kubeconfig(&mut pass).await.at("kubeconfig")?;
     let provider = plan::dns_provider(&hc.spec, ctx.dns.default_provider, ctx.nodes.is_some());
     let pass_ctx = pass.ctx;
     let dns_available = keep_dns(
@@ -193,7 +199,9 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<HostedContext>) -> Resul
     )
     .await;
     pass.status.control_plane_endpoint = endpoint;
-    report(pass, &ncp, &version, dns_available).await
+    report(pass, &ncp, &version, dns_available)
+        .await
+        .at("status")
 }
 
 /// The configuration is valid and networking unchanged since creation; returns the pause.
@@ -679,11 +687,8 @@ async fn report(
         pass.hc.metadata.generation,
         pass.now,
     );
-    let was_available = pass
-        .hc
-        .status
-        .as_ref()
-        .is_some_and(|s| conditions::is_true(&s.conditions, types::AVAILABLE));
+    let before = pass.hc.status.as_ref().map(|s| &s.conditions[..]);
+    let was_available = conditions::is_true(before.unwrap_or_default(), types::AVAILABLE);
     if ncp_status.ready && !was_available {
         pass.event(
             EventType::Normal,

@@ -10,11 +10,10 @@ pub mod plan;
 pub mod pool;
 pub mod target;
 
-use std::ops::Deref;
 use std::sync::{Arc, OnceLock};
 
 use kube::api::Api;
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::Store;
 use nestplane_api::hosted::{HostedCluster, NodePool};
 
 use crate::context::Context;
@@ -35,18 +34,7 @@ pub struct HostedContext {
     pub pools: OnceLock<Store<NodePool>>,
 }
 
-impl Deref for HostedContext {
-    type Target = Context;
-    fn deref(&self) -> &Context {
-        &self.core
-    }
-}
-
-impl AsRef<Context> for HostedContext {
-    fn as_ref(&self) -> &Context {
-        &self.core
-    }
-}
+crate::context::wing_context!(HostedContext);
 
 impl HostedContext {
     /// The wing's context on `core`.
@@ -71,16 +59,7 @@ impl HostedContext {
         ns: &str,
         name: &str,
     ) -> Result<Option<HostedCluster>, kube::Error> {
-        if let Some(hit) = self
-            .clusters
-            .get()
-            .and_then(|s| s.get(&ObjectRef::new(name).within(ns)))
-        {
-            return Ok(Some((*hit).clone()));
-        }
-        Api::<HostedCluster>::namespaced(self.client.clone(), ns)
-            .get_opt(name)
-            .await
+        crate::tenant::cached_or_get(self.clusters.get(), &self.client, ns, name).await
     }
 
     /// The NodePools of HostedCluster `ns/name`, from the cache, else from the API server.
@@ -104,4 +83,14 @@ impl HostedContext {
             .filter(mine)
             .collect())
     }
+}
+
+/// Set condition `c` in `list` at `obj`'s generation.
+pub(crate) fn set_condition<K: kube::Resource>(
+    list: &mut Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
+    obj: &K,
+    c: k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition,
+    now: k8s_openapi::jiff::Timestamp,
+) {
+    nestplane_api::conditions::set(list, c, obj.meta().generation, now);
 }

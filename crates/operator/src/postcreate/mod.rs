@@ -30,6 +30,7 @@ use nestplane_api::names;
 use nestplane_api::postcreate::{ADDON_KEY, PostCreateConfig, reasons, types};
 
 use crate::context::{Context, Error};
+use crate::error::AtStep;
 use crate::tenant;
 use plan::{Pass, SecretView, Step, Target};
 
@@ -62,18 +63,7 @@ impl AddonContext {
     }
 }
 
-impl std::ops::Deref for AddonContext {
-    type Target = Context;
-    fn deref(&self) -> &Context {
-        &self.core
-    }
-}
-
-impl AsRef<Context> for AddonContext {
-    fn as_ref(&self) -> &Context {
-        &self.core
-    }
-}
+crate::context::wing_context!(AddonContext);
 
 /// Per-cluster retries: exponential backoff (2 s … 5 min) with ±20 % jitter, and the last
 /// error, so that a broken cluster is retried on its own schedule and never delays others.
@@ -367,16 +357,58 @@ pub async fn reconcile(
         return Ok(Action::await_change());
     }
     let ns = pcc.namespace().unwrap_or_default();
-    let name = pcc.name_any();
-
     // Read every Secret first (all or nothing).
-    let mut views: BTreeMap<(String, String), Option<SecretView>> = BTreeMap::new();
+    let views = read_secrets(&ctx, &pcc).await.at("read Secrets")?;
+    let docs = plan::documents(&pcc, |ns, name| {
+        views
+            .get(&(ns.to_string(), name.to_string()))
+            .cloned()
+            .flatten()
+    });
+    let all = targets(&ctx, &ns).await.at("list clusters")?;
+    let mut pass = Pass {
+        existing: all.iter().map(|t| t.uid.clone()).collect(),
+        matched: all
+            .iter()
+            .filter(|t| plan::selects(&pcc.spec.cluster_selector, &t.labels))
+            .cloned()
+            .collect(),
+        ..Default::default()
+    };
+    let mut requeue = Requeue::default();
+    match docs {
+        Err(p) => pass.problem = Some(p),
+        Ok(docs) => apply_all(&ctx, &pcc, &mut pass, &docs, &mut requeue)
+            .await
+            .at("apply")?,
+    }
+    report(&ctx, &pcc, &pass).await.at("status")?;
+    Ok(match (requeue.0, &pass.problem) {
+        (Some(d), _) => Action::requeue(d),
+        (None, Some(_)) => Action::requeue(PROBLEM_RECHECK),
+        (None, None) => Action::await_change(),
+    })
+}
+
+/// When to look again: the soonest of what the clusters ask.
+#[derive(Default)]
+struct Requeue(Option<Duration>);
+
+impl Requeue {
+    fn sooner(&mut self, d: Duration) {
+        self.0 = Some(self.0.map_or(d, |r| r.min(d)));
+    }
+}
+
+/// The Secrets a PostCreateConfig names, by `(namespace, name)` (`None`: missing).
+async fn read_secrets(
+    ctx: &Context,
+    pcc: &PostCreateConfig,
+) -> Result<BTreeMap<(String, String), Option<SecretView>>, Error> {
+    let ns = pcc.namespace().unwrap_or_default();
+    let mut views = BTreeMap::new();
     for r in &pcc.spec.resources {
-        let rns = r
-            .namespace
-            .clone()
-            .filter(|n| !n.is_empty())
-            .unwrap_or_else(|| ns.clone());
+        let rns = plan::resource_namespace(r, &ns);
         if views.contains_key(&(rns.clone(), r.name.clone())) {
             continue;
         }
@@ -393,101 +425,89 @@ pub async fn reconcile(
             });
         views.insert((rns, r.name.clone()), got);
     }
-    let docs = plan::documents(&pcc, |ns, name| {
-        views
-            .get(&(ns.to_string(), name.to_string()))
-            .cloned()
-            .flatten()
-    });
+    Ok(views)
+}
 
-    let all = targets(&ctx, &ns).await?;
-    let mut pass = Pass {
-        existing: all.iter().map(|t| t.uid.clone()).collect(),
-        matched: all
-            .iter()
-            .filter(|t| plan::selects(&pcc.spec.cluster_selector, &t.labels))
-            .cloned()
-            .collect(),
-        ..Default::default()
-    };
+/// Each matching cluster's step ([`plan::step`]); the clusters to apply to are applied to
+/// concurrently, each with its own backoff, and what happened recorded in `pass`.
+async fn apply_all(
+    ctx: &AddonContext,
+    pcc: &PostCreateConfig,
+    pass: &mut Pass,
+    docs: &plan::Documents,
+    requeue: &mut Requeue,
+) -> Result<(), Error> {
+    let ns = pcc.namespace().unwrap_or_default();
     let strategy = pcc.spec.strategy.unwrap_or_default();
     let reconcile_changes = strategy == nestplane_api::postcreate::Strategy::Reconcile;
     let previous = pcc.status.clone().unwrap_or_default();
-    let mut requeue: Option<Duration> = None;
-    let mut sooner = |d: Duration| requeue = Some(requeue.map_or(d, |r| r.min(d)));
-    match docs {
-        Err(p) => pass.problem = Some(p),
-        Ok(docs) => {
-            let mut jobs = Vec::new();
-            for t in &pass.matched {
-                match plan::step(t, &previous.applied, &docs.hash, strategy) {
-                    Step::Done => {}
-                    Step::OutOfDate => pass.out_of_date.push(t.name.clone()),
-                    Step::Wait(why) => {
-                        pass.waiting.push((t.name.clone(), why));
-                        sooner(WAITING_RECHECK);
-                    }
-                    Step::Apply => {
-                        let key = format!("{ns}/{name}/{}", t.uid);
-                        if let Some((left, err)) = ctx.retries.pending(&key) {
-                            pass.failed.push((t.name.clone(), err));
-                            sooner(left);
-                            continue;
-                        }
-                        let Some(kc) = kubeconfig(&ctx, &ns, &t.kubeconfig).await? else {
-                            pass.waiting
-                                .push((t.name.clone(), format!("no Secret {}", t.kubeconfig)));
-                            sooner(WAITING_RECHECK);
-                            continue;
-                        };
-                        let (t, docs) = (t.clone(), &docs);
-                        jobs.push(async move {
-                            let r = match tokio::time::timeout(
-                                APPLY_TIMEOUT,
-                                apply_to(&kc, docs, reconcile_changes),
-                            )
-                            .await
-                            {
-                                Ok(r) => r,
-                                Err(_) => Err(format!("not done after {APPLY_TIMEOUT:?}")),
-                            };
-                            (t, key, r)
-                        });
-                    }
-                }
+    let mut jobs = Vec::new();
+    for t in &pass.matched {
+        match plan::step(t, &previous.applied, &docs.hash, strategy) {
+            Step::Done => {}
+            Step::OutOfDate => pass.out_of_date.push(t.name.clone()),
+            Step::Wait(why) => {
+                pass.waiting.push((t.name.clone(), why));
+                requeue.sooner(WAITING_RECHECK);
             }
-            for (t, key, r) in futures::future::join_all(jobs).await {
-                match r {
-                    Ok(n) => {
-                        ctx.retries.succeeded(&key);
-                        ctx.event(
-                            pcc.object_ref(&()),
-                            EventType::Normal,
-                            reasons::APPLIED,
-                            &format!("applied {n} object(s) to {} {}", t.kind, t.name),
-                        )
-                        .await;
-                        pass.applied_now.push((t, docs.hash.clone()));
-                    }
-                    Err(e) => {
-                        sooner(ctx.retries.failed(&key, &e));
-                        tracing::warn!(postcreateconfig = %name, namespace = %ns, cluster = %t.name, error = %e, "applying failed");
-                        ctx.event(
-                            pcc.object_ref(&()),
-                            EventType::Warning,
-                            reasons::APPLY_FAILED,
-                            &format!("{} {}: {e}", t.kind, t.name),
-                        )
-                        .await;
-                        pass.failed.push((t.name.clone(), e));
-                    }
+            Step::Apply => {
+                let key = format!("{ns}/{}/{}", pcc.name_any(), t.uid);
+                if let Some((left, err)) = ctx.retries.pending(&key) {
+                    pass.failed.push((t.name.clone(), err));
+                    requeue.sooner(left);
+                    continue;
                 }
+                let Some(kc) = kubeconfig(ctx, &ns, &t.kubeconfig).await? else {
+                    pass.waiting
+                        .push((t.name.clone(), format!("no Secret {}", t.kubeconfig)));
+                    requeue.sooner(WAITING_RECHECK);
+                    continue;
+                };
+                let t = t.clone();
+                jobs.push(async move {
+                    let r = match tokio::time::timeout(
+                        APPLY_TIMEOUT,
+                        apply_to(&kc, docs, reconcile_changes),
+                    )
+                    .await
+                    {
+                        Ok(r) => r,
+                        Err(_) => Err(format!("not done after {APPLY_TIMEOUT:?}")),
+                    };
+                    (t, key, r)
+                });
             }
         }
     }
-    let status = plan::status(&pcc, &pass, k8s_openapi::jiff::Timestamp::now());
-    // Events when the resources become unreadable (or the reason changes), and when they
-    // become out of date.
+    for (t, key, r) in futures::future::join_all(jobs).await {
+        match r {
+            Ok(n) => {
+                ctx.retries.succeeded(&key);
+                let note = format!("applied {n} object(s) to {} {}", t.kind, t.name);
+                let on = pcc.object_ref(&());
+                ctx.event(on, EventType::Normal, reasons::APPLIED, &note)
+                    .await;
+                pass.applied_now.push((t, docs.hash.clone()));
+            }
+            Err(e) => {
+                requeue.sooner(ctx.retries.failed(&key, &e));
+                tracing::warn!(cluster = %t.name, error = %e, "applying failed");
+                let note = format!("{} {}: {e}", t.kind, t.name);
+                let on = pcc.object_ref(&());
+                ctx.event(on, EventType::Warning, reasons::APPLY_FAILED, &note)
+                    .await;
+                pass.failed.push((t.name.clone(), e));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The status ([`plan::status`], pure) written when it changed; Events when the resources
+/// become unreadable (or the reason changes), and when they become out of date.
+async fn report(ctx: &Context, pcc: &PostCreateConfig, pass: &Pass) -> Result<(), Error> {
+    let previous = pcc.status.clone().unwrap_or_default();
+    let status = plan::status(pcc, pass, k8s_openapi::jiff::Timestamp::now());
     let changed = |type_: &str| {
         let old = conditions::get(&previous.conditions, type_).map(|c| (&c.status, &c.message));
         let new = conditions::get(&status.conditions, type_).map(|c| (&c.status, &c.message));
@@ -514,21 +534,11 @@ pub async fn reconcile(
         )
         .await;
     }
-    if pcc.status.as_ref() != Some(&status) {
-        let body = serde_json::to_value(&status).map_err(|e| Error::Internal(e.to_string()))?;
-        Api::<PostCreateConfig>::namespaced(ctx.client.clone(), &ns)
-            .patch_status(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(serde_json::json!({ "status": body })),
-            )
-            .await?;
-    }
-    Ok(match (requeue, &pass.problem) {
-        (Some(d), _) => Action::requeue(d),
-        (None, Some(_)) => Action::requeue(PROBLEM_RECHECK),
-        (None, None) => Action::await_change(),
-    })
+    let api = Api::<PostCreateConfig>::namespaced(
+        ctx.client.clone(),
+        &pcc.namespace().unwrap_or_default(),
+    );
+    crate::status::write(&api, pcc, pcc.status.as_ref(), &status).await
 }
 
 /// The PostCreateConfigs in the namespace of a changed cluster.

@@ -80,6 +80,14 @@ pub struct Documents {
     pub hash: String,
 }
 
+/// The namespace of a resource's Secret: its own, or the PostCreateConfig's (`own`).
+pub fn resource_namespace(r: &nestplane_api::postcreate::ResourceRef, own: &str) -> String {
+    r.namespace
+        .clone()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| own.to_string())
+}
+
 /// Read every resource of `pcc`: all must exist, be allowed, and parse, or nothing is
 /// applied anywhere (the seed's all-or-nothing). `get(namespace, name)` reads a Secret.
 pub fn documents(
@@ -90,11 +98,7 @@ pub fn documents(
     let mut hasher = Sha256::new();
     let (mut first, mut rest) = (Vec::new(), Vec::new());
     for r in &pcc.spec.resources {
-        let ns = r
-            .namespace
-            .clone()
-            .filter(|n| !n.is_empty())
-            .unwrap_or_else(|| own_ns.clone());
+        let ns = resource_namespace(r, &own_ns);
         let id = format!("{ns}/{}", r.name);
         let problem = |reason, message: String| Problem {
             reason,
@@ -354,18 +358,11 @@ pub fn status(
     let previous = pcc.status.clone().unwrap_or_default();
     let ns = pcc.metadata.namespace.clone().unwrap_or_default();
     let generation = pcc.metadata.generation;
-    let mut refs: Vec<ClusterRef> = previous
-        .cluster_ref_list
-        .iter()
-        .filter(|r| pass.existing.contains(&r.uid))
-        .cloned()
-        .collect();
-    let mut applied: Vec<AppliedResources> = previous
-        .applied
-        .iter()
-        .filter(|a| pass.existing.contains(&a.uid))
-        .cloned()
-        .collect();
+    // What is recorded of clusters that still exist.
+    let mut refs: Vec<ClusterRef> = previous.cluster_ref_list.clone();
+    refs.retain(|r| pass.existing.contains(&r.uid));
+    let mut applied: Vec<AppliedResources> = previous.applied.clone();
+    applied.retain(|a| pass.existing.contains(&a.uid));
     for (t, hash) in &pass.applied_now {
         if !refs.iter().any(|r| r.uid == t.uid) {
             refs.push(ClusterRef {
@@ -391,7 +388,26 @@ pub fn status(
         .filter(|t| applied_uids.contains(&t.uid))
         .count() as i32;
     let mut conds = previous.conditions.clone();
-    let mut set = |c| conditions::set(&mut conds, c, generation, now);
+    for c in status_conditions(pcc, pass, applied_count, matched) {
+        conditions::set(&mut conds, c, generation, now);
+    }
+    PostCreateConfigStatus {
+        cluster_ref_list: refs,
+        applied,
+        matched_clusters: matched,
+        applied_clusters: applied_count,
+        observed_generation: generation,
+        conditions: conds,
+    }
+}
+
+/// `ResourcesAvailable`, `ResourcesApplied`, `OutOfDate` and `Ready`, in that order.
+fn status_conditions(
+    pcc: &PostCreateConfig,
+    pass: &Pass,
+    applied_count: i32,
+    matched: i32,
+) -> Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
     let available = match &pass.problem {
         Some(p) => conditions::new(types::RESOURCES_AVAILABLE, false, p.reason, &p.message),
         None => conditions::new(
@@ -401,7 +417,6 @@ pub fn status(
             format!("{} Secret(s) read", pcc.spec.resources.len()),
         ),
     };
-    set(available.clone());
     let list = |v: &[(String, String)]| {
         v.iter()
             .map(|(n, why)| format!("{n}: {why}"))
@@ -437,8 +452,7 @@ pub fn status(
             format!("{applied_count}/{matched} matching cluster(s) have the resources"),
         )
     };
-    set(applied_cond.clone());
-    set(if pass.out_of_date.is_empty() {
+    let out_of_date = if pass.out_of_date.is_empty() {
         conditions::new(types::OUT_OF_DATE, false, reasons::AS_EXPECTED, "")
     } else {
         conditions::new(
@@ -450,9 +464,9 @@ pub fn status(
                 pass.out_of_date.join(", ")
             ),
         )
-    });
+    };
     let ready = available.status == "True" && applied_cond.status == "True";
-    set(if ready {
+    let ready = if ready {
         conditions::new(types::READY, true, reasons::AS_EXPECTED, "")
     } else if available.status != "True" {
         conditions::new(types::READY, false, &available.reason, &available.message)
@@ -463,15 +477,8 @@ pub fn status(
             &applied_cond.reason,
             &applied_cond.message,
         )
-    });
-    PostCreateConfigStatus {
-        cluster_ref_list: refs,
-        applied,
-        matched_clusters: matched,
-        applied_clusters: applied_count,
-        observed_generation: generation,
-        conditions: conds,
-    }
+    };
+    vec![available, applied_cond, out_of_date, ready]
 }
 
 #[cfg(test)]

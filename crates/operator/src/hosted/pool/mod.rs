@@ -35,6 +35,7 @@ use rand::RngExt;
 use super::HostedContext;
 use super::target::Target;
 use crate::context::Error;
+use crate::error::AtStep;
 pub use machines::{LocalNodes, NodeSettings};
 use machines::{Machine, NodeRequest, NodeRuntime};
 pub use plan::{POD_SECURITY, POOL_LABEL};
@@ -102,18 +103,12 @@ struct Pass<'a> {
 
 impl Pass<'_> {
     fn set(&mut self, c: k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition) {
-        conditions::set(
-            &mut self.status.conditions,
-            c,
-            self.pool.metadata.generation,
-            self.now,
-        );
+        super::set_condition(&mut self.status.conditions, self.pool, c, self.now);
     }
 
     async fn event(&self, type_: EventType, reason: &str, note: &str) {
-        self.ctx
-            .event(self.pool.object_ref(&()), type_, reason, note)
-            .await;
+        let on = self.pool.object_ref(&());
+        self.ctx.event(on, type_, reason, note).await;
     }
 
     /// A refusal or a wait: nothing touched.
@@ -154,9 +149,12 @@ impl Pass<'_> {
 pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<HostedContext>) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started("NodePool");
     let ns = pool.namespace().unwrap_or_default();
-    let hc = ctx.hosted_cluster(&ns, &pool.spec.cluster_name).await?;
+    let hc = ctx
+        .hosted_cluster(&ns, &pool.spec.cluster_name)
+        .await
+        .at("HostedCluster")?;
     if pool.metadata.deletion_timestamp.is_some() {
-        return teardown(&ctx, &pool, hc.as_ref()).await;
+        return teardown(&ctx, &pool, hc.as_ref()).await.at("teardown");
     }
     let mut pass = Pass {
         ctx: &ctx,
@@ -175,7 +173,7 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<HostedContext>) -> Result<A
             .stop(Halt::warn("HostedClusterNotFound", missing).again(Duration::from_secs(30)))
             .await;
     };
-    let version = match admit(&mut pass, &hc).await? {
+    let version = match admit(&mut pass, &hc).await.at("admit")? {
         Ok(v) => v,
         Err(halt) => return pass.stop(halt).await,
     };
@@ -186,8 +184,10 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<HostedContext>) -> Result<A
         Err(halt) => return pass.stop(halt).await,
     };
     // Finalizer, before any node exists.
-    crate::finalizer::add(&pass.api, pool.as_ref(), FINALIZER).await?;
-    let Some(target) = ctx.targets.get(&ctx, &hc).await? else {
+    crate::finalizer::add(&pass.api, pool.as_ref(), FINALIZER)
+        .await
+        .at("finalizer")?;
+    let Some(target) = ctx.targets.get(&ctx, &hc).await.at("target")? else {
         let waiting = format!(
             "waiting for HostedCluster {ns}/{}'s control plane to be Ready",
             hc.name_any()
@@ -204,11 +204,11 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<HostedContext>) -> Result<A
         cluster: cluster_settings(&hc),
         builtin_dns,
     };
-    let listed = match converge(&pass, &nodes).await? {
+    let listed = match converge(&pass, &nodes).await.at("converge")? {
         Ok(l) => l,
         Err(halt) => return pass.stop(halt).await,
     };
-    report(pass, runtime, &listed, &spec).await
+    report(pass, runtime, &listed, &spec).await.at("status")
 }
 
 /// Whether the pool may have nodes now; returns their version. Sets `SupportedVersionSkew`
@@ -500,11 +500,8 @@ async fn report(
     for c in r.conditions {
         pass.set(c);
     }
-    let was_ready = pass
-        .pool
-        .status
-        .as_ref()
-        .is_some_and(|s| conditions::is_true(&s.conditions, types::READY));
+    let before = pass.pool.status.as_ref().map(|s| &s.conditions[..]);
+    let was_ready = conditions::is_true(before.unwrap_or_default(), types::READY);
     if r.done && !was_ready {
         let note = format!("{}/{replicas} nodes Ready", r.ready);
         pass.event(EventType::Normal, "Ready", &note).await;
@@ -531,19 +528,16 @@ async fn remove_node(
 ) {
     let key = pool_key(pool);
     if let Some(client) = client {
-        let on_block = |pods: Vec<String>| async move {
+        let event = |type_, reason: &'static str, note: String| async move {
+            ctx.event(pool.object_ref(&()), type_, reason, &note).await;
+        };
+        let on_block = |pods: Vec<String>| {
             let note = format!(
                 "node {node}: a PodDisruptionBudget refuses evicting {} for now; retrying until the drain timeout ({}s)",
                 pods.join(", "),
                 timeout.as_secs()
             );
-            ctx.event(
-                pool.object_ref(&()),
-                EventType::Normal,
-                "DrainBlocked",
-                &note,
-            )
-            .await;
+            event(EventType::Normal, "DrainBlocked", note)
         };
         match drain::drain(client, node, timeout, on_block).await {
             Ok(forced) if !forced.is_empty() => {
@@ -552,13 +546,7 @@ async fn remove_node(
                     timeout.as_secs(),
                     forced.join(", ")
                 );
-                ctx.event(
-                    pool.object_ref(&()),
-                    EventType::Warning,
-                    "DrainTimedOut",
-                    &note,
-                )
-                .await;
+                event(EventType::Warning, "DrainTimedOut", note).await;
             }
             Ok(_) => {}
             Err(e) => {
