@@ -515,6 +515,7 @@ pub async fn down(args: DownArgs) -> anyhow::Result<()> {
         } else {
             eprintln!("nestplane: no tenant {}", args.name);
         }
+        // Best effort: what cannot be removed now is left for the next cleanup.
         let _ = std::fs::remove_file(state_dir.join(format!("{}.kubeconfig", args.name)));
         Ok(())
     }
@@ -540,6 +541,7 @@ pub async fn wait_for_signal() {
             }
         }
         Err(_) => {
+            // Without a signal handler, there is nothing to wait for.
             let _ = tokio::signal::ctrl_c().await;
         }
     }
