@@ -108,8 +108,6 @@ fn write(p: &Path, contents: &str) -> Result<(), Error> {
         .map_err(|e| Error::io(format!("writing {}", p.display()), e))
 }
 
-/// The cgroup hierarchies of this machine (cgroup v1: one directory per controller; v2: the
-/// one unified tree).
 /// The node guard's policy at `level` and the wrapper containerd runs instead of runc;
 /// returns the wrapper.
 fn write_guard(
@@ -140,6 +138,8 @@ fn write_guard(
     Ok(wrapper)
 }
 
+/// The cgroup hierarchies of this machine (cgroup v1: one directory per controller; v2: the
+/// one unified tree).
 fn cgroup_hierarchies() -> Vec<PathBuf> {
     let base = Path::new("/sys/fs/cgroup");
     if base.join("cgroup.controllers").exists() {

@@ -146,7 +146,6 @@ impl Watches {
             w.services.store_into(&ctx.applied.services);
         }
         w.hosted_clusters.store_into(&hosted.clusters);
-        w.pools.store_into(&hosted.pools);
         w
     }
 
@@ -484,9 +483,9 @@ fn hosted_clusters(
     ctx: &Arc<Context>,
     hosted: &Arc<hosted::HostedContext>,
 ) -> Running {
+    // No limit on passes at once: a pass may wait on a hosted cluster.
     let ctl =
-        Controller::for_shared_stream(w.hosted_clusters.subscribe(), w.hosted_clusters.store())
-            .with_config(controller_config());
+        Controller::for_shared_stream(w.hosted_clusters.subscribe(), w.hosted_clusters.store());
     // The shared watch sees what this operator selects; a HostedCluster's control plane may
     // be in another namespace or (made before the filter) unlabelled: then it watches its own.
     let ctl = if w.namespace.is_none() && w.watch_filter.is_none() {
@@ -512,8 +511,9 @@ fn hosted_clusters(
 /// NodePools follow their HostedCluster.
 fn node_pools(w: &mut Watches, ctx: &Arc<Context>, hosted: &Arc<hosted::HostedContext>) -> Running {
     let pools = w.pools.store();
+    // No limit on passes at once: a pass drains nodes (up to each pool's nodeDrainTimeout),
+    // and one pool's drain must not hold another pool's nodes from joining.
     Controller::for_shared_stream(w.pools.subscribe(), pools.clone())
-        .with_config(controller_config())
         .watches_shared_stream(
             w.hosted_clusters.subscribe(),
             move |hc: Arc<HostedCluster>| {

@@ -82,7 +82,12 @@ impl Pass<'_> {
     /// A refusal: `ValidConfiguration` False and `Degraded` with `reason`, an Event when new,
     /// the status written; nothing else is touched.
     async fn refuse(mut self, reason: &str, message: String) -> Result<Action, Error> {
-        let before = conditions::get(&self.status.conditions, types::VALID_CONFIGURATION)
+        // Against what the object reports (this pass may have set the condition already).
+        let before = self
+            .hc
+            .status
+            .as_ref()
+            .and_then(|s| conditions::get(&s.conditions, types::VALID_CONFIGURATION))
             .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()));
         self.set(conditions::new(
             types::VALID_CONFIGURATION,
@@ -148,16 +153,18 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<HostedContext>) -> Resul
         Ok(p) => p,
         Err(msg) => return pass.refuse("InvalidConfiguration", msg).await,
     };
+    let claimed = match claim(&pass).await.at("claim")? {
+        Ok(c) => c,
+        Err(msg) => return pass.refuse("NamespaceTaken", msg).await,
+    };
+    // Set once both checks hold (setting it True and then False in one pass would make
+    // every pass a new transition, and a write).
     pass.set(conditions::new(
         types::VALID_CONFIGURATION,
         true,
         "AsExpected",
         "",
     ));
-    let claimed = match claim(&pass).await.at("claim")? {
-        Ok(c) => c,
-        Err(msg) => return pass.refuse("NamespaceTaken", msg).await,
-    };
     if let Some(action) = pause(&mut pass, claimed.ncp.as_ref(), paused)
         .await
         .at("pause")?
@@ -247,8 +254,9 @@ async fn claim(pass: &Pass<'_>) -> Result<Result<Claimed, String>, Error> {
             "namespace {cp_ns} exists and was not made for this HostedCluster; nothing is created, changed or deleted in it"
         )));
     }
+    // Read live: what is claimed here is patched next.
     let ncp = match &namespace {
-        Some(_) => pass.ctx.caches.ncp(&pass.ctx.client, cp_ns, name).await?,
+        Some(_) => pass.ncps().get_opt(name).await?,
         None => None,
     };
     if let Some(ncp) = &ncp

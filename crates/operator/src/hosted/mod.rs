@@ -30,8 +30,6 @@ pub struct HostedContext {
     pub targets: target::Targets,
     /// HostedClusters, from their shared watch.
     pub clusters: OnceLock<Store<HostedCluster>>,
-    /// NodePools, from their shared watch.
-    pub pools: OnceLock<Store<NodePool>>,
 }
 
 crate::context::wing_context!(HostedContext);
@@ -49,7 +47,6 @@ impl HostedContext {
             dns,
             targets: Default::default(),
             clusters: OnceLock::new(),
-            pools: OnceLock::new(),
         }
     }
 
@@ -62,19 +59,10 @@ impl HostedContext {
         crate::tenant::cached_or_get(self.clusters.get(), &self.client, ns, name).await
     }
 
-    /// The NodePools of HostedCluster `ns/name`, from the cache, else from the API server.
+    /// The NodePools of HostedCluster `ns/name`, listed live (a teardown must not miss one
+    /// that a cache has not seen yet).
     pub async fn pools_of(&self, ns: &str, name: &str) -> Result<Vec<NodePool>, kube::Error> {
-        let mine = |p: &NodePool| {
-            p.metadata.namespace.as_deref() == Some(ns) && p.spec.cluster_name == name
-        };
-        if let Some(store) = self.pools.get() {
-            return Ok(store
-                .state()
-                .iter()
-                .filter(|p| mine(p))
-                .map(|p| (**p).clone())
-                .collect());
-        }
+        let mine = |p: &NodePool| p.spec.cluster_name == name;
         Ok(Api::<NodePool>::namespaced(self.client.clone(), ns)
             .list(&Default::default())
             .await?
