@@ -209,23 +209,31 @@ if ! "$DENY" --version 2>/dev/null | grep -qx "cargo-deny $DENY_VERSION"; then
   fi
 fi
 
-# 2. Kubernetes server binaries.
+# 2. Kubernetes server binaries, and the end-to-end suite's servers (agnhost and the sample
+# aggregated API server, for the test images), all from Debian's source package.
+E2E_DIR="$CACHE_DIR/kubernetes/v$K8S_VERSION/e2e"
+E2E_BINS=(agnhost sample-apiserver)
+e2e_want=()
+for b in "${E2E_BINS[@]}"; do [ -x "$E2E_DIR/$b" ] || e2e_want+=("$b"); done
+want=()
 if [ -n "${NESTPLANE_BIN_DIR:-}" ] && have_bins "$NESTPLANE_BIN_DIR"; then
   log "using the Kubernetes binaries in NESTPLANE_BIN_DIR=$NESTPLANE_BIN_DIR; nothing to build"
-  echo "NESTPLANE_BIN_DIR=$NESTPLANE_BIN_DIR"
-  exit 0
-fi
-if have_bins "$BIN_DIR_DEFAULT"; then
+  BIN_OUT="$NESTPLANE_BIN_DIR"
+elif have_bins "$BIN_DIR_DEFAULT"; then
   log "Kubernetes v$K8S_VERSION binaries already cached in $BIN_DIR_DEFAULT; nothing to build"
-  echo "NESTPLANE_BIN_DIR=$BIN_DIR_DEFAULT"
+  BIN_OUT="$BIN_DIR_DEFAULT"
+else
+  BIN_OUT="$BIN_DIR_DEFAULT"
+  # Which binaries are missing from the cache decides what is built (the Go build cache
+  # makes a later build of the node binaries take about a minute).
+  for b in "${ALL_BINS[@]}"; do [ -x "$BIN_DIR_DEFAULT/$b" ] || want+=("$b"); done
+fi
+if [ ${#want[@]} -eq 0 ] && [ ${#e2e_want[@]} -eq 0 ]; then
+  echo "NESTPLANE_BIN_DIR=$BIN_OUT"
   exit 0
 fi
-
-# Which binaries are missing from the cache decides what is built (the Go build cache makes a
-# later build of the node binaries take about a minute).
-want=()
-for b in "${ALL_BINS[@]}"; do [ -x "$BIN_DIR_DEFAULT/$b" ] || want+=("$b"); done
-log "building ${want[*]} v$K8S_VERSION from Debian's source package (6-8 minutes on 2 cores for all; about 1 minute for kubelet and kube-proxy alone)"
+[ ${#want[@]} -eq 0 ] || log "building ${want[*]} v$K8S_VERSION from Debian's source package (6-8 minutes on 2 cores for all; about 1 minute for kubelet and kube-proxy alone)"
+[ ${#e2e_want[@]} -eq 0 ] || log "building ${e2e_want[*]} from Debian's kubernetes source package (about 2 minutes)"
 apt_install golang-go rsync make dpkg-dev golang-github-modern-go-reflect2-dev
 
 # deb-src entries are needed for `apt-get source`.
@@ -265,10 +273,24 @@ fi
   export GOPATH="$SRC/.go" CGO_ENABLED=0 GOFLAGS=-mod=vendor GO111MODULE=off
   export PATH="/usr/lib/go/bin:$PATH" HOME="$BUILD_DIR/home" GOCACHE="$BUILD_DIR/gocache"
   mkdir -p "$HOME"
-  what=""
-  for b in "${want[@]}"; do what="$what cmd/$b"; done
-  with_progress "go build" "$BUILD_DIR/build.log" make WHAT="${what# }" \
-    || { tail -n 40 "$BUILD_DIR/build.log" >&2; log "build failed; full log in $BUILD_DIR/build.log"; exit 1; }
+  if [ ${#want[@]} -gt 0 ]; then
+    what=""
+    for b in "${want[@]}"; do what="$what cmd/$b"; done
+    with_progress "go build" "$BUILD_DIR/build.log" make WHAT="${what# }" \
+      || { tail -n 40 "$BUILD_DIR/build.log" >&2; log "build failed; full log in $BUILD_DIR/build.log"; exit 1; }
+  fi
+  mkdir -p "$E2E_DIR"
+  for b in "${e2e_want[@]}"; do
+    case "$b" in
+      agnhost) pkg=./test/images/agnhost ;;
+      sample-apiserver) pkg=./vendor/k8s.io/sample-apiserver ;;
+    esac
+    # Built in GOPATH mode from the tree's own vendor directory, statically.
+    (cd "$SRC/.go/src/k8s.io/kubernetes" && with_progress "go build $b" "$BUILD_DIR/build-$b.log" \
+      go build -o "$E2E_DIR/$b.tmp" "$pkg") \
+      || { tail -n 40 "$BUILD_DIR/build-$b.log" >&2; log "building $b failed"; exit 1; }
+    mv "$E2E_DIR/$b.tmp" "$E2E_DIR/$b"
+  done
 )
 
 mkdir -p "$BIN_DIR_DEFAULT"
@@ -278,5 +300,6 @@ for b in "${want[@]}"; do
 done
 # Keep the Go build cache (relinks take ~2 minutes) but drop the bulky tree outputs.
 rm -rf "$SRC/_output/local/go/pkg" 2>/dev/null || true
-log "installed ${want[*]} into $BIN_DIR_DEFAULT"
-echo "NESTPLANE_BIN_DIR=$BIN_DIR_DEFAULT"
+[ ${#want[@]} -eq 0 ] || log "installed ${want[*]} into $BIN_DIR_DEFAULT"
+[ ${#e2e_want[@]} -eq 0 ] || log "installed ${e2e_want[*]} into $E2E_DIR"
+echo "NESTPLANE_BIN_DIR=$BIN_OUT"

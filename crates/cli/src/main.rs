@@ -27,7 +27,7 @@ enum Command {
     /// secrets).
     Down(up::DownArgs),
     /// Run the controllers against the cluster of the current kubeconfig.
-    Operator(OperatorArgs),
+    Operator(Box<OperatorArgs>),
     /// Serve cluster DNS (`<service>.<namespace>.svc.<zone>`, …) from watch caches of the
     /// cluster this runs in; what the `kube-dns` Deployment nestplane installs runs.
     Dns {
@@ -108,6 +108,10 @@ struct OperatorArgs {
     /// HostedCluster, NodePool). nestplane then only reads that kind's objects.
     #[arg(long, default_value = "*", value_parser = nestplane_operator::Controllers::parse)]
     controllers: nestplane_operator::Controllers,
+    /// An image every node of a NodePool imports besides nestplane's own (the pause, shell
+    /// and DNS images), by name, from `nestplane images build`'s archives; repeatable.
+    #[arg(long = "node-image")]
+    node_images: Vec<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -136,7 +140,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Up(args) => runtime()?.block_on(up::run(args)),
         Command::Down(args) => runtime()?.block_on(up::down(args)),
-        Command::Operator(args) => runtime()?.block_on(operator(args)),
+        Command::Operator(args) => runtime()?.block_on(operator(*args)),
         Command::Images { command } => images::run(command),
         Command::Dns {
             zone,
@@ -201,6 +205,7 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
             dir: state_dir.join("nodes"),
             images: nestplane_nodes::images::default_dir(),
             guard,
+            extra_images: args.node_images.clone(),
         }
     });
     let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();

@@ -176,6 +176,7 @@ async fn start(state_dir: &Path, runtime: &str) -> anyhow::Result<Running> {
                     dir: state_dir.join("nodes"),
                     images: nestplane_nodes::images::default_dir(),
                     guard: std::env::current_exe()?,
+                    extra_images: vec![],
                 }),
                 ..Default::default()
             },

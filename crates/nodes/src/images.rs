@@ -30,6 +30,13 @@ pub const SHELL_IMAGE: &str = "docker.io/library/busybox:1.35";
 /// normalises it).
 pub const OPERATOR_IMAGE: &str = "docker.io/library/nestplane:latest";
 
+/// The end-to-end suite's test server (Kubernetes 1.20's name for it): webhooks, conversion,
+/// `netexec`, `porter`, `pause` (its default command)…
+pub const AGNHOST_IMAGE: &str = "k8s.gcr.io/e2e-test-images/agnhost:2.21";
+
+/// The sample aggregated API server the suite installs behind an `APIService`.
+pub const SAMPLE_APISERVER_IMAGE: &str = "gcr.io/kubernetes-e2e-test-images/sample-apiserver:1.17";
+
 /// Names and versions of the images to build.
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -61,6 +68,9 @@ pub struct Inputs {
     pub busybox: PathBuf,
     /// Applets to link to busybox in the shell image.
     pub busybox_applets: Vec<String>,
+    /// The end-to-end suite's servers, built from the Kubernetes source tree
+    /// (`agnhost`, `sample-apiserver`; static).
+    pub e2e: BTreeMap<String, PathBuf>,
 }
 
 /// One entry of an image's root filesystem.
@@ -103,6 +113,8 @@ pub struct ImageSpec {
     pub entries: Vec<Entry>,
     /// Entrypoint (empty: none, pods give a command).
     pub entrypoint: Vec<String>,
+    /// Default arguments to the entrypoint (what pods' `args` replace).
+    pub cmd: Vec<String>,
     /// Environment.
     pub env: Vec<(String, String)>,
     /// Built with `buildah bud` from this Containerfile, the staged root filesystem as
@@ -131,6 +143,7 @@ pub fn catalog(opts: &Options, inputs: &Inputs) -> Vec<ImageSpec> {
         name: format!("{reg}/pause:{PAUSE_TAG}"),
         entries: vec![bin(&inputs.pause, "/pause", false)],
         entrypoint: vec!["/pause".into()],
+        cmd: vec![],
         env: vec![],
         containerfile: None,
     }];
@@ -170,6 +183,7 @@ pub fn catalog(opts: &Options, inputs: &Inputs) -> Vec<ImageSpec> {
             name: format!("{reg}/{name}:{}", opts.version),
             entries,
             entrypoint: vec![format!("/usr/local/bin/{name}")],
+            cmd: vec![],
             env: path_env(),
             containerfile: None,
         });
@@ -183,6 +197,7 @@ pub fn catalog(opts: &Options, inputs: &Inputs) -> Vec<ImageSpec> {
             Entry::EmptyDir("/tmp".into()),
         ],
         entrypoint: vec![],
+        cmd: vec![],
         env: path_env(),
         containerfile: None,
     });
@@ -200,14 +215,42 @@ pub fn catalog(opts: &Options, inputs: &Inputs) -> Vec<ImageSpec> {
         name: SHELL_IMAGE.into(),
         entries: shell,
         entrypoint: vec![],
+        cmd: vec![],
         env: path_env(),
         containerfile: None,
     });
+    if let Some(agnhost) = inputs.e2e.get("agnhost") {
+        out.push(ImageSpec {
+            name: AGNHOST_IMAGE.into(),
+            entries: vec![
+                bin(agnhost, "/agnhost", false),
+                Entry::EmptyDir("/tmp".into()),
+            ],
+            entrypoint: vec!["/agnhost".into()],
+            cmd: vec!["pause".into()],
+            env: path_env(),
+            containerfile: None,
+        });
+    }
+    if let Some(sample) = inputs.e2e.get("sample-apiserver") {
+        out.push(ImageSpec {
+            name: SAMPLE_APISERVER_IMAGE.into(),
+            entries: vec![
+                bin(sample, "/kube-sample-apiserver", false),
+                Entry::EmptyDir("/tmp".into()),
+            ],
+            entrypoint: vec!["/kube-sample-apiserver".into()],
+            cmd: vec![],
+            env: path_env(),
+            containerfile: None,
+        });
+    }
     if let Some(np) = &inputs.nestplane {
         out.push(ImageSpec {
             name: OPERATOR_IMAGE.into(),
             entries: vec![bin(np, "/nestplane", true)],
             entrypoint: vec!["/nestplane".into()],
+            cmd: vec![],
             env: vec![],
             containerfile: inputs.containerfile.clone(),
         });
@@ -345,6 +388,9 @@ fn digest(spec: &ImageSpec, root: &Path) -> Result<String, Error> {
         "{}\n{:?}\n{:?}\n",
         spec.name, spec.entrypoint, spec.env
     ));
+    if !spec.cmd.is_empty() {
+        h.update(format!("cmd {:?}\n", spec.cmd));
+    }
     if let Some(cf) = &spec.containerfile {
         h.update(std::fs::read(cf).map_err(|e| Error::io(format!("reading {}", cf.display()), e))?);
     }
@@ -514,6 +560,10 @@ fn commit(spec: &ImageSpec, dir: &Path, work: &Path) -> Result<(), Error> {
             cfg.arg("--entrypoint")
                 .arg(serde_json::to_string(&spec.entrypoint).unwrap_or_default());
         }
+        if !spec.cmd.is_empty() {
+            cfg.arg("--cmd")
+                .arg(serde_json::to_string(&spec.cmd).unwrap_or_default());
+        }
         for (k, v) in &spec.env {
             cfg.arg("--env").arg(format!("{k}={v}"));
         }
@@ -576,6 +626,26 @@ pub fn default_source_tree() -> PathBuf {
     nestplane_runtime::binaries::cache_dir().join("kubernetes/build/src")
 }
 
+/// Where the install script puts the end-to-end suite's servers of `version` (`v1.20.2`).
+pub fn e2e_dir(version: &str) -> PathBuf {
+    nestplane_runtime::binaries::cache_dir()
+        .join("kubernetes")
+        .join(version)
+        .join("e2e")
+}
+
+fn e2e_binary(name: &str, version: &str) -> Result<PathBuf, Error> {
+    let p = e2e_dir(version).join(name);
+    if p.is_file() {
+        Ok(p)
+    } else {
+        Err(Error::Command {
+            what: format!("finding {name}"),
+            output: format!("{} is missing; {}", p.display(), crate::INSTALL_HINT),
+        })
+    }
+}
+
 /// Find every input on this machine: the Kubernetes binaries of `opts.version`, Debian's etcd
 /// and busybox, pause compiled from `source_tree`, and (for the operator image) `nestplane`.
 pub fn local_inputs(
@@ -611,6 +681,10 @@ pub fn local_inputs(
         containerfile,
         busybox_applets: busybox_applets(&busybox)?,
         busybox,
+        e2e: ["agnhost", "sample-apiserver"]
+            .into_iter()
+            .map(|n| Ok((n.to_string(), e2e_binary(n, &opts.version)?)))
+            .collect::<Result<_, Error>>()?,
     })
 }
 
@@ -632,6 +706,7 @@ mod tests {
             containerfile: Some("/src/Containerfile".into()),
             busybox: "/bin/busybox".into(),
             busybox_applets: vec!["sh".into(), "busybox".into(), "wget".into()],
+            e2e: BTreeMap::from([("agnhost".into(), "/k/agnhost".into())]),
         }
     }
 

@@ -11,6 +11,7 @@
 //! [`node`], [`net`], [`images::build`], [`join::prepare`].
 
 pub mod config;
+pub mod egress;
 pub mod guard;
 pub mod images;
 pub mod join;

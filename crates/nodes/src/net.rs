@@ -114,6 +114,58 @@ pub fn netns_path(a: &Addresses) -> PathBuf {
     PathBuf::from("/run/netns").join(&a.netns)
 }
 
+/// Move the calling thread into the network namespace at `netns`. Only for a thread of its
+/// own that ends with its work.
+fn enter_netns(netns: &Path) -> std::io::Result<()> {
+    let ns = std::fs::File::open(netns)?;
+    use std::os::fd::AsFd;
+    rustix::thread::move_into_link_name_space(
+        ns.as_fd(),
+        Some(rustix::thread::LinkNameSpaceType::Network),
+    )?;
+    Ok(())
+}
+
+/// Run `f` on a thread of its own that has entered the network namespace at `netns`: the
+/// sockets it makes stay in that namespace. Only that thread enters it, and it ends with `f`
+/// (never a pooled thread, which would carry the namespace into unrelated work).
+pub fn in_netns<T: Send + 'static>(
+    netns: PathBuf,
+    f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
+) -> std::io::Result<T> {
+    std::thread::spawn(move || {
+        enter_netns(&netns)?;
+        f()
+    })
+    .join()
+    .unwrap_or_else(|_| Err(std::io::Error::other("the namespace thread panicked")))
+}
+
+/// Connect to `addr` from inside the network namespace at `netns` (as a pod of that node
+/// would: the node's routes, its kube-proxy's Service rules and its filter apply), within
+/// `timeout`. The wait happens on the namespace's own thread, not the caller's.
+pub async fn connect_in_netns(
+    netns: PathBuf,
+    addr: std::net::SocketAddr,
+    timeout: std::time::Duration,
+) -> std::io::Result<tokio::net::TcpStream> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let made = enter_netns(&netns).and_then(|()| {
+            let s = std::net::TcpStream::connect_timeout(&addr, timeout)?;
+            s.set_nonblocking(true)?;
+            s.set_nodelay(true)?;
+            Ok(s)
+        });
+        // The receiver is gone only if the caller stopped waiting.
+        let _ = tx.send(made);
+    });
+    let s = rx
+        .await
+        .unwrap_or_else(|_| Err(std::io::Error::other("the connecting thread ended")))?;
+    tokio::net::TcpStream::from_std(s)
+}
+
 /// Create the node's network namespace and link: `eth0` in the namespace with the node
 /// address, the host end with the host address, a default route through the host, the
 /// node-local API address on the namespace's loopback, forwarding on, and a host route to the

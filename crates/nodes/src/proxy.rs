@@ -14,36 +14,14 @@ use tokio::task::JoinHandle;
 
 use crate::Error;
 
-/// Bind `addr` inside the network namespace at `netns` (a thread enters it, binds, and ends;
-/// the socket stays in that namespace).
+/// Bind `addr` inside the network namespace at `netns` (the socket stays in that namespace).
 fn bind_in_netns(netns: PathBuf, addr: SocketAddr) -> Result<TcpListener, Error> {
-    std::thread::spawn(move || -> Result<TcpListener, Error> {
-        let f = std::fs::File::open(&netns)
-            .map_err(|e| Error::io(format!("opening {}", netns.display()), e))?;
-        // Only this thread enters the namespace; it binds one socket and ends.
-        use std::os::fd::AsFd;
-        if let Err(e) = rustix::thread::move_into_link_name_space(
-            f.as_fd(),
-            Some(rustix::thread::LinkNameSpaceType::Network),
-        ) {
-            return Err(Error::io(
-                "entering the node's network namespace",
-                std::io::Error::from(e),
-            ));
-        }
-        let l = TcpListener::bind(addr)
-            .map_err(|e| Error::io(format!("binding {addr} in the node"), e))?;
-        l.set_nonblocking(true)
-            .map_err(|e| Error::io("setting the proxy listener non-blocking", e))?;
+    crate::net::in_netns(netns, move || {
+        let l = TcpListener::bind(addr)?;
+        l.set_nonblocking(true)?;
         Ok(l)
     })
-    .join()
-    .map_err(|_| {
-        Error::io(
-            "binding the node-local API address",
-            std::io::Error::other("thread panicked"),
-        )
-    })?
+    .map_err(|e| Error::io(format!("binding {addr} in the node"), e))
 }
 
 /// Start forwarding `listen` (inside `netns`) to `upstreams` (from the host), trying them in

@@ -14,6 +14,7 @@ pub mod context;
 pub mod controllers;
 pub mod crds;
 pub mod datastore;
+pub mod egress;
 pub mod endpoint;
 pub mod error;
 pub mod finalizer;
@@ -99,17 +100,22 @@ pub async fn run_with(
             Err(e) => tracing::warn!(error = %e, "cannot make nestplane's ranges unreachable"),
         }
     }
+    let nodes = config.nodes.clone().map(|s| {
+        Arc::new(hosted::pool::LocalNodes::new(s)) as Arc<dyn hosted::pool::machines::NodeRuntime>
+    });
     let mut ctx = Context::new(client.clone(), runtime.clone(), config.mode.clone());
+    if let (Mode::Process, Some(nodes)) = (&config.mode, &nodes) {
+        // API servers reach their clusters through their nodes here.
+        let egress = Arc::new(egress::Egress::new(nodes.clone()));
+        ctx.runtime = Arc::new(process::Processes::new(runtime.clone()).with_egress(egress));
+    }
     ctx.watch_filter = config.watch_filter.clone();
     ctx.clock = config.clock.clone();
     ctx.controllers = config.controllers.clone();
     let ctx = Arc::new(ctx);
     let hosted = Arc::new(hosted::HostedContext::new(
         ctx.clone(),
-        config.nodes.clone().map(|s| {
-            Arc::new(hosted::pool::LocalNodes::new(s))
-                as Arc<dyn hosted::pool::machines::NodeRuntime>
-        }),
+        nodes,
         config.dns.clone(),
     ));
     // Every request from here on, watches included, goes through the counting client.

@@ -25,12 +25,24 @@ use crate::tenant::Tenant;
 /// Components as local processes.
 pub struct Processes {
     processes: Arc<ProcessRuntime>,
+    /// Where API servers' cluster traffic goes, when this operator makes nodes.
+    egress: Option<Arc<crate::egress::Egress>>,
 }
 
 impl Processes {
     /// Components run by `processes`.
     pub fn new(processes: Arc<ProcessRuntime>) -> Self {
-        Processes { processes }
+        Processes {
+            processes,
+            egress: None,
+        }
+    }
+
+    /// API servers send their cluster traffic (kubelets, proxies, webhooks, aggregated APIs)
+    /// to `egress`, which connects it from inside their clusters' nodes.
+    pub fn with_egress(mut self, egress: Arc<crate::egress::Egress>) -> Self {
+        self.egress = Some(egress);
+        self
     }
 }
 
@@ -97,7 +109,11 @@ impl Runtime for Processes {
         ncp: &'a NestedControlPlane,
     ) -> BoxFuture<'a, Result<(), Error>> {
         async move {
-            self.processes.remove(&tenant_key(ncp)).await?;
+            let key = tenant_key(ncp);
+            if let Some(e) = &self.egress {
+                e.remove(&key);
+            }
+            self.processes.remove(&key).await?;
             Ok(())
         }
         .boxed()
@@ -132,7 +148,12 @@ impl Processes {
         }
         let endpoint_host: Vec<String> = hosts.first().map(|h| h.to_string()).into_iter().collect();
         let (secrets, health_ca) = pass.issue(&input, &endpoint_host).await?;
-        let data = secrets.data(&rendered.secrets).await?;
+        let mut data = secrets.data(&rendered.secrets).await?;
+        let egress = self.egress.as_ref().filter(|_| c == Component::ApiServer);
+        if egress.is_some() {
+            let (name, files) = nestplane_render::egress::apply(&mut rendered);
+            data.insert(name, files);
+        }
         let endpoints = nestplane_render::health_endpoints(c, &input);
         let probe = process::Probe {
             endpoints: endpoints.clone(),
@@ -141,6 +162,20 @@ impl Processes {
         self.processes
             .ensure(&key, &rendered, &version.to_string(), &data, &probe)
             .await?;
+        if let Some(egress) = egress {
+            let dir = self.processes.tenant_dir(&key)?;
+            let dirs: Vec<_> = (0..rendered.replicas)
+                .map(|i| dir.join(format!("{}-{i}", rendered.workload_name)))
+                .collect();
+            let user = self.processes.existing_user(&key)?;
+            let services = crate::egress::service_ranges(&input.service_cidr);
+            egress
+                .ensure(&key, user, services, &dirs)
+                .map_err(|e| RuntimeError::Io {
+                    context: "serving the API server's egress socket".into(),
+                    source: e,
+                })?;
+        }
 
         let service = if c == Component::ApiServer {
             Some(ensure_apiserver_service(client, t, &hosts).await?)

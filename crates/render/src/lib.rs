@@ -23,6 +23,7 @@ mod addressing;
 pub mod certificates;
 pub mod channels;
 mod components;
+pub mod egress;
 mod error;
 mod input;
 pub mod patch;

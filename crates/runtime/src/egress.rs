@@ -262,6 +262,58 @@ fn remove_node_rules(host_veth: &str) {
     }
 }
 
+/// Connect to `addr` as `user`'s packets would (`None`: as this process), within `timeout`:
+/// the socket is made by a thread of its own whose filesystem uid is the user's, which is
+/// what the [`CHAIN`]'s owner match reads, so the connection is confined exactly as the
+/// user's own would be. The thread ends with the connect; no other thread changes identity.
+pub async fn connect_as(
+    user: Option<User>,
+    addr: std::net::SocketAddr,
+    timeout: std::time::Duration,
+) -> std::io::Result<tokio::net::TcpStream> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        if let Some(u) = user
+            && let Err(e) = become_for_files(u.uid)
+        {
+            let _ = tx.send(Err(e));
+            return;
+        }
+        let made = std::net::TcpStream::connect_timeout(&addr, timeout).and_then(|s| {
+            s.set_nonblocking(true)?;
+            s.set_nodelay(true)?;
+            Ok(s)
+        });
+        // The receiver is gone only if the caller stopped waiting.
+        let _ = tx.send(made);
+    });
+    let s = rx
+        .await
+        .unwrap_or_else(|_| Err(std::io::Error::other("the connecting thread ended")))?;
+    tokio::net::TcpStream::from_std(s)
+}
+
+/// Make `uid` the calling thread's filesystem uid (only that thread's: Linux keeps
+/// credentials per thread, and `setfsuid` is not one of the calls the C library repeats on
+/// every thread).
+#[allow(unsafe_code)]
+fn become_for_files(uid: u32) -> std::io::Result<()> {
+    // SAFETY: plain system calls on integers; no memory is involved.
+    unsafe { libc::setfsuid(uid) };
+    // setfsuid answers with the previous value and never fails: an invalid id (-1) only
+    // reads the current one back.
+    // SAFETY: as above.
+    let now = unsafe { libc::setfsuid(u32::MAX) } as u32;
+    if now == uid {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "cannot take uid {uid} for a connection (this process is uid {})",
+            rustix::process::geteuid().as_raw()
+        )))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

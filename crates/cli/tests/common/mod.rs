@@ -125,6 +125,15 @@ impl Env {
 
     /// Start the operator with only `controllers` (`--controllers`).
     pub fn start_operator_running(&mut self, controllers: nestplane_operator::Controllers) {
+        self.start_operator_with(controllers, vec![]);
+    }
+
+    /// Start the operator with `controllers`, its nodes importing `node_images` too.
+    pub fn start_operator_with(
+        &mut self,
+        controllers: nestplane_operator::Controllers,
+        node_images: Vec<String>,
+    ) {
         self.operator = Some(nestplane_operator::Operator::start(
             self.plane.client(),
             nestplane_operator::Config {
@@ -134,6 +143,7 @@ impl Env {
                     dir: self.state.path().join("nodes"),
                     images: nestplane_nodes::images::default_dir(),
                     guard: env!("CARGO_BIN_EXE_nestplane").into(),
+                    extra_images: node_images,
                 }),
                 ..Default::default()
             },

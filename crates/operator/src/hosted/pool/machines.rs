@@ -12,6 +12,7 @@ use std::sync::Mutex;
 
 use futures::future::BoxFuture;
 use nestplane_nodes::config::{ClusterSettings, NodeSpec};
+use nestplane_nodes::egress::Route;
 use nestplane_nodes::join::BootstrapToken;
 use nestplane_nodes::node::{Node, NodeConfig};
 
@@ -70,6 +71,9 @@ pub trait NodeRuntime: Send + Sync {
     fn remove<'a>(&'a self, pool: &'a str, name: &'a str) -> BoxFuture<'a, ()>;
     /// Remove every node (the operator is stopping).
     fn remove_all(&self) -> BoxFuture<'_, ()>;
+    /// How the API server of the cluster whose isolation group is `group` reaches into its
+    /// network: through its running nodes here ([`nestplane_nodes::egress`]).
+    fn routes(&self, group: u32) -> Vec<Route>;
 }
 
 /// Where nodes live on this machine and what they are given.
@@ -82,13 +86,24 @@ pub struct NodeSettings {
     /// The `nestplane` binary whose `runc-guard` command judges every container on the
     /// nodes (the node guard, [`nestplane_nodes::guard`]).
     pub guard: PathBuf,
+    /// Images every node imports besides the pause, shell and DNS images (by name; those
+    /// whose archive exists).
+    pub extra_images: Vec<String>,
 }
 
 /// The pause image every node runs pods with.
 pub const PAUSE_IMAGE: &str = "registry.k8s.io/pause:3.2";
 
-/// A pool's nodes: each one's record and, while it runs, the node itself.
-type PoolNodes = Vec<(Machine, Option<Node>)>;
+/// A node this runtime made: its record, the node itself while it runs, and its cluster's
+/// isolation group.
+struct Held {
+    machine: Machine,
+    node: Option<Node>,
+    group: u32,
+}
+
+/// A pool's nodes.
+type PoolNodes = Vec<Held>;
 
 /// Nodes on this machine, as children of this process: an operator that stops takes them
 /// with it, and its successor makes new ones.
@@ -124,6 +139,7 @@ impl LocalNodes {
         if builtin_dns {
             names.push(nestplane_nodes::images::OPERATOR_IMAGE);
         }
+        names.extend(self.settings.extra_images.iter().map(String::as_str));
         names
             .iter()
             .map(|n| nestplane_nodes::images::archive_path(&self.settings.images, n))
@@ -166,7 +182,13 @@ impl LocalNodes {
             ip: Some(node.ip()),
             token_deleted: false,
         };
-        self.with(&r.pool, |v| v.push((machine.clone(), Some(node))));
+        self.with(&r.pool, |v| {
+            v.push(Held {
+                machine: machine.clone(),
+                node: Some(node),
+                group: r.group,
+            })
+        });
         Ok(machine)
     }
 }
@@ -200,13 +222,13 @@ impl NodeRuntime for LocalNodes {
     }
 
     fn list(&self, pool: &str) -> Vec<Machine> {
-        self.with(pool, |v| v.iter().map(|(m, _)| m.clone()).collect())
+        self.with(pool, |v| v.iter().map(|h| h.machine.clone()).collect())
     }
 
     fn token_deleted(&self, pool: &str, name: &str) {
         self.with(pool, |v| {
-            for (m, _) in v.iter_mut().filter(|(m, _)| m.name == name) {
-                m.token_deleted = true;
+            for h in v.iter_mut().filter(|h| h.machine.name == name) {
+                h.machine.token_deleted = true;
             }
         })
     }
@@ -214,13 +236,30 @@ impl NodeRuntime for LocalNodes {
     fn remove<'a>(&'a self, pool: &'a str, name: &'a str) -> BoxFuture<'a, ()> {
         Box::pin(async move {
             let taken = self.with(pool, |v| {
-                let i = v.iter().position(|(m, _)| m.name == name)?;
+                let i = v.iter().position(|h| h.machine.name == name)?;
                 Some(v.remove(i))
             });
-            if let Some((m, node)) = taken {
-                remove_node(&m.name, node).await;
+            if let Some(h) = taken {
+                remove_node(&h.machine.name, h.node).await;
             }
         })
+    }
+
+    fn routes(&self, group: u32) -> Vec<Route> {
+        let map = self.pools.lock().unwrap_or_else(|e| e.into_inner());
+        map.values()
+            .flatten()
+            .filter(|h| h.group == group)
+            .filter_map(|h| h.node.as_ref())
+            .filter_map(|n| {
+                let a = n.addresses();
+                Some(Route {
+                    node_ip: a.node_ip,
+                    pod_cidr: a.pod_cidr.parse().ok()?,
+                    netns: nestplane_nodes::net::netns_path(a),
+                })
+            })
+            .collect()
     }
 
     /// No drain: the clusters keep their Node objects, which the next operator replaces.
@@ -230,8 +269,8 @@ impl NodeRuntime for LocalNodes {
                 let mut map = self.pools.lock().unwrap_or_else(|e| e.into_inner());
                 map.drain().flat_map(|(_, v)| v).collect()
             };
-            for (m, node) in all {
-                remove_node(&m.name, node).await;
+            for h in all {
+                remove_node(&h.machine.name, h.node).await;
             }
         })
     }

@@ -1,0 +1,329 @@
+//! The API server's way into its own cluster's network: what its egress selector sends as
+//! `cluster` traffic (kubelets, `pods/proxy` and `services/proxy`, admission and conversion
+//! webhooks, aggregated APIs) arrives here as an HTTP `CONNECT` on a Unix socket, and is
+//! connected from inside one of that cluster's nodes, as a pod of the node would connect:
+//! the node's routes reach its pods and nodes, its kube-proxy turns a Service address into a
+//! pod's, and the host's isolation of the cluster's nodes applies. This is konnectivity's
+//! shape (the API server asks a proxy; the connection starts on the cluster's side), so the
+//! same socket serves nodes that this machine cannot dial, once they carry the connection.
+//!
+//! Only addresses of the cluster's own nodes, pod ranges and Service ranges are accepted; a
+//! cluster with no node on this machine is connected from the host as its control plane's
+//! own user, confined as that user's packets are ([`nestplane_runtime::egress`]).
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ipnet::Ipv4Net;
+use nestplane_runtime::egress::User;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpStream, UnixListener, UnixStream};
+
+/// The longest `CONNECT` request head accepted.
+const MAX_HEAD: usize = 8 * 1024;
+/// How long a client has to send its request, and a connection to be made.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One node of the cluster on this machine, as the proxy reaches through it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    /// The node's address.
+    pub node_ip: Ipv4Addr,
+    /// The node's pod range.
+    pub pod_cidr: Ipv4Net,
+    /// The node's network namespace.
+    pub netns: PathBuf,
+}
+
+/// Where a connection starts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// Inside this node's network namespace.
+    Node(PathBuf),
+    /// On the host, as the control plane's user.
+    Host,
+}
+
+/// Where a connection to `target` starts, for a cluster whose nodes here are `routes` and
+/// whose Service ranges are `services`; `Err` says why it is refused. Pure.
+pub fn choose(routes: &[Route], services: &[Ipv4Net], target: Ipv4Addr) -> Result<Via, String> {
+    let Some(first) = routes.first() else {
+        return Ok(Via::Host);
+    };
+    if let Some(r) = routes
+        .iter()
+        .find(|r| r.node_ip == target || r.pod_cidr.contains(&target))
+    {
+        return Ok(Via::Node(r.netns.clone()));
+    }
+    if services.iter().any(|s| s.contains(&target)) {
+        // Any node's kube-proxy knows every Service of its cluster.
+        return Ok(Via::Node(first.netns.clone()));
+    }
+    Err(format!(
+        "{target} is not an address of this cluster's nodes, pods or Services"
+    ))
+}
+
+/// A refused request: its status code and reason.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Refusal(pub u16, pub String);
+
+/// The target of a `CONNECT` request head (`CONNECT 10.244.1.5:443 HTTP/1.1`, then headers).
+/// Only an IPv4 address and port: the API server resolves names itself. Pure.
+pub fn parse_connect(head: &str) -> Result<SocketAddrV4, Refusal> {
+    let line = head.lines().next().unwrap_or_default();
+    let mut parts = line.split(' ');
+    let (Some(method), Some(target), Some(version), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(Refusal(400, "malformed request line".into()));
+    };
+    if method != "CONNECT" {
+        return Err(Refusal(405, "only CONNECT is served".into()));
+    }
+    if !version.starts_with("HTTP/1.") {
+        return Err(Refusal(400, "HTTP/1 only".into()));
+    }
+    target
+        .parse::<SocketAddrV4>()
+        .map_err(|_| Refusal(400, "the target must be an IPv4 address and port".into()))
+}
+
+/// What the proxy knows of one cluster.
+pub struct Cluster {
+    /// Its control plane's user: the only peer served, and the identity of connections
+    /// made from the host. `None` where this machine has no tenant users.
+    pub user: Option<User>,
+    /// Its Service ranges.
+    pub services: Vec<Ipv4Net>,
+    /// Its nodes on this machine, read at each connection.
+    pub routes: Arc<dyn Fn() -> Vec<Route> + Send + Sync>,
+}
+
+/// Serve `listener` for `cluster` until the task is aborted.
+pub async fn serve(listener: UnixListener, cluster: Arc<Cluster>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        if let Some(u) = cluster.user {
+            // The socket is the user's alone already; its peer is checked all the same.
+            match stream.peer_cred() {
+                Ok(c) if c.uid() == u.uid => {}
+                _ => continue,
+            }
+        }
+        let cluster = cluster.clone();
+        tokio::spawn(async move {
+            if let Err(e) = handle(stream, &cluster).await {
+                tracing::debug!(error = %e, "an egress connection ended");
+            }
+        });
+    }
+}
+
+async fn read_head(stream: &mut UnixStream) -> std::io::Result<(String, Vec<u8>)> {
+    let mut buf = Vec::with_capacity(512);
+    let mut chunk = [0u8; 1024];
+    loop {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let rest = buf.split_off(end + 4);
+            return Ok((String::from_utf8_lossy(&buf).into_owned(), rest));
+        }
+        if buf.len() > MAX_HEAD {
+            return Err(std::io::Error::other("request head too long"));
+        }
+    }
+}
+
+async fn refuse(stream: &mut UnixStream, r: &Refusal) -> std::io::Result<()> {
+    let reason: String = r.1.chars().filter(|c| !c.is_control()).collect();
+    stream
+        .write_all(format!("HTTP/1.1 {} {reason}\r\nContent-Length: 0\r\n\r\n", r.0).as_bytes())
+        .await
+}
+
+async fn dial(cluster: &Cluster, target: SocketAddrV4) -> Result<TcpStream, Refusal> {
+    let via = choose(&(cluster.routes)(), &cluster.services, *target.ip())
+        .map_err(|reason| Refusal(403, reason))?;
+    let addr = SocketAddr::V4(target);
+    let made = match via {
+        Via::Node(netns) => crate::net::connect_in_netns(netns, addr, TIMEOUT).await,
+        Via::Host => nestplane_runtime::egress::connect_as(cluster.user, addr, TIMEOUT).await,
+    };
+    made.map_err(|e| Refusal(502, format!("connecting to {target}: {e}")))
+}
+
+async fn handle(mut stream: UnixStream, cluster: &Cluster) -> std::io::Result<()> {
+    let (head, early) = tokio::time::timeout(TIMEOUT, read_head(&mut stream))
+        .await
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+    let target = match parse_connect(&head) {
+        Ok(t) => t,
+        Err(r) => return refuse(&mut stream, &r).await,
+    };
+    let mut upstream = match dial(cluster, target).await {
+        Ok(s) => s,
+        Err(r) => {
+            tracing::info!(%target, status = r.0, reason = %r.1, "egress refused");
+            return refuse(&mut stream, &r).await;
+        }
+    };
+    stream
+        .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        .await?;
+    if !early.is_empty() {
+        upstream.write_all(&early).await?;
+    }
+    tokio::io::copy_bidirectional(&mut stream, &mut upstream).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn route(slot: u8) -> Route {
+        Route {
+            node_ip: Ipv4Addr::new(10, 201, slot, 2),
+            pod_cidr: format!("10.244.{slot}.0/24").parse().unwrap(),
+            netns: PathBuf::from(format!("/run/netns/nestplane-n{slot}")),
+        }
+    }
+
+    #[test]
+    fn a_connection_starts_in_the_node_that_holds_its_target() {
+        let routes = [route(3), route(7)];
+        let services: Vec<Ipv4Net> = vec!["10.96.0.0/12".parse().unwrap()];
+        let node = |s: u8| Ok(Via::Node(route(s).netns));
+        assert_eq!(
+            choose(&routes, &services, "10.201.7.2".parse().unwrap()),
+            node(7)
+        );
+        assert_eq!(
+            choose(&routes, &services, "10.244.7.9".parse().unwrap()),
+            node(7)
+        );
+        assert_eq!(
+            choose(&routes, &services, "10.244.3.9".parse().unwrap()),
+            node(3)
+        );
+        assert_eq!(
+            choose(&routes, &services, "10.96.0.10".parse().unwrap()),
+            node(3)
+        );
+    }
+
+    #[test]
+    fn anything_else_is_refused_and_no_node_means_the_host() {
+        let routes = [route(3)];
+        let services: Vec<Ipv4Net> = vec!["10.96.0.0/12".parse().unwrap()];
+        for other in [
+            "10.244.4.9",  // another node's pods (another cluster's)
+            "10.201.4.2",  // another node
+            "10.201.3.1",  // the host's end of this node's link
+            "127.0.0.1",   // loopback
+            "192.168.1.1", // beyond
+        ] {
+            let r = choose(&routes, &services, other.parse().unwrap());
+            assert!(r.is_err(), "{other}: {r:?}");
+        }
+        assert_eq!(
+            choose(&[], &services, "10.244.4.9".parse().unwrap()),
+            Ok(Via::Host)
+        );
+    }
+
+    #[test]
+    fn only_connect_to_an_ipv4_address_and_port() {
+        assert_eq!(
+            parse_connect("CONNECT 10.244.1.5:443 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"),
+            Ok("10.244.1.5:443".parse().unwrap())
+        );
+        for bad in [
+            "GET / HTTP/1.1\r\n\r\n",
+            "CONNECT example.com:443 HTTP/1.1\r\n\r\n",
+            "CONNECT [::1]:443 HTTP/1.1\r\n\r\n",
+            "CONNECT 10.244.1.5 HTTP/1.1\r\n\r\n",
+            "CONNECT 10.244.1.5:443 HTTP/1.1 extra\r\n\r\n",
+            "CONNECT 10.244.1.5:443 SPDY/3\r\n\r\n",
+            "",
+        ] {
+            assert!(parse_connect(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    async fn ask(sock: &std::path::Path, target: &str) -> (String, UnixStream) {
+        let mut c = UnixStream::connect(sock).await.unwrap();
+        c.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut head = Vec::new();
+        let mut b = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            if c.read(&mut b).await.unwrap() == 0 {
+                break;
+            }
+            head.push(b[0]);
+        }
+        (String::from_utf8_lossy(&head).into_owned(), c)
+    }
+
+    #[tokio::test]
+    async fn a_connect_is_answered_and_carried_or_refused_with_its_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let echo = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let echo_addr = echo.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = echo.accept().await.unwrap();
+            let (mut r, mut w) = s.split();
+            let _ = tokio::io::copy(&mut r, &mut w).await;
+        });
+        // No node here: connected from the host (as this process: no tenant user).
+        let open = dir.path().join("open.sock");
+        let l = UnixListener::bind(&open).unwrap();
+        tokio::spawn(serve(
+            l,
+            Arc::new(Cluster {
+                user: None,
+                services: vec![],
+                routes: Arc::new(Vec::new),
+            }),
+        ));
+        let (head, mut c) = ask(&open, &echo_addr.to_string()).await;
+        assert!(head.starts_with("HTTP/1.1 200 "), "{head}");
+        c.write_all(b"ping").await.unwrap();
+        let mut got = [0u8; 4];
+        c.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"ping");
+
+        // A cluster with nodes: what is not its own is refused, with the reason.
+        let closed = dir.path().join("closed.sock");
+        let l = UnixListener::bind(&closed).unwrap();
+        tokio::spawn(serve(
+            l,
+            Arc::new(Cluster {
+                user: None,
+                services: vec!["10.96.0.0/12".parse().unwrap()],
+                routes: Arc::new(|| vec![route(3)]),
+            }),
+        ));
+        let (head, _) = ask(&closed, &echo_addr.to_string()).await;
+        assert!(
+            head.starts_with("HTTP/1.1 403 127.0.0.1 is not an address of this cluster's"),
+            "{head}"
+        );
+        let (head, _) = ask(&closed, "example.com:443").await;
+        assert!(head.starts_with("HTTP/1.1 400 "), "{head}");
+    }
+}
