@@ -12,55 +12,85 @@
 //! own user, confined as that user's packets are ([`nestplane_runtime::egress`]).
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use ipnet::Ipv4Net;
 use nestplane_runtime::egress::User;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixListener, UnixStream};
+use tokio::sync::Semaphore;
 
 /// The longest `CONNECT` request head accepted.
 const MAX_HEAD: usize = 8 * 1024;
 /// How long a client has to send its request, and a connection to be made.
 const TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one direction of a tunnel may stay open after the other has ended.
+const HALF_CLOSED: Duration = Duration::from_secs(30);
+/// Tunnels one cluster may have open (or being made) at once: each holds two descriptors of
+/// the operator's, which every cluster shares.
+pub const MAX_TUNNELS: usize = 256;
 
 /// One node of the cluster on this machine, as the proxy reaches through it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Route {
     /// The node's address.
     pub node_ip: Ipv4Addr,
     /// The node's pod range.
     pub pod_cidr: Ipv4Net,
-    /// The node's network namespace.
-    pub netns: PathBuf,
+    /// The node's network namespace, held open (never looked up by a path that a later
+    /// node may reuse).
+    pub netns: Arc<OwnedFd>,
 }
 
 /// Where a connection starts.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Via {
-    /// Inside this node's network namespace.
-    Node(PathBuf),
+    /// Inside the network namespace of this route's node (an index into the routes).
+    Node(usize),
     /// On the host, as the control plane's user.
     Host,
+}
+
+/// Why `ip` is never a target, whatever a cluster's ranges say (a Service range is the
+/// user's choice): not a unicast address of a network, loopback, link-local, the nodes'
+/// API address, or the machine's end of a node's link. Pure.
+pub fn never(ip: Ipv4Addr) -> Option<&'static str> {
+    let o = ip.octets();
+    if o[0] == 0 || ip.is_broadcast() || ip.is_multicast() || o[0] >= 240 {
+        Some("not a unicast address")
+    } else if ip.is_loopback() {
+        Some("a loopback address")
+    } else if ip.is_link_local() {
+        Some("a link-local address")
+    } else if ip == crate::config::NODE_LOCAL_APISERVER {
+        Some("the nodes' API address")
+    } else if o[0] == 10 && o[1] == 201 && o[3] == 1 {
+        Some("the machine's end of a node's link")
+    } else {
+        None
+    }
 }
 
 /// Where a connection to `target` starts, for a cluster whose nodes here are `routes` and
 /// whose Service ranges are `services`; `Err` says why it is refused. Pure.
 pub fn choose(routes: &[Route], services: &[Ipv4Net], target: Ipv4Addr) -> Result<Via, String> {
-    let Some(first) = routes.first() else {
+    if let Some(why) = never(target) {
+        return Err(format!("{target} is {why}"));
+    }
+    if routes.is_empty() {
         return Ok(Via::Host);
-    };
-    if let Some(r) = routes
+    }
+    if let Some(i) = routes
         .iter()
-        .find(|r| r.node_ip == target || r.pod_cidr.contains(&target))
+        .position(|r| r.node_ip == target || r.pod_cidr.contains(&target))
     {
-        return Ok(Via::Node(r.netns.clone()));
+        return Ok(Via::Node(i));
     }
     if services.iter().any(|s| s.contains(&target)) {
         // Any node's kube-proxy knows every Service of its cluster.
-        return Ok(Via::Node(first.netns.clone()));
+        return Ok(Via::Node(0));
     }
     Err(format!(
         "{target} is not an address of this cluster's nodes, pods or Services"
@@ -92,37 +122,67 @@ pub fn parse_connect(head: &str) -> Result<SocketAddrV4, Refusal> {
         .map_err(|_| Refusal(400, "the target must be an IPv4 address and port".into()))
 }
 
-/// What the proxy knows of one cluster.
+/// What the proxy knows of one cluster; every listener of the cluster shares it.
 pub struct Cluster {
     /// Its control plane's user: the only peer served, and the identity of connections
     /// made from the host. `None` where this machine has no tenant users.
     pub user: Option<User>,
-    /// Its Service ranges.
-    pub services: Vec<Ipv4Net>,
+    /// Its Service ranges (updated in place when they change).
+    pub services: RwLock<Vec<Ipv4Net>>,
     /// Its nodes on this machine, read at each connection.
-    pub routes: Arc<dyn Fn() -> Vec<Route> + Send + Sync>,
+    pub routes: Box<dyn Fn() -> Vec<Route> + Send + Sync>,
+    /// Its open tunnels ([`MAX_TUNNELS`]).
+    pub tunnels: Arc<Semaphore>,
 }
 
-/// Serve `listener` for `cluster` until the task is aborted.
-pub async fn serve(listener: UnixListener, cluster: Arc<Cluster>) {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        };
-        if let Some(u) = cluster.user {
-            // The socket is the user's alone already; its peer is checked all the same.
-            match stream.peer_cred() {
-                Ok(c) if c.uid() == u.uid => {}
-                _ => continue,
-            }
+impl Cluster {
+    /// A cluster of `user`, with `services`, whose nodes `routes` reads.
+    pub fn new(
+        user: Option<User>,
+        services: Vec<Ipv4Net>,
+        routes: Box<dyn Fn() -> Vec<Route> + Send + Sync>,
+    ) -> Cluster {
+        Cluster {
+            user,
+            services: RwLock::new(services),
+            routes,
+            tunnels: Arc::new(Semaphore::new(MAX_TUNNELS)),
         }
-        let cluster = cluster.clone();
-        tokio::spawn(async move {
-            if let Err(e) = handle(stream, &cluster).await {
-                tracing::debug!(error = %e, "an egress connection ended");
+    }
+}
+
+/// Serve `listener` for `cluster` until this future is dropped (its task aborted), which
+/// ends every tunnel it opened too. A connection beyond [`MAX_TUNNELS`] is closed at once.
+pub async fn serve(listener: UnixListener, cluster: Arc<Cluster>) {
+    let mut tunnels = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
+                if let Some(u) = cluster.user {
+                    // The socket is the user's alone already; its peer is checked all the same.
+                    match stream.peer_cred() {
+                        Ok(c) if c.uid() == u.uid => {}
+                        _ => continue,
+                    }
+                }
+                let Ok(permit) = cluster.tunnels.clone().try_acquire_owned() else {
+                    tracing::debug!("egress: too many tunnels; a connection is closed");
+                    continue;
+                };
+                let cluster = cluster.clone();
+                tunnels.spawn(async move {
+                    let _permit = permit;
+                    if let Err(e) = handle(stream, &cluster).await {
+                        tracing::debug!(error = %e, "an egress connection ended");
+                    }
+                });
             }
-        });
+            Some(_) = tunnels.join_next(), if !tunnels.is_empty() => {}
+        }
     }
 }
 
@@ -153,14 +213,39 @@ async fn refuse(stream: &mut UnixStream, r: &Refusal) -> std::io::Result<()> {
 }
 
 async fn dial(cluster: &Cluster, target: SocketAddrV4) -> Result<TcpStream, Refusal> {
-    let via = choose(&(cluster.routes)(), &cluster.services, *target.ip())
-        .map_err(|reason| Refusal(403, reason))?;
+    let routes = (cluster.routes)();
+    let services = cluster
+        .services
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let via = choose(&routes, &services, *target.ip()).map_err(|reason| Refusal(403, reason))?;
     let addr = SocketAddr::V4(target);
     let made = match via {
-        Via::Node(netns) => crate::net::connect_in_netns(netns, addr, TIMEOUT).await,
+        Via::Node(i) => crate::net::connect_in_netns(routes[i].netns.clone(), addr, TIMEOUT).await,
         Via::Host => nestplane_runtime::egress::connect_as(cluster.user, addr, TIMEOUT).await,
     };
     made.map_err(|e| Refusal(502, format!("connecting to {target}: {e}")))
+}
+
+/// Carry bytes both ways until both ends are done; once one direction has ended, the other
+/// gets [`HALF_CLOSED`] to finish (a peer that never closes holds nothing for long).
+async fn carry(mut a: UnixStream, mut b: TcpStream) {
+    let (mut ar, mut aw) = a.split();
+    let (mut br, mut bw) = b.split();
+    let up = async {
+        let _ = tokio::io::copy(&mut ar, &mut bw).await;
+        let _ = bw.shutdown().await;
+    };
+    let down = async {
+        let _ = tokio::io::copy(&mut br, &mut aw).await;
+        let _ = aw.shutdown().await;
+    };
+    tokio::pin!(up, down);
+    tokio::select! {
+        _ = &mut up => { let _ = tokio::time::timeout(HALF_CLOSED, down).await; }
+        _ = &mut down => { let _ = tokio::time::timeout(HALF_CLOSED, up).await; }
+    }
 }
 
 async fn handle(mut stream: UnixStream, cluster: &Cluster) -> std::io::Result<()> {
@@ -174,7 +259,7 @@ async fn handle(mut stream: UnixStream, cluster: &Cluster) -> std::io::Result<()
     let mut upstream = match dial(cluster, target).await {
         Ok(s) => s,
         Err(r) => {
-            tracing::info!(%target, status = r.0, reason = %r.1, "egress refused");
+            tracing::debug!(%target, status = r.0, reason = %r.1, "egress refused");
             return refuse(&mut stream, &r).await;
         }
     };
@@ -184,7 +269,7 @@ async fn handle(mut stream: UnixStream, cluster: &Cluster) -> std::io::Result<()
     if !early.is_empty() {
         upstream.write_all(&early).await?;
     }
-    tokio::io::copy_bidirectional(&mut stream, &mut upstream).await?;
+    carry(stream, upstream).await;
     Ok(())
 }
 
@@ -197,7 +282,7 @@ mod tests {
         Route {
             node_ip: Ipv4Addr::new(10, 201, slot, 2),
             pod_cidr: format!("10.244.{slot}.0/24").parse().unwrap(),
-            netns: PathBuf::from(format!("/run/netns/nestplane-n{slot}")),
+            netns: Arc::new(std::fs::File::open("/dev/null").unwrap().into()),
         }
     }
 
@@ -205,22 +290,22 @@ mod tests {
     fn a_connection_starts_in_the_node_that_holds_its_target() {
         let routes = [route(3), route(7)];
         let services: Vec<Ipv4Net> = vec!["10.96.0.0/12".parse().unwrap()];
-        let node = |s: u8| Ok(Via::Node(route(s).netns));
+        let node = |i: usize| Ok(Via::Node(i));
         assert_eq!(
             choose(&routes, &services, "10.201.7.2".parse().unwrap()),
-            node(7)
+            node(1)
         );
         assert_eq!(
             choose(&routes, &services, "10.244.7.9".parse().unwrap()),
-            node(7)
+            node(1)
         );
         assert_eq!(
             choose(&routes, &services, "10.244.3.9".parse().unwrap()),
-            node(3)
+            node(0)
         );
         assert_eq!(
             choose(&routes, &services, "10.96.0.10".parse().unwrap()),
-            node(3)
+            node(0)
         );
     }
 
@@ -242,6 +327,21 @@ mod tests {
             choose(&[], &services, "10.244.4.9".parse().unwrap()),
             Ok(Via::Host)
         );
+        // Whatever the ranges say, with nodes or without.
+        let wide: Vec<Ipv4Net> = vec!["0.0.0.0/0".parse().unwrap()];
+        for never in [
+            "127.0.0.1",
+            "0.0.0.0",
+            "169.254.169.254",
+            "224.0.0.1",
+            "255.255.255.255",
+            "172.20.0.1",
+            "10.201.3.1",
+        ] {
+            let ip = never.parse().unwrap();
+            assert!(choose(&routes, &wide, ip).is_err(), "{never}");
+            assert!(choose(&[], &wide, ip).is_err(), "{never}");
+        }
     }
 
     #[test]
@@ -282,7 +382,19 @@ mod tests {
     #[tokio::test]
     async fn a_connect_is_answered_and_carried_or_refused_with_its_reason() {
         let dir = tempfile::tempdir().unwrap();
-        let echo = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // An address of this machine's own that is not loopback (which is never a target).
+        let out = std::process::Command::new("ip")
+            .args(["-4", "-o", "addr", "show", "scope", "global"])
+            .output()
+            .expect("ip (iproute2)");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let own: Ipv4Addr = text
+            .split_whitespace()
+            .skip_while(|w| *w != "inet")
+            .nth(1)
+            .and_then(|a| a.split('/').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no global IPv4 address on this machine: {text}"));
+        let echo = tokio::net::TcpListener::bind((own, 0)).await.unwrap();
         let echo_addr = echo.local_addr().unwrap();
         tokio::spawn(async move {
             let (mut s, _) = echo.accept().await.unwrap();
@@ -294,11 +406,7 @@ mod tests {
         let l = UnixListener::bind(&open).unwrap();
         tokio::spawn(serve(
             l,
-            Arc::new(Cluster {
-                user: None,
-                services: vec![],
-                routes: Arc::new(Vec::new),
-            }),
+            Arc::new(Cluster::new(None, vec![], Box::new(Vec::new))),
         ));
         let (head, mut c) = ask(&open, &echo_addr.to_string()).await;
         assert!(head.starts_with("HTTP/1.1 200 "), "{head}");
@@ -312,18 +420,25 @@ mod tests {
         let l = UnixListener::bind(&closed).unwrap();
         tokio::spawn(serve(
             l,
-            Arc::new(Cluster {
-                user: None,
-                services: vec!["10.96.0.0/12".parse().unwrap()],
-                routes: Arc::new(|| vec![route(3)]),
-            }),
+            Arc::new(Cluster::new(
+                None,
+                vec!["10.96.0.0/12".parse().unwrap()],
+                Box::new(|| vec![route(3)]),
+            )),
         ));
         let (head, _) = ask(&closed, &echo_addr.to_string()).await;
         assert!(
-            head.starts_with("HTTP/1.1 403 127.0.0.1 is not an address of this cluster's"),
+            head.starts_with(&format!(
+                "HTTP/1.1 403 {own} is not an address of this cluster's"
+            )),
             "{head}"
         );
         let (head, _) = ask(&closed, "example.com:443").await;
         assert!(head.starts_with("HTTP/1.1 400 "), "{head}");
+        let (head, _) = ask(&closed, "127.0.0.1:10248").await;
+        assert!(
+            head.starts_with("HTTP/1.1 403 127.0.0.1 is a loopback address"),
+            "{head}"
+        );
     }
 }

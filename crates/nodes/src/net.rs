@@ -114,13 +114,11 @@ pub fn netns_path(a: &Addresses) -> PathBuf {
     PathBuf::from("/run/netns").join(&a.netns)
 }
 
-/// Move the calling thread into the network namespace at `netns`. Only for a thread of its
-/// own that ends with its work.
-fn enter_netns(netns: &Path) -> std::io::Result<()> {
-    let ns = std::fs::File::open(netns)?;
-    use std::os::fd::AsFd;
+/// Move the calling thread into the network namespace `ns`. Only for a thread of its own
+/// that ends with its work.
+fn enter_netns(ns: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()> {
     rustix::thread::move_into_link_name_space(
-        ns.as_fd(),
+        ns,
         Some(rustix::thread::LinkNameSpaceType::Network),
     )?;
     Ok(())
@@ -134,36 +132,40 @@ pub fn in_netns<T: Send + 'static>(
     f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
 ) -> std::io::Result<T> {
     std::thread::spawn(move || {
-        enter_netns(&netns)?;
+        use std::os::fd::AsFd;
+        let ns = std::fs::File::open(&netns)?;
+        enter_netns(ns.as_fd())?;
         f()
     })
     .join()
     .unwrap_or_else(|_| Err(std::io::Error::other("the namespace thread panicked")))
 }
 
-/// Connect to `addr` from inside the network namespace at `netns` (as a pod of that node
-/// would: the node's routes, its kube-proxy's Service rules and its filter apply), within
-/// `timeout`. The wait happens on the namespace's own thread, not the caller's.
+/// A node's network namespace, held open: the namespace it names stays the same one however
+/// its path is reused.
+pub fn open_netns(a: &Addresses) -> std::io::Result<std::sync::Arc<std::os::fd::OwnedFd>> {
+    Ok(std::sync::Arc::new(
+        std::fs::File::open(netns_path(a))?.into(),
+    ))
+}
+
+/// Connect to `addr` from inside the network namespace `netns` (as a pod of that node would:
+/// the node's routes, its kube-proxy's Service rules and its filter apply), within
+/// `timeout`. A thread of its own enters the namespace to make the socket and ends; the
+/// connect happens on the caller's runtime.
 pub async fn connect_in_netns(
-    netns: PathBuf,
+    netns: std::sync::Arc<std::os::fd::OwnedFd>,
     addr: std::net::SocketAddr,
     timeout: std::time::Duration,
 ) -> std::io::Result<tokio::net::TcpStream> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::spawn(move || {
-        let made = enter_netns(&netns).and_then(|()| {
-            let s = std::net::TcpStream::connect_timeout(&addr, timeout)?;
-            s.set_nonblocking(true)?;
-            s.set_nodelay(true)?;
-            Ok(s)
-        });
-        // The receiver is gone only if the caller stopped waiting.
-        let _ = tx.send(made);
-    });
-    let s = rx
-        .await
-        .unwrap_or_else(|_| Err(std::io::Error::other("the connecting thread ended")))?;
-    tokio::net::TcpStream::from_std(s)
+    use nestplane_runtime::egress::{connect_within, on_own_thread};
+    let socket = on_own_thread(move || {
+        use std::os::fd::AsFd;
+        enter_netns(netns.as_fd())?;
+        tokio::net::TcpSocket::new_v4()
+    })
+    .await?;
+    connect_within(socket, addr, timeout).await
 }
 
 /// Create the node's network namespace and link: `eth0` in the namespace with the node

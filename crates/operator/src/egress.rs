@@ -23,14 +23,21 @@ struct Listening {
 
 impl Drop for Listening {
     fn drop(&mut self) {
+        // Aborting the listener ends its tunnels too.
         self.task.abort();
     }
+}
+
+/// One tenant's sockets and what they share.
+struct Served {
+    cluster: Arc<Cluster>,
+    listening: Vec<Listening>,
 }
 
 /// The egress sockets of every tenant this operator runs.
 pub struct Egress {
     nodes: Arc<dyn NodeRuntime>,
-    tenants: Mutex<HashMap<TenantKey, Vec<Listening>>>,
+    tenants: Mutex<HashMap<TenantKey, Served>>,
 }
 
 /// The IPv4 ranges of a comma-separated Service CIDR list (IPv6 ones are not served). Pure.
@@ -42,16 +49,30 @@ pub fn service_ranges(cidrs: &str) -> Vec<Ipv4Net> {
         .collect()
 }
 
-fn bind(path: &Path, user: Option<User>) -> std::io::Result<tokio::net::UnixListener> {
-    match std::fs::remove_file(path) {
+/// Bind the socket in directory `dir`, owned by `user`, 0600. Through a descriptor of the
+/// directory (`/proc/self/fd/<n>/egress.sock`): a socket's path may be 107 bytes at most,
+/// which a state directory, a namespace and a cluster name can exceed, and the directory is
+/// opened without following a link.
+fn bind(dir: &Path, user: Option<User>) -> std::io::Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let d = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+        .open(dir)?;
+    let path = PathBuf::from(format!(
+        "/proc/self/fd/{}/{}",
+        std::os::fd::AsRawFd::as_raw_fd(&d),
+        nestplane_render::egress::SOCKET_FILE
+    ));
+    match std::fs::remove_file(&path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
         _ => {}
     }
-    let l = tokio::net::UnixListener::bind(path)?;
+    let l = tokio::net::UnixListener::bind(&path)?;
     if let Some(u) = user {
-        std::os::unix::fs::chown(path, Some(u.uid), Some(u.gid))?;
+        std::os::unix::fs::lchown(&path, Some(u.uid), Some(u.gid))?;
     }
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
     Ok(l)
 }
 
@@ -64,40 +85,68 @@ impl Egress {
         }
     }
 
+    fn cluster(&self, user: Option<User>, services: Vec<Ipv4Net>) -> Arc<Cluster> {
+        let nodes = self.nodes.clone();
+        // The nodes of this cluster are those of its isolation group: its control plane's uid.
+        let group = user.map(|u| u.uid);
+        Arc::new(Cluster::new(
+            user,
+            services,
+            Box::new(move || group.map(|g| nodes.routes(g)).unwrap_or_default()),
+        ))
+    }
+
     /// Serve `<dir>/egress.sock` for each replica directory in `dirs` of the tenant `key`,
     /// whose control plane runs as `user` and whose Service ranges are `services`; a socket
-    /// that is there and served stays, those of replicas no longer in `dirs` go.
+    /// that is there and served stays (with the ranges given now), those of replicas no
+    /// longer in `dirs` go. A socket that cannot be made is logged and tried again on the
+    /// next pass: the API server runs without it (its cluster traffic fails, nothing else).
     pub fn ensure(
         &self,
         key: &TenantKey,
         user: Option<User>,
         services: Vec<Ipv4Net>,
         dirs: &[PathBuf],
-    ) -> std::io::Result<()> {
+    ) {
         let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
-        let held = tenants.entry(key.clone()).or_default();
+        let served = tenants.entry(key.clone()).or_insert_with(|| Served {
+            cluster: self.cluster(user, services.clone()),
+            listening: vec![],
+        });
+        if served.cluster.user != user {
+            // Another user is another tenant: nothing of the last one's is kept.
+            served.listening.clear();
+            served.cluster = self.cluster(user, services.clone());
+        }
+        *served
+            .cluster
+            .services
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = services;
         let paths: Vec<PathBuf> = dirs
             .iter()
             .map(|d| d.join(nestplane_render::egress::SOCKET_FILE))
             .collect();
-        held.retain(|l| paths.contains(&l.path) && !l.task.is_finished() && l.path.exists());
-        let nodes = self.nodes.clone();
-        // The nodes of this cluster are those of its isolation group: its control plane's uid.
-        let group = user.map(|u| u.uid);
-        let cluster = Arc::new(Cluster {
-            user,
-            services,
-            routes: Arc::new(move || group.map(|g| nodes.routes(g)).unwrap_or_default()),
-        });
-        for path in paths {
-            if held.iter().any(|l| l.path == path) {
+        served
+            .listening
+            .retain(|l| paths.contains(&l.path) && !l.task.is_finished() && l.path.exists());
+        for (dir, path) in dirs.iter().zip(paths) {
+            if served.listening.iter().any(|l| l.path == path) {
                 continue;
             }
-            let listener = bind(&path, user)?;
-            let task = tokio::spawn(serve(listener, cluster.clone()));
-            held.push(Listening { path, task });
+            match bind(dir, user) {
+                Ok(listener) => {
+                    let task = tokio::spawn(serve(listener, served.cluster.clone()));
+                    served.listening.push(Listening { path, task });
+                }
+                Err(e) => tracing::warn!(
+                    tenant = %key,
+                    socket = %path.display(),
+                    error = %e,
+                    "cannot serve the API server's egress socket; its cluster traffic fails until it can"
+                ),
+            }
         }
-        Ok(())
     }
 
     /// Stop serving the tenant `key` (it is removed; its directory goes with it).
@@ -122,5 +171,25 @@ mod tests {
             ]
         );
         assert!(service_ranges("").is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_socket_is_made_however_long_its_directory_path_is() {
+        let base = tempfile::tempdir().unwrap();
+        let mut dir = base.path().to_path_buf();
+        for _ in 0..6 {
+            dir.push("a-directory-name-of-twenty-four");
+        }
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(nestplane_render::egress::SOCKET_FILE);
+        assert!(path.as_os_str().len() > 108, "{}", path.display());
+        let _listener = bind(&dir, None).unwrap();
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        use std::os::unix::fs::FileTypeExt;
+        assert!(meta.file_type().is_socket());
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        // Made again over a stale one.
+        drop(_listener);
+        let _again = bind(&dir, None).unwrap();
     }
 }

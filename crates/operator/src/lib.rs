@@ -105,7 +105,10 @@ pub async fn run_with(
     });
     let mut ctx = Context::new(client.clone(), runtime.clone(), config.mode.clone());
     if let (Mode::Process, Some(nodes)) = (&config.mode, &nodes) {
-        // API servers reach their clusters through their nodes here.
+        // API servers reach their clusters through their nodes here, two descriptors per
+        // connection.
+        let limit = nestplane_runtime::egress::raise_open_files_limit();
+        tracing::debug!(?limit, "open files");
         let egress = Arc::new(egress::Egress::new(nodes.clone()));
         ctx.runtime = Arc::new(process::Processes::new(runtime.clone()).with_egress(egress));
     }

@@ -110,10 +110,12 @@ impl Runtime for Processes {
     ) -> BoxFuture<'a, Result<(), Error>> {
         async move {
             let key = tenant_key(ncp);
+            // Marked removed first: a pass that serves the tenant meanwhile sees it.
+            let removed = self.processes.remove(&key).await;
             if let Some(e) = &self.egress {
                 e.remove(&key);
             }
-            self.processes.remove(&key).await?;
+            removed?;
             Ok(())
         }
         .boxed()
@@ -169,12 +171,11 @@ impl Processes {
                 .collect();
             let user = self.processes.existing_user(&key)?;
             let services = crate::egress::service_ranges(&input.service_cidr);
-            egress
-                .ensure(&key, user, services, &dirs)
-                .map_err(|e| RuntimeError::Io {
-                    context: "serving the API server's egress socket".into(),
-                    source: e,
-                })?;
+            egress.ensure(&key, user, services, &dirs);
+            if self.processes.is_removed(&key) {
+                // Removed while this pass served it: what was just made goes too.
+                egress.remove(&key);
+            }
         }
 
         let service = if c == Component::ApiServer {

@@ -262,35 +262,69 @@ fn remove_node_rules(host_veth: &str) {
     }
 }
 
+/// Run `f` on a thread of its own, which ends with it, and wait for it without blocking the
+/// caller's thread: for work that changes the thread's identity (its filesystem uid, its
+/// network namespace) to make a socket, so that no other thread ever carries the change.
+pub async fn on_own_thread<T: Send + 'static>(
+    f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
+) -> std::io::Result<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("nestplane-socket".into())
+        .spawn(move || {
+            // The receiver is gone only if the caller stopped waiting.
+            let _ = tx.send(f());
+        })?;
+    rx.await
+        .unwrap_or_else(|_| Err(std::io::Error::other("the socket thread ended")))
+}
+
+/// Connect `socket` to `addr` within `timeout`, on the caller's runtime (no thread waits).
+pub async fn connect_within(
+    socket: tokio::net::TcpSocket,
+    addr: std::net::SocketAddr,
+    timeout: std::time::Duration,
+) -> std::io::Result<tokio::net::TcpStream> {
+    let s = tokio::time::timeout(timeout, socket.connect(addr))
+        .await
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+    s.set_nodelay(true)?;
+    Ok(s)
+}
+
 /// Connect to `addr` as `user`'s packets would (`None`: as this process), within `timeout`:
 /// the socket is made by a thread of its own whose filesystem uid is the user's, which is
-/// what the [`CHAIN`]'s owner match reads, so the connection is confined exactly as the
-/// user's own would be. The thread ends with the connect; no other thread changes identity.
+/// what the [`CHAIN`]'s owner match reads (the socket's file keeps the credentials it was
+/// made with), so the connection is confined exactly as the user's own would be. The thread
+/// ends once the socket is made; the connect happens on the caller's runtime.
 pub async fn connect_as(
     user: Option<User>,
     addr: std::net::SocketAddr,
     timeout: std::time::Duration,
 ) -> std::io::Result<tokio::net::TcpStream> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::spawn(move || {
-        if let Some(u) = user
-            && let Err(e) = become_for_files(u.uid)
-        {
-            let _ = tx.send(Err(e));
-            return;
+    let socket = on_own_thread(move || {
+        if let Some(u) = user {
+            become_for_files(u.uid)?;
         }
-        let made = std::net::TcpStream::connect_timeout(&addr, timeout).and_then(|s| {
-            s.set_nonblocking(true)?;
-            s.set_nodelay(true)?;
-            Ok(s)
-        });
-        // The receiver is gone only if the caller stopped waiting.
-        let _ = tx.send(made);
-    });
-    let s = rx
-        .await
-        .unwrap_or_else(|_| Err(std::io::Error::other("the connecting thread ended")))?;
-    tokio::net::TcpStream::from_std(s)
+        tokio::net::TcpSocket::new_v4()
+    })
+    .await?;
+    connect_within(socket, addr, timeout).await
+}
+
+/// Raise this process's soft limit of open files to its hard limit: the operator holds two
+/// descriptors per API-server tunnel, for every tenant (each is capped, the sum is not), and
+/// the usual soft limit (1024) is far below the usual hard one. Returns the limit now.
+pub fn raise_open_files_limit() -> Option<u64> {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut l = getrlimit(Resource::Nofile);
+    if l.current < l.maximum {
+        l.current = l.maximum;
+        if setrlimit(Resource::Nofile, l).is_err() {
+            return getrlimit(Resource::Nofile).current;
+        }
+    }
+    l.current
 }
 
 /// Make `uid` the calling thread's filesystem uid (only that thread's: Linux keeps

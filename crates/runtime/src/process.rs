@@ -241,13 +241,16 @@ impl ProcessRuntime {
             .remove(key);
     }
 
-    fn check_alive(&self, key: &TenantKey) -> Result<(), RuntimeError> {
-        if self
-            .removed
+    /// Whether the tenant was removed (and not revived since).
+    pub fn is_removed(&self, key: &TenantKey) -> bool {
+        self.removed
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .contains(key)
-        {
+    }
+
+    fn check_alive(&self, key: &TenantKey) -> Result<(), RuntimeError> {
+        if self.is_removed(key) {
             return Err(RuntimeError::Removed(format!(
                 "{}/{}",
                 key.namespace, key.cluster

@@ -7,8 +7,9 @@
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 use nestplane_nodes::config::{ClusterSettings, NodeSpec};
@@ -100,6 +101,9 @@ struct Held {
     machine: Machine,
     node: Option<Node>,
     group: u32,
+    /// The node's network namespace, held open from its start (what the API server's
+    /// egress connects inside).
+    netns: Option<Arc<OwnedFd>>,
 }
 
 /// A pool's nodes.
@@ -182,11 +186,15 @@ impl LocalNodes {
             ip: Some(node.ip()),
             token_deleted: false,
         };
+        let netns = nestplane_nodes::net::open_netns(node.addresses())
+            .map_err(|e| tracing::warn!(node = %machine.name, error = %e, "cannot hold the node's network namespace; its cluster's API server does not reach through it"))
+            .ok();
         self.with(&r.pool, |v| {
             v.push(Held {
                 machine: machine.clone(),
                 node: Some(node),
                 group: r.group,
+                netns,
             })
         });
         Ok(machine)
@@ -250,13 +258,12 @@ impl NodeRuntime for LocalNodes {
         map.values()
             .flatten()
             .filter(|h| h.group == group)
-            .filter_map(|h| h.node.as_ref())
-            .filter_map(|n| {
-                let a = n.addresses();
+            .filter_map(|h| {
+                let a = h.node.as_ref()?.addresses();
                 Some(Route {
                     node_ip: a.node_ip,
                     pod_cidr: a.pod_cidr.parse().ok()?,
-                    netns: nestplane_nodes::net::netns_path(a),
+                    netns: h.netns.clone()?,
                 })
             })
             .collect()
