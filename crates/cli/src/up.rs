@@ -43,6 +43,10 @@ pub struct UpArgs {
     /// on this machine), so `kubectl run` works against it.
     #[arg(long, default_value_t = 0)]
     pub nodes: u32,
+    /// An image the nodes import besides nestplane's own, by name, from `nestplane images
+    /// build`'s archives (the end-to-end suite's, for `make conformance`); repeatable.
+    #[arg(long = "node-image")]
+    pub node_images: Vec<String>,
 }
 
 /// Arguments of `nestplane down`.
@@ -142,7 +146,11 @@ async fn install_operator(plane: &LocalPlane) -> anyhow::Result<()> {
     }
 }
 
-async fn start(state_dir: &Path, runtime: &str) -> anyhow::Result<Running> {
+async fn start(
+    state_dir: &Path,
+    runtime: &str,
+    node_images: Vec<String>,
+) -> anyhow::Result<Running> {
     let kubernetes = runtime == "kubernetes";
     let nodes = if kubernetes {
         Some(node_options()?)
@@ -176,7 +184,7 @@ async fn start(state_dir: &Path, runtime: &str) -> anyhow::Result<Running> {
                     dir: state_dir.join("nodes"),
                     images: nestplane_nodes::images::default_dir(),
                     guard: std::env::current_exe()?,
-                    extra_images: vec![],
+                    extra_images: node_images,
                 }),
                 ..Default::default()
             },
@@ -232,7 +240,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("creating {}", state_dir.display()))?;
     eprintln!("nestplane: state in {}", state_dir.display());
-    let running = start(&state_dir, &args.runtime).await?;
+    let running = start(&state_dir, &args.runtime, args.node_images.clone()).await?;
     let mgmt_ready = started.elapsed();
     eprintln!(
         "nestplane: management plane ready ({:.1}s)",
@@ -478,7 +486,7 @@ pub async fn down(args: DownArgs) -> anyhow::Result<()> {
         eprintln!("nestplane: nothing in {}", state_dir.display());
         return Ok(());
     }
-    let running = start(&state_dir, &args.runtime).await?;
+    let running = start(&state_dir, &args.runtime, vec![]).await?;
     let result = async {
         let hcs: Api<nestplane_api::hosted::HostedCluster> =
             Api::namespaced(running.plane.client(), NAMESPACE);
