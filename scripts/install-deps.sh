@@ -5,6 +5,7 @@
 #  - etcd, etcdctl and etcdutl 3.5.30 or newer, from Debian's newer suites (verified against
 #    the archive's signature), unpacked into $NESTPLANE_CACHE_DIR/etcd/bin;
 #  - Debian packages for cluster DNS: dnsmasq-base (a resolver the tests run) and dnsperf;
+#  - socat (tests speak to the API servers' egress sockets as tenant users);
 #  - Debian packages for real nodes: containerd, runc, the CNI plugins, buildah (images),
 #    busybox-static (the shell image), iptables and conntrack (kube-proxy);
 #  - cargo-deny (the test command checks the dependency tree with it), into $NESTPLANE_CACHE_DIR/bin;
@@ -76,6 +77,8 @@ apt_install containerd runc containernetworking-plugins buildah busybox-static i
 # 1c. Cluster DNS: a resolver the tests run on the machine (names outside a cluster's zone are
 # forwarded to it), and dnsperf for the DNS benchmark.
 apt_install dnsmasq-base dnsperf
+# 1d'. Tests speak to Unix sockets as tenant users (the API servers' egress sockets).
+apt_install socat
 if ! command -v kubectl >/dev/null 2>&1; then
   apt_install kubernetes-client
 fi

@@ -95,9 +95,10 @@ async fn an_edited_kubeconfig_secret_is_reissued_never_executed() {
     while let Some(d) = stack.pop() {
         for e in std::fs::read_dir(&d).unwrap().flatten() {
             let p = e.path();
-            if p.is_dir() {
+            let kind = e.file_type().unwrap();
+            if kind.is_dir() {
                 stack.push(p);
-            } else if e.metadata().unwrap().len() < 65536 {
+            } else if kind.is_file() && e.metadata().unwrap().len() < 65536 {
                 let text = String::from_utf8_lossy(&std::fs::read(&p).unwrap()).into_owned();
                 kubeconfigs += usize::from(text.contains("client-certificate-data"));
                 assert!(
@@ -517,6 +518,46 @@ async fn each_tenant_runs_as_its_own_user_and_reaches_only_its_own() {
     assert!(ok, "alpha reaches loopback: {out}");
     let (ok, out) = connect(Some(alpha), outside.local_addr().unwrap());
     assert!(!ok && out.contains("refused"), "alpha is stopped: {out}");
+
+    // Its API server's egress socket (its cluster traffic: this tenant has no node here, so
+    // it is connected from the host as alpha's user) is alpha's alone, 0600; through it,
+    // alpha reaches no more than its own packets do: not the outside address, not loopback.
+    // Beta's user cannot use it.
+    let socket = cwd.join("egress.sock");
+    {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+        let meta = std::fs::symlink_metadata(&socket).expect("the egress socket");
+        assert!(meta.file_type().is_socket());
+        assert_eq!(meta.uid(), alpha.uid);
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    }
+    let ask = |user, target: &str| {
+        let script = format!(
+            "printf 'CONNECT {target} HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\n\\r\\n' | socat -t 15 - UNIX-CONNECT:egress.sock"
+        );
+        as_user(user, &cwd, "/bin/bash", &["-c", &script])
+    };
+    let (_, out) = ask(alpha, &outside.local_addr().unwrap().to_string());
+    assert!(
+        out.starts_with("HTTP/1.1 502 ") && out.contains("refused"),
+        "alpha's egress to the outside address: {out}"
+    );
+    let (_, out) = ask(alpha, &inside.local_addr().unwrap().to_string());
+    assert!(
+        out.starts_with("HTTP/1.1 403 127.0.0.1 is a loopback address"),
+        "alpha's egress to loopback: {out}"
+    );
+    let beta = nestplane_runtime::egress::User {
+        uid: users[1],
+        gid: users[1],
+    };
+    let (ok, out) = as_user(
+        beta,
+        &std::path::PathBuf::from("/"),
+        "/usr/bin/socat",
+        &["-", &format!("UNIX-CONNECT:{}", socket.display())],
+    );
+    assert!(!ok && out.contains("Permission denied"), "beta: {out}");
 
     // A process a tenant's process forked away does not outlive the tenant (nor wait for its
     // uid to be handed to the next one).

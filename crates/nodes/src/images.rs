@@ -729,9 +729,17 @@ mod tests {
                 "registry.k8s.io/kube-proxy:v1.20.2",
                 "registry.k8s.io/etcd:3.4.13-0",
                 SHELL_IMAGE,
+                AGNHOST_IMAGE,
                 OPERATOR_IMAGE,
             ]
         );
+        // The suite's test server runs `pause` unless a pod gives it arguments, as upstream's.
+        let agnhost = catalog(&opts, &inputs())
+            .into_iter()
+            .find(|s| s.name == AGNHOST_IMAGE)
+            .expect("the agnhost image");
+        assert_eq!(agnhost.entrypoint, ["/agnhost"]);
+        assert_eq!(agnhost.cmd, ["pause"]);
     }
 
     #[test]
