@@ -522,7 +522,8 @@ async fn each_tenant_runs_as_its_own_user_and_reaches_only_its_own() {
     // Its API server's egress socket (its cluster traffic: this tenant has no node here, so
     // it is connected from the host as alpha's user) is alpha's alone, 0600; through it,
     // alpha reaches no more than its own packets do: not the outside address, not loopback.
-    // Beta's user cannot use it.
+    // Beta's user cannot even reach it (the proxy would also refuse a peer of another uid:
+    // nestplane_nodes::egress's unit tests).
     let socket = cwd.join("egress.sock");
     {
         use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};

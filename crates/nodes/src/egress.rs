@@ -30,7 +30,7 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 const HALF_CLOSED: Duration = Duration::from_secs(30);
 /// Tunnels one cluster may have open (or being made) at once: each holds two descriptors of
 /// the operator's, which every cluster shares.
-pub const MAX_TUNNELS: usize = 256;
+pub const MAX_TUNNELS: usize = 512;
 
 /// One node of the cluster on this machine, as the proxy reaches through it.
 #[derive(Clone, Debug)]
@@ -133,9 +133,22 @@ pub struct Cluster {
     pub routes: Box<dyn Fn() -> Vec<Route> + Send + Sync>,
     /// Its open tunnels ([`MAX_TUNNELS`]).
     pub tunnels: Arc<Semaphore>,
+    /// When a connection beyond the limit was last logged.
+    full_warned: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl Cluster {
+    fn warn_full(&self) {
+        let mut last = self.full_warned.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+            *last = Some(std::time::Instant::now());
+            tracing::warn!(
+                max = MAX_TUNNELS,
+                "an API server has the most egress tunnels it may have; more are refused"
+            );
+        }
+    }
+
     /// A cluster of `user`, with `services`, whose nodes `routes` reads.
     pub fn new(
         user: Option<User>,
@@ -147,6 +160,7 @@ impl Cluster {
             services: RwLock::new(services),
             routes,
             tunnels: Arc::new(Semaphore::new(MAX_TUNNELS)),
+            full_warned: Default::default(),
         }
     }
 }
@@ -170,7 +184,11 @@ pub async fn serve(listener: UnixListener, cluster: Arc<Cluster>) {
                     }
                 }
                 let Ok(permit) = cluster.tunnels.clone().try_acquire_owned() else {
-                    tracing::debug!("egress: too many tunnels; a connection is closed");
+                    // Said to the API server (its error names it) and, at most once a
+                    // minute, in the log; the answer waits for nothing.
+                    let _ = stream
+                        .try_write(b"HTTP/1.1 503 too many tunnels\r\nContent-Length: 0\r\n\r\n");
+                    cluster.warn_full();
                     continue;
                 };
                 let cluster = cluster.clone();
@@ -365,13 +383,15 @@ mod tests {
 
     async fn ask(sock: &std::path::Path, target: &str) -> (String, UnixStream) {
         let mut c = UnixStream::connect(sock).await.unwrap();
-        c.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
-            .await
-            .unwrap();
+        // (A server that closes at once may already have gone.)
+        let _ = c
+            .write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+            .await;
         let mut head = Vec::new();
         let mut b = [0u8; 1];
         while !head.ends_with(b"\r\n\r\n") {
-            if c.read(&mut b).await.unwrap() == 0 {
+            // A connection closed (or reset) ends the answer.
+            if !matches!(c.read(&mut b).await, Ok(n) if n > 0) {
                 break;
             }
             head.push(b[0]);
@@ -440,5 +460,24 @@ mod tests {
             head.starts_with("HTTP/1.1 403 127.0.0.1 is a loopback address"),
             "{head}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_peer_of_another_uid_gets_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("other.sock");
+        let l = UnixListener::bind(&sock).unwrap();
+        // Served for a user that is not this process's.
+        let me = rustix::process::geteuid().as_raw();
+        let other = User {
+            uid: me.wrapping_add(4242),
+            gid: me.wrapping_add(4242),
+        };
+        tokio::spawn(serve(
+            l,
+            Arc::new(Cluster::new(Some(other), vec![], Box::new(Vec::new))),
+        ));
+        let (head, _) = ask(&sock, "10.244.3.9:443").await;
+        assert_eq!(head, "", "closed without an answer");
     }
 }

@@ -139,6 +139,8 @@ impl Egress {
                     let task = tokio::spawn(serve(listener, served.cluster.clone()));
                     served.listening.push(Listening { path, task });
                 }
+                // A directory that is gone is a replica removed meanwhile.
+                Err(_) if !dir.is_dir() => {}
                 Err(e) => tracing::warn!(
                     tenant = %key,
                     socket = %path.display(),

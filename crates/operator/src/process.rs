@@ -110,7 +110,11 @@ impl Runtime for Processes {
     ) -> BoxFuture<'a, Result<(), Error>> {
         async move {
             let key = tenant_key(ncp);
-            // Marked removed first: a pass that serves the tenant meanwhile sees it.
+            if let Some(e) = &self.egress {
+                e.remove(&key);
+            }
+            // Marked removed first thing: a pass that serves the tenant meanwhile sees it, and
+            // what it made goes below.
             let removed = self.processes.remove(&key).await;
             if let Some(e) = &self.egress {
                 e.remove(&key);
