@@ -6,6 +6,7 @@
 #    the archive's signature), unpacked into $NESTPLANE_CACHE_DIR/etcd/bin;
 #  - Debian packages for cluster DNS: dnsmasq-base (a resolver the tests run) and dnsperf;
 #  - socat (tests speak to the API servers' egress sockets as tenant users);
+#  - curl, bind9-dnsutils and netcat-openbsd (tools the end-to-end suite's images carry);
 #  - Debian packages for real nodes: containerd, runc, the CNI plugins, buildah (images),
 #    busybox-static (the shell image), iptables and conntrack (kube-proxy);
 #  - cargo-deny (the test command checks the dependency tree with it), into $NESTPLANE_CACHE_DIR/bin;
@@ -79,6 +80,9 @@ apt_install containerd runc containernetworking-plugins buildah busybox-static i
 apt_install dnsmasq-base dnsperf
 # 1d'. Tests speak to Unix sockets as tenant users (the API servers' egress sockets).
 apt_install socat
+# 1d''. The end-to-end suite's images carry real tools where its specs run them (dig, curl,
+# OpenBSD nc, bash, getent), as upstream's images do.
+apt_install curl bind9-dnsutils netcat-openbsd
 if ! command -v kubectl >/dev/null 2>&1; then
   apt_install kubernetes-client
 fi
@@ -215,9 +219,16 @@ fi
 # 2. Kubernetes server binaries, and the end-to-end suite's servers (agnhost and the sample
 # aggregated API server, for the test images), all from Debian's source package.
 E2E_DIR="$CACHE_DIR/kubernetes/v$K8S_VERSION/e2e"
-E2E_BINS=(agnhost sample-apiserver)
+E2E_BINS=(agnhost sample-apiserver nonewprivs)
+# `make conformance` also needs the suite itself (not the tests: minutes to build), and
+# kubectl of the same version (the suite checks its output).
+[ "${NESTPLANE_E2E_SUITE:-}" = 1 ] && E2E_BINS+=(e2e.test ginkgo kubectl)
+# Files the suite's images carry, copied from the same tree: porter's certificate and key
+# (agnhost), the pages kitten and nautilus serve.
+E2E_FILES=(localhost.crt localhost.key kitten/data.json kitten/kitten.jpg nautilus/data.json nautilus/nautilus.jpg)
 e2e_want=()
 for b in "${E2E_BINS[@]}"; do [ -x "$E2E_DIR/$b" ] || e2e_want+=("$b"); done
+for f in "${E2E_FILES[@]}"; do [ -f "$E2E_DIR/$f" ] || { e2e_want+=(files); break; }; done
 want=()
 if [ -n "${NESTPLANE_BIN_DIR:-}" ] && have_bins "$NESTPLANE_BIN_DIR"; then
   log "using the Kubernetes binaries in NESTPLANE_BIN_DIR=$NESTPLANE_BIN_DIR; nothing to build"
@@ -284,13 +295,31 @@ fi
   fi
   mkdir -p "$E2E_DIR"
   for b in "${e2e_want[@]}"; do
+    if [ "$b" = files ]; then
+      mkdir -p "$E2E_DIR/kitten" "$E2E_DIR/nautilus"
+      cp test/images/agnhost/porter/localhost.crt test/images/agnhost/porter/localhost.key "$E2E_DIR/"
+      for i in kitten nautilus; do cp "test/images/$i/html/data.json" "test/images/$i/html/$i.jpg" "$E2E_DIR/$i/"; done
+      continue
+    fi
+    if [ "$b" = kubectl ]; then
+      # With the release's version stamped in, as the server binaries are.
+      with_progress "go build kubectl" "$BUILD_DIR/build-kubectl.log" make WHAT=cmd/kubectl \
+        || { tail -n 40 "$BUILD_DIR/build-kubectl.log" >&2; log "building kubectl failed"; exit 1; }
+      install -m 0755 _output/bin/kubectl "$E2E_DIR/kubectl.tmp"
+      mv "$E2E_DIR/kubectl.tmp" "$E2E_DIR/kubectl"
+      continue
+    fi
+    build=(go build)
     case "$b" in
       agnhost) pkg=./test/images/agnhost ;;
+      nonewprivs) pkg=./test/images/nonewprivs ;;
       sample-apiserver) pkg=./vendor/k8s.io/sample-apiserver ;;
+      ginkgo) pkg=./vendor/github.com/onsi/ginkgo/ginkgo ;;
+      e2e.test) pkg=./test/e2e; build=(go test -c) ;;
     esac
     # Built in GOPATH mode from the tree's own vendor directory, statically.
     (cd "$SRC/.go/src/k8s.io/kubernetes" && with_progress "go build $b" "$BUILD_DIR/build-$b.log" \
-      go build -o "$E2E_DIR/$b.tmp" "$pkg") \
+      "${build[@]}" -o "$E2E_DIR/$b.tmp" "$pkg") \
       || { tail -n 40 "$BUILD_DIR/build-$b.log" >&2; log "building $b failed"; exit 1; }
     mv "$E2E_DIR/$b.tmp" "$E2E_DIR/$b"
   done

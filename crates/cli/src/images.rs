@@ -33,6 +33,10 @@ pub struct BuildArgs {
     /// else the one in this binary's source tree).
     #[arg(long)]
     pub containerfile: Option<PathBuf>,
+    /// Also the end-to-end suite's other images (busybox 1.29, the httpd and nginx names,
+    /// nonewprivs, nonroot, kitten, nautilus, jessie-dnsutils), for `make conformance`.
+    #[arg(long)]
+    pub suite: bool,
 }
 
 /// Run an images command.
@@ -55,6 +59,7 @@ pub fn build(args: &BuildArgs) -> anyhow::Result<Vec<images::Built>> {
         registry: args.registry.clone(),
         version: args.version.clone(),
         etcd_tag: nestplane_render::etcd_version_for(&version).to_string(),
+        suite: args.suite,
     };
     let dir = args.dir.clone().unwrap_or_else(images::default_dir);
     let binary = match &args.operator_binary {

@@ -47,6 +47,12 @@ pub struct UpArgs {
     /// build`'s archives (the end-to-end suite's, for `make conformance`); repeatable.
     #[arg(long = "node-image")]
     pub node_images: Vec<String>,
+    /// The pod security level enforced on the nodes (`Baseline` when unset, `Restricted`,
+    /// `Privileged`). `Privileged` lets the tenant admin become root on this machine: `up`
+    /// then labels the namespace `nestplane.io/pod-security-privileged=allowed` as a platform
+    /// team would (Kubernetes' conformance specs need host networking and host paths).
+    #[arg(long, value_parser = ["Baseline", "Restricted", "Privileged"])]
+    pub pod_security: Option<String>,
 }
 
 /// Arguments of `nestplane down`.
@@ -91,7 +97,7 @@ const RELEASE_MANIFEST: &str = include_str!("../../../control-plane-components.y
 /// Images for the management plane's node: built here (only what changed), the operator's
 /// from this binary.
 fn node_options() -> anyhow::Result<nestplane_localplane::NodeOptions> {
-    let built = build_images()?;
+    let built = build_images(false)?;
     Ok(nestplane_localplane::NodeOptions {
         count: 1,
         images: built.into_iter().map(|b| b.archive).collect(),
@@ -99,8 +105,9 @@ fn node_options() -> anyhow::Result<nestplane_localplane::NodeOptions> {
     })
 }
 
-/// Check that nodes can run here and build the images they use (only what changed).
-fn build_images() -> anyhow::Result<Vec<nestplane_nodes::images::Built>> {
+/// Check that nodes can run here and build the images they use (only what changed); with
+/// `suite`, the end-to-end suite's images too.
+fn build_images(suite: bool) -> anyhow::Result<Vec<nestplane_nodes::images::Built>> {
     nestplane_nodes::check_prerequisites(nestplane_localplane::DEFAULT_VERSION)?;
     eprintln!("nestplane: building images (only what changed; about a minute the first time)");
     crate::images::build(&crate::images::BuildArgs {
@@ -109,6 +116,7 @@ fn build_images() -> anyhow::Result<Vec<nestplane_nodes::images::Built>> {
         dir: None,
         operator_binary: None,
         containerfile: None,
+        suite,
     })
 }
 
@@ -228,13 +236,20 @@ pub async fn tenant_kubeconfig(
 /// Run `nestplane up` until Ctrl-C or SIGTERM.
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let started = Instant::now();
+    if args.nodes == 0 && (args.pod_security.is_some() || !args.node_images.is_empty()) {
+        bail!("--pod-security and --node-image are about nodes: give --nodes too");
+    }
     if args.nodes > 0 {
         if args.runtime != "process" {
             bail!(
                 "--nodes needs the process runtime (the operator makes the nodes on this machine)"
             );
         }
-        build_images()?;
+        let suite = args
+            .node_images
+            .iter()
+            .any(|n| nestplane_nodes::images::SUITE_IMAGES.contains(&n.as_str()));
+        build_images(suite)?;
     }
     let state_dir = runtime_root(&args.state_dir, &args.runtime);
     std::fs::create_dir_all(&state_dir)
@@ -360,12 +375,66 @@ async fn up_hosted(
         .version
         .clone()
         .unwrap_or_else(|| nestplane_localplane::DEFAULT_VERSION.into());
+    let replicas = i32::try_from(args.nodes).context("--nodes is too large")?;
+    let level = match args.pod_security.as_deref() {
+        None => None,
+        Some(l) => Some(
+            serde_json::from_value::<nestplane_api::hosted::PodSecurityLevel>(
+                serde_json::Value::String(l.into()),
+            )
+            .with_context(|| format!("--pod-security {l}"))?,
+        ),
+    };
+    if level == Some(nestplane_api::hosted::PodSecurityLevel::Privileged) {
+        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+        namespaces
+            .patch(
+                NAMESPACE,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(serde_json::json!({"metadata": {"labels": {
+                    nestplane_operator::hosted::pool::PRIVILEGED_ALLOWED_LABEL: "allowed"
+                }}})),
+            )
+            .await
+            .context("labelling the namespace for privileged pods")?;
+        eprintln!(
+            "nestplane: warning: the nodes enforce no pod security: the tenant admin can become root on this machine"
+        );
+    }
+    if let Some(level) = level
+        && pools.get_opt(&args.name).await?.is_none()
+    {
+        // The pool is made here, with its level, rather than from `initialNodes` (a pool
+        // made at Baseline and changed would replace its nodes).
+        let mut pool = NodePool::new(
+            &args.name,
+            nestplane_api::hosted::NodePoolSpec {
+                cluster_name: args.name.clone(),
+                replicas: Some(replicas),
+                management: nestplane_api::hosted::NodePoolManagement {
+                    upgrade_type: Some("Replace".into()),
+                    ..Default::default()
+                },
+                pod_security: Some(level),
+                ..Default::default()
+            },
+        );
+        pool.metadata.namespace = Some(NAMESPACE.into());
+        pools
+            .create(&PostParams::default(), &pool)
+            .await
+            .context("creating the NodePool")?;
+    }
     if hcs.get_opt(&args.name).await?.is_none() {
         let mut hc = HostedCluster::new(
             &args.name,
             nestplane_api::hosted::HostedClusterSpec {
                 release: nestplane_api::hosted::Release { version },
-                initial_nodes: Some(i32::try_from(args.nodes).context("--nodes is too large")?),
+                initial_nodes: if level.is_some() {
+                    None
+                } else {
+                    Some(replicas)
+                },
                 ..Default::default()
             },
         );
@@ -382,7 +451,12 @@ async fn up_hosted(
             .patch(
                 &args.name,
                 &kube::api::PatchParams::default(),
-                &kube::api::Patch::Merge(serde_json::json!({"spec": {"replicas": args.nodes}})),
+                &kube::api::Patch::Merge(match level {
+                    Some(l) => {
+                        serde_json::json!({"spec": {"replicas": args.nodes, "podSecurity": l}})
+                    }
+                    None => serde_json::json!({"spec": {"replicas": args.nodes}}),
+                }),
             )
             .await?;
         eprintln!(

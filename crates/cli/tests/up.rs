@@ -239,3 +239,36 @@ fn down(state: &std::path::Path, name: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn up_refuses_node_settings_without_nodes_and_starts_nothing() {
+    let state = tempfile::tempdir().unwrap();
+    for args in [
+        &["--pod-security", "Privileged"][..],
+        &["--node-image", "docker.io/library/busybox:1.29"][..],
+    ] {
+        let out = nestplane()
+            .arg("up")
+            .args(args)
+            .arg("--state-dir")
+            .arg(state.path())
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} without --nodes is refused");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("give --nodes too"), "{err}");
+    }
+    assert_eq!(
+        std::fs::read_dir(state.path()).unwrap().count(),
+        0,
+        "nothing is made"
+    );
+    let out = nestplane()
+        .args(["up", "--nodes", "1", "--pod-security", "Everything"])
+        .arg("--state-dir")
+        .arg(state.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Privileged"));
+}

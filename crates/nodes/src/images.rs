@@ -37,6 +37,34 @@ pub const AGNHOST_IMAGE: &str = "k8s.gcr.io/e2e-test-images/agnhost:2.21";
 /// The sample aggregated API server the suite installs behind an `APIService`.
 pub const SAMPLE_APISERVER_IMAGE: &str = "gcr.io/kubernetes-e2e-test-images/sample-apiserver:1.17";
 
+/// The end-to-end suite's images beyond agnhost and the sample API server, under the names
+/// Kubernetes 1.20's suite asks for (`test/utils/image/manifest.go`), built with
+/// [`Options::suite`] for `make conformance`. The web servers answer on port 80 from the
+/// document root the upstream image has (busybox's `httpd`).
+pub const SUITE_IMAGES: [&str; 10] = [
+    "docker.io/library/busybox:1.29",
+    "docker.io/library/httpd:2.4.38-alpine",
+    "docker.io/library/httpd:2.4.39-alpine",
+    "docker.io/library/nginx:1.14-alpine",
+    "docker.io/library/nginx:1.15-alpine",
+    "gcr.io/kubernetes-e2e-test-images/nonewprivs:1.0",
+    "gcr.io/kubernetes-e2e-test-images/kitten:1.0",
+    "gcr.io/kubernetes-e2e-test-images/nautilus:1.0",
+    "gcr.io/kubernetes-e2e-test-images/jessie-dnsutils:1.0",
+    "gcr.io/kubernetes-e2e-test-images/nonroot:1.0",
+];
+
+/// Tools the suite's specs run in its images, taken from this machine with their libraries
+/// (name, path in the image). Debian's static busybox runs its own applets before `PATH`
+/// when it is the shell, so the shell is bash, and these are not linked to busybox.
+pub const REAL_TOOLS: [(&str, &str); 5] = [
+    ("bash", "/bin/bash"),
+    ("curl", "/usr/bin/curl"),
+    ("dig", "/usr/bin/dig"),
+    ("nc", "/usr/bin/nc"),
+    ("getent", "/usr/bin/getent"),
+];
+
 /// Names and versions of the images to build.
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -47,6 +75,8 @@ pub struct Options {
     pub version: String,
     /// etcd's image tag for that version (`3.4.13-0`).
     pub etcd_tag: String,
+    /// Also the end-to-end suite's other images ([`SUITE_IMAGES`]).
+    pub suite: bool,
 }
 
 /// Where the files that go into images are on this machine.
@@ -69,8 +99,11 @@ pub struct Inputs {
     /// Applets to link to busybox in the shell image.
     pub busybox_applets: Vec<String>,
     /// The end-to-end suite's servers, built from the Kubernetes source tree
-    /// (`agnhost`, `sample-apiserver`; static).
+    /// (`agnhost`, `sample-apiserver`, `nonewprivs`; static), and the files its images carry
+    /// (`localhost.crt`, `localhost.key`, the `kitten` and `nautilus` pages' directories).
     pub e2e: BTreeMap<String, PathBuf>,
+    /// The [`REAL_TOOLS`] on this machine, by name.
+    pub tools: BTreeMap<String, PathBuf>,
 }
 
 /// One entry of an image's root filesystem.
@@ -102,6 +135,20 @@ pub enum Entry {
     },
     /// An empty directory.
     EmptyDir(String),
+    /// A file with these contents.
+    Text {
+        /// Absolute path in the image.
+        dst: String,
+        /// Its contents.
+        contents: String,
+    },
+    /// Set the mode of a path laid out by an earlier entry (`0o4755`: set-user-ID).
+    Mode {
+        /// Absolute path in the image.
+        path: String,
+        /// The mode.
+        mode: u32,
+    },
 }
 
 /// One image to build.
@@ -120,6 +167,8 @@ pub struct ImageSpec {
     /// Built with `buildah bud` from this Containerfile, the staged root filesystem as
     /// `rootfs/` in the context (the operator image); otherwise committed directly.
     pub containerfile: Option<PathBuf>,
+    /// The user its processes run as unless a pod says otherwise (`None`: root).
+    pub user: Option<String>,
 }
 
 const PATH_ENV: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -136,6 +185,131 @@ fn path_env() -> Vec<(String, String)> {
     vec![("PATH".into(), PATH_ENV.into())]
 }
 
+/// busybox with a link for each applet but busybox itself and `skip`, and `/tmp`.
+fn busybox_entries(inputs: &Inputs, skip: &[&str]) -> Vec<Entry> {
+    let mut e = vec![bin(&inputs.busybox, "/bin/busybox", false)];
+    for a in &inputs.busybox_applets {
+        if a != "busybox" && !skip.contains(&a.as_str()) {
+            e.push(Entry::Symlink {
+                target: "/bin/busybox".into(),
+                link: format!("/bin/{a}"),
+            });
+        }
+    }
+    e.push(Entry::EmptyDir("/tmp".into()));
+    e
+}
+
+/// The shell image's root filesystem: busybox and its applets.
+fn shell(inputs: &Inputs) -> Vec<Entry> {
+    busybox_entries(inputs, &[])
+}
+
+/// busybox's applets behind the [`REAL_TOOLS`] found on this machine; bash is the shell.
+fn toolbox(inputs: &Inputs) -> Vec<Entry> {
+    let real: Vec<&str> = REAL_TOOLS
+        .iter()
+        .filter(|(n, _)| inputs.tools.contains_key(*n))
+        .map(|(n, _)| *n)
+        .collect();
+    let bash = real.contains(&"bash");
+    let mut skip = real.clone();
+    if bash {
+        skip.push("sh");
+    }
+    let mut e = busybox_entries(inputs, &skip);
+    for (name, dst) in REAL_TOOLS {
+        if let Some(src) = inputs.tools.get(name) {
+            e.push(bin(src, dst, true));
+        }
+    }
+    if bash {
+        e.push(Entry::Symlink {
+            target: "bash".into(),
+            link: "/bin/sh".into(),
+        });
+    }
+    e
+}
+
+/// agnhost as upstream's image has it: the tools, porter's certificate and key at the root
+/// (its TLS ports), `/uploads` (netexec), the `agnhost-2` link.
+fn agnhost_entries(agnhost: &Path, inputs: &Inputs) -> Vec<Entry> {
+    let mut e = toolbox(inputs);
+    e.push(bin(agnhost, "/agnhost", false));
+    e.push(Entry::Symlink {
+        target: "agnhost".into(),
+        link: "/agnhost-2".into(),
+    });
+    e.push(Entry::EmptyDir("/uploads".into()));
+    for f in ["localhost.crt", "localhost.key"] {
+        if let Some(src) = inputs.e2e.get(f) {
+            e.push(bin(src, &format!("/{f}"), false));
+        }
+    }
+    e
+}
+
+/// The [`SUITE_IMAGES`] whose inputs are there.
+fn suite(inputs: &Inputs) -> Vec<ImageSpec> {
+    let mut out = Vec::new();
+    let image = |name: &str, entries: Vec<Entry>, entrypoint: &[&str], cmd: &[&str]| ImageSpec {
+        name: name.into(),
+        entries,
+        entrypoint: entrypoint.iter().map(|s| s.to_string()).collect(),
+        cmd: cmd.iter().map(|s| s.to_string()).collect(),
+        env: path_env(),
+        containerfile: None,
+        user: None,
+    };
+    out.push(image(SUITE_IMAGES[0], shell(inputs), &[], &["sh"]));
+    // Web servers: the document root and index page of the upstream images, port 80.
+    for (name, root) in [
+        (SUITE_IMAGES[1], "/usr/local/apache2/htdocs"),
+        (SUITE_IMAGES[2], "/usr/local/apache2/htdocs"),
+        (SUITE_IMAGES[3], "/usr/share/nginx/html"),
+        (SUITE_IMAGES[4], "/usr/share/nginx/html"),
+    ] {
+        let mut e = shell(inputs);
+        e.push(Entry::Text {
+            dst: format!("{root}/index.html"),
+            contents: "<html><body><h1>It works!</h1></body></html>\n".into(),
+        });
+        out.push(image(
+            name,
+            e,
+            &[],
+            &["/bin/busybox", "httpd", "-f", "-v", "-p", "80", "-h", root],
+        ));
+    }
+    if let Some(nnp) = inputs.e2e.get("nonewprivs") {
+        let mut e = shell(inputs);
+        e.push(bin(nnp, "/usr/local/bin/nnp", false));
+        e.push(Entry::Mode {
+            path: "/usr/local/bin/nnp".into(),
+            mode: 0o4755,
+        });
+        out.push(image(SUITE_IMAGES[5], e, &[], &["nnp"]));
+    }
+    if let Some(agnhost) = inputs.e2e.get("agnhost") {
+        for (name, page) in [(SUITE_IMAGES[6], "kitten"), (SUITE_IMAGES[7], "nautilus")] {
+            let Some(dir) = inputs.e2e.get(page) else {
+                continue;
+            };
+            let mut e = agnhost_entries(agnhost, inputs);
+            for f in ["data.json".to_string(), format!("{page}.jpg")] {
+                e.push(bin(&dir.join(&f), &format!("/{f}"), false));
+            }
+            out.push(image(name, e, &["/agnhost"], &["test-webserver"]));
+        }
+    }
+    out.push(image(SUITE_IMAGES[8], toolbox(inputs), &[], &["sh"]));
+    let mut nonroot = image(SUITE_IMAGES[9], shell(inputs), &[], &["sh"]);
+    nonroot.user = Some("1234".into());
+    out.push(nonroot);
+    out
+}
+
 /// Every image for `opts`, from `inputs`. Pure.
 pub fn catalog(opts: &Options, inputs: &Inputs) -> Vec<ImageSpec> {
     let reg = opts.registry.trim_end_matches('/');
@@ -146,6 +320,7 @@ pub fn catalog(opts: &Options, inputs: &Inputs) -> Vec<ImageSpec> {
         cmd: vec![],
         env: vec![],
         containerfile: None,
+        user: None,
     }];
     for (name, src) in &inputs.kubernetes {
         let mut entries = vec![bin(src, &format!("/usr/local/bin/{name}"), false)];
@@ -186,6 +361,7 @@ pub fn catalog(opts: &Options, inputs: &Inputs) -> Vec<ImageSpec> {
             cmd: vec![],
             env: path_env(),
             containerfile: None,
+            user: None,
         });
     }
     out.push(ImageSpec {
@@ -200,36 +376,26 @@ pub fn catalog(opts: &Options, inputs: &Inputs) -> Vec<ImageSpec> {
         cmd: vec![],
         env: path_env(),
         containerfile: None,
+        user: None,
     });
-    let mut shell = vec![bin(&inputs.busybox, "/bin/busybox", false)];
-    for a in &inputs.busybox_applets {
-        if a != "busybox" {
-            shell.push(Entry::Symlink {
-                target: "/bin/busybox".into(),
-                link: format!("/bin/{a}"),
-            });
-        }
-    }
-    shell.push(Entry::EmptyDir("/tmp".into()));
     out.push(ImageSpec {
         name: SHELL_IMAGE.into(),
-        entries: shell,
+        entries: shell(inputs),
         entrypoint: vec![],
         cmd: vec![],
         env: path_env(),
         containerfile: None,
+        user: None,
     });
     if let Some(agnhost) = inputs.e2e.get("agnhost") {
         out.push(ImageSpec {
             name: AGNHOST_IMAGE.into(),
-            entries: vec![
-                bin(agnhost, "/agnhost", false),
-                Entry::EmptyDir("/tmp".into()),
-            ],
+            entries: agnhost_entries(agnhost, inputs),
             entrypoint: vec!["/agnhost".into()],
             cmd: vec!["pause".into()],
             env: path_env(),
             containerfile: None,
+            user: None,
         });
     }
     if let Some(sample) = inputs.e2e.get("sample-apiserver") {
@@ -243,7 +409,11 @@ pub fn catalog(opts: &Options, inputs: &Inputs) -> Vec<ImageSpec> {
             cmd: vec![],
             env: path_env(),
             containerfile: None,
+            user: None,
         });
+    }
+    if opts.suite {
+        out.extend(suite(inputs));
     }
     if let Some(np) = &inputs.nestplane {
         out.push(ImageSpec {
@@ -253,6 +423,7 @@ pub fn catalog(opts: &Options, inputs: &Inputs) -> Vec<ImageSpec> {
             cmd: vec![],
             env: vec![],
             containerfile: inputs.containerfile.clone(),
+            user: None,
         });
     }
     out
@@ -374,6 +545,21 @@ fn stage(spec: &ImageSpec, root: &Path) -> Result<(), Error> {
                 std::fs::create_dir_all(&p)
                     .map_err(|e| Error::io(format!("creating {}", p.display()), e))?;
             }
+            Entry::Text { dst, contents } => {
+                let p = under(root, dst);
+                if let Some(d) = p.parent() {
+                    std::fs::create_dir_all(d)
+                        .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
+                }
+                std::fs::write(&p, contents)
+                    .map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+            }
+            Entry::Mode { path, mode } => {
+                use std::os::unix::fs::PermissionsExt;
+                let p = under(root, path);
+                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(*mode))
+                    .map_err(|e| Error::io(format!("setting the mode of {}", p.display()), e))?;
+            }
         }
     }
     Ok(())
@@ -390,6 +576,9 @@ fn digest(spec: &ImageSpec, root: &Path) -> Result<String, Error> {
     ));
     if !spec.cmd.is_empty() {
         h.update(format!("cmd {:?}\n", spec.cmd));
+    }
+    if let Some(u) = &spec.user {
+        h.update(format!("user {u}\n"));
     }
     if let Some(cf) = &spec.containerfile {
         h.update(std::fs::read(cf).map_err(|e| Error::io(format!("reading {}", cf.display()), e))?);
@@ -567,6 +756,9 @@ fn commit(spec: &ImageSpec, dir: &Path, work: &Path) -> Result<(), Error> {
         for (k, v) in &spec.env {
             cfg.arg("--env").arg(format!("{k}={v}"));
         }
+        if let Some(u) = &spec.user {
+            cfg.arg("--user").arg(u);
+        }
         cfg.arg(&ctr);
         run(&mut cfg, "buildah config")?;
         run(
@@ -634,9 +826,9 @@ pub fn e2e_dir(version: &str) -> PathBuf {
         .join("e2e")
 }
 
-fn e2e_binary(name: &str, version: &str) -> Result<PathBuf, Error> {
+fn e2e_file(name: &str, version: &str) -> Result<PathBuf, Error> {
     let p = e2e_dir(version).join(name);
-    if p.is_file() {
+    if p.exists() {
         Ok(p)
     } else {
         Err(Error::Command {
@@ -681,9 +873,34 @@ pub fn local_inputs(
         containerfile,
         busybox_applets: busybox_applets(&busybox)?,
         busybox,
-        e2e: ["agnhost", "sample-apiserver"]
-            .into_iter()
-            .map(|n| Ok((n.to_string(), e2e_binary(n, &opts.version)?)))
+        e2e: {
+            let mut names = vec![
+                "agnhost",
+                "sample-apiserver",
+                "localhost.crt",
+                "localhost.key",
+            ];
+            if opts.suite {
+                names.extend(["nonewprivs", "kitten", "nautilus"]);
+            }
+            names
+                .into_iter()
+                .map(|n| Ok((n.to_string(), e2e_file(n, &opts.version)?)))
+                .collect::<Result<_, Error>>()?
+        },
+        tools: REAL_TOOLS
+            .iter()
+            .map(|(name, _)| {
+                let p = Path::new("/usr/bin").join(name);
+                if p.exists() {
+                    Ok((name.to_string(), p))
+                } else {
+                    Err(Error::Command {
+                        what: format!("finding {name}"),
+                        output: format!("{} is missing; {}", p.display(), crate::INSTALL_HINT),
+                    })
+                }
+            })
             .collect::<Result<_, Error>>()?,
     })
 }
@@ -707,6 +924,7 @@ mod tests {
             busybox: "/bin/busybox".into(),
             busybox_applets: vec!["sh".into(), "busybox".into(), "wget".into()],
             e2e: BTreeMap::from([("agnhost".into(), "/k/agnhost".into())]),
+            tools: BTreeMap::new(),
         }
     }
 
@@ -716,6 +934,7 @@ mod tests {
             registry: "registry.k8s.io/".into(),
             version: "v1.20.2".into(),
             etcd_tag: "3.4.13-0".into(),
+            suite: false,
         };
         let names: Vec<String> = catalog(&opts, &inputs())
             .into_iter()
@@ -748,6 +967,7 @@ mod tests {
             registry: "example.test".into(),
             version: "v1.20.2".into(),
             etcd_tag: "3.4.13-0".into(),
+            suite: false,
         };
         let shell = catalog(&opts, &inputs())
             .into_iter()
@@ -762,6 +982,88 @@ mod tests {
             })
             .collect();
         assert_eq!(links, ["/bin/sh", "/bin/wget"]);
+    }
+
+    fn links(spec: &ImageSpec) -> Vec<(&str, &str)> {
+        spec.entries
+            .iter()
+            .filter_map(|e| match e {
+                Entry::Symlink { link, target } => Some((link.as_str(), target.as_str())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_suites_images_have_its_names_and_real_tools_before_busybox() {
+        let opts = Options {
+            registry: "registry.k8s.io".into(),
+            version: "v1.20.2".into(),
+            etcd_tag: "3.4.13-0".into(),
+            suite: true,
+        };
+        let mut inp = inputs();
+        inp.busybox_applets = ["sh", "nc", "wget", "busybox"].map(String::from).to_vec();
+        for (n, _) in REAL_TOOLS {
+            inp.tools.insert(n.into(), format!("/usr/bin/{n}").into());
+        }
+        for n in ["nonewprivs", "kitten", "nautilus"] {
+            inp.e2e.insert(n.into(), format!("/k/{n}").into());
+        }
+        let specs = catalog(&opts, &inp);
+        let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+        for want in SUITE_IMAGES {
+            assert!(names.contains(&want), "{want} missing from {names:?}");
+        }
+        let by = |n: &str| specs.iter().find(|s| s.name == n).expect(n);
+        // Where the suite runs `nc -z` or `dig`, the shell is bash and finds the real tools:
+        // busybox's `sh` and `nc` are not linked.
+        for name in [AGNHOST_IMAGE, SUITE_IMAGES[8]] {
+            let l = links(by(name));
+            assert!(l.contains(&("/bin/sh", "bash")), "{name}: {l:?}");
+            assert!(l.contains(&("/bin/wget", "/bin/busybox")), "{name}: {l:?}");
+            assert!(
+                !l.iter().any(|(link, _)| *link == "/bin/nc"),
+                "{name}: {l:?}"
+            );
+            for (tool, dst) in REAL_TOOLS {
+                assert!(
+                    by(name).entries.iter().any(|e| matches!(e,
+                        Entry::File { dst: d, libs: true, .. } if d == dst)),
+                    "{name} lacks {tool}"
+                );
+            }
+        }
+        // nautilus serves its page with agnhost's test-webserver, as upstream's.
+        let nautilus = by(SUITE_IMAGES[7]);
+        assert_eq!(nautilus.cmd, ["test-webserver"]);
+        assert!(nautilus.entries.iter().any(
+            |e| matches!(e, Entry::File { src, dst, .. } if dst == "/data.json" && src == Path::new("/k/nautilus/data.json"))
+        ));
+        // nnp is set-user-ID root; nonroot runs as 1234 unless told otherwise.
+        assert!(by(SUITE_IMAGES[5]).entries.contains(&Entry::Mode {
+            path: "/usr/local/bin/nnp".into(),
+            mode: 0o4755
+        }));
+        assert_eq!(by(SUITE_IMAGES[9]).user.as_deref(), Some("1234"));
+        // The web servers answer on port 80 from the upstream image's document root.
+        let httpd = by(SUITE_IMAGES[1]);
+        assert!(httpd.cmd.windows(2).any(|w| w == ["-p", "80"]));
+        assert!(httpd.entries.iter().any(|e| matches!(e,
+            Entry::Text { dst, .. } if dst == "/usr/local/apache2/htdocs/index.html")));
+        // Without `suite`, none of them is built.
+        let plain = catalog(
+            &Options {
+                suite: false,
+                ..opts
+            },
+            &inp,
+        );
+        assert!(
+            !plain
+                .iter()
+                .any(|s| SUITE_IMAGES.contains(&s.name.as_str()))
+        );
     }
 
     #[test]
