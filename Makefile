@@ -1,4 +1,4 @@
-.PHONY: up down test crds release-manifests bench soak fmt
+.PHONY: up down test crds release-manifests bench soak conformance fmt
 
 # A local management plane, the operator and a tenant control plane (foreground; Ctrl-C stops).
 up:
@@ -28,6 +28,12 @@ bench:
 # their CAs unchanged (minutes; not part of `make test`). ARGS="TENANTS KILLS" to change.
 soak:
 	scripts/soak.sh $(ARGS)
+
+# Kubernetes' own [Conformance] specs against a fresh `nestplane up --nodes 2` hosted cluster
+# (about an hour on 2 cores; not part of `make test`). ARGS=serial for the [Serial] ones;
+# FOCUS=regex for a subset. Prints `N passed, M failed`; reports in target/conformance.
+conformance:
+	scripts/conformance.sh $(ARGS)
 
 fmt:
 	cargo fmt --all
