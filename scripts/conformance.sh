@@ -31,7 +31,8 @@ mkdir -p "$OUT"
 bin_line=$(NESTPLANE_E2E_SUITE=1 scripts/install-deps.sh | grep '^NESTPLANE_BIN_DIR=')
 export "${bin_line?}"
 export PATH="$NESTPLANE_BIN_DIR:$PATH"
-E2E_DIR="$(dirname "$NESTPLANE_BIN_DIR")/e2e"
+# Where install-deps puts the suite, whatever NESTPLANE_BIN_DIR says.
+E2E_DIR="${NESTPLANE_CACHE_DIR:-$HOME/.cache/nestplane}/kubernetes/v1.20.2/e2e"
 [ -x "$E2E_DIR/e2e.test" ] && [ -x "$E2E_DIR/ginkgo" ] && [ -x "$E2E_DIR/kubectl" ] || {
   echo "conformance: e2e.test, ginkgo or kubectl missing in $E2E_DIR" >&2
   exit 1
@@ -73,11 +74,16 @@ cleanup() {
 }
 trap cleanup EXIT
 KC="$STATE/demo.kubeconfig"
+ready=0
 for _ in $(seq 1 600); do
-  [ -s "$KC" ] && kubectl --kubeconfig "$KC" get nodes 2>/dev/null | grep -c ' Ready' | grep -q 2 && break
+  if [ -s "$KC" ] && kubectl --kubeconfig "$KC" get nodes 2>/dev/null | grep -c ' Ready' | grep -q 2; then
+    ready=1
+    break
+  fi
   kill -0 "$UP" 2>/dev/null || { tail -n 30 "$OUT/up.log" >&2; exit 1; }
   sleep 1
 done
+[ "$ready" = 1 ] || { echo "conformance: the 2 nodes are not Ready after 600 s" >&2; tail -n 30 "$OUT/up.log" >&2; exit 1; }
 kubectl --kubeconfig "$KC" get nodes
 
 # Registries: the suite's defaults, except those nestplane's images are named under.
@@ -114,12 +120,17 @@ run_pass() {
       --ginkgo.focus="$FOCUS_RE" --ginkgo.skip='\[Serial\]|\[Disruptive\]' \
       --report-dir="$report" >"$log" 2>&1
   fi
+  local rc=$?
   set -e
   # Count from the JUnit reports: a testcase with <failure> failed, with <skipped> was skipped.
-  python3 - "$report" "$((SECONDS - start))" "$pass" <<'EOF'
+  python3 - "$report" "$((SECONDS - start))" "$pass" "$rc" <<'EOF' || status=1
 import glob, sys, xml.etree.ElementTree as ET
 passed, failed, names = 0, 0, []
-for f in glob.glob(sys.argv[1] + "/junit*.xml"):
+reports = glob.glob(sys.argv[1] + "/junit*.xml")
+if not reports:
+    print(f"{sys.argv[3]}: no report: the suite exited with {sys.argv[4]} before running a spec")
+    sys.exit(1)
+for f in reports:
     for tc in ET.parse(f).getroot().iter("testcase"):
         if tc.find("skipped") is not None:
             continue
@@ -131,12 +142,16 @@ for f in glob.glob(sys.argv[1] + "/junit*.xml"):
 print(f"{sys.argv[3]}: {passed} passed, {failed} failed in {int(sys.argv[2]) // 60} min")
 for n in sorted(names):
     print("FAILED:", n)
+sys.exit(1 if failed or sys.argv[4] != "0" else 0)
 EOF
 }
 
+# Exits non-zero when a spec failed or the suite did not run.
+status=0
 if [ "$MODE" = all ]; then
   run_pass parallel
   run_pass serial
 else
   run_pass "$MODE"
 fi
+exit "$status"

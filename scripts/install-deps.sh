@@ -14,6 +14,10 @@
 #    built from Debian's `kubernetes` source package, cached under $NESTPLANE_CACHE_DIR
 #    (default ~/.cache/nestplane). Nothing is built when the binaries are already cached, or
 #    when NESTPLANE_BIN_DIR points at a directory that already holds them (any version).
+#  - the end-to-end suite's servers agnhost, sample-apiserver and nonewprivs (and, with
+#    NESTPLANE_E2E_SUITE=1, e2e.test, ginkgo and kubectl for `make conformance`), built from
+#    the same source tree, with the files their images carry, under
+#    $NESTPLANE_CACHE_DIR/kubernetes/v1.20.2/e2e.
 #
 # Prints the directory holding the binaries as its last line: `NESTPLANE_BIN_DIR=<dir>`.
 set -euo pipefail

@@ -47,10 +47,12 @@ pub struct UpArgs {
     /// build`'s archives (the end-to-end suite's, for `make conformance`); repeatable.
     #[arg(long = "node-image")]
     pub node_images: Vec<String>,
-    /// The pod security level enforced on the nodes (`Baseline` when unset, `Restricted`,
-    /// `Privileged`). `Privileged` lets the tenant admin become root on this machine: `up`
-    /// then labels the namespace `nestplane.io/pod-security-privileged=allowed` as a platform
-    /// team would (Kubernetes' conformance specs need host networking and host paths).
+    /// The pod security level enforced on the nodes (`Baseline`, `Restricted`, `Privileged`;
+    /// unset: a new pool is `Baseline`, an existing one keeps its level). `Privileged` lets
+    /// the tenant admin become root on this machine: `up` then labels the namespace
+    /// `nestplane.io/pod-security-privileged=allowed` as a platform team would, and the label
+    /// stays until removed by hand (Kubernetes' conformance specs need host networking and
+    /// host paths).
     #[arg(long, value_parser = ["Baseline", "Restricted", "Privileged"])]
     pub pod_security: Option<String>,
 }

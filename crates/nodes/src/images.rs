@@ -197,6 +197,11 @@ fn busybox_entries(inputs: &Inputs, skip: &[&str]) -> Vec<Entry> {
         }
     }
     e.push(Entry::EmptyDir("/tmp".into()));
+    // Writable by any user, as on any machine (nonroot runs as 1234).
+    e.push(Entry::Mode {
+        path: "/tmp".into(),
+        mode: 0o1777,
+    });
     e
 }
 
@@ -508,6 +513,18 @@ fn under(root: &Path, abs: &str) -> PathBuf {
     root.join(abs.trim_start_matches('/'))
 }
 
+/// Staged links point at absolute paths of the image, which are this machine's paths here:
+/// writing through one would change this machine's file.
+fn refuse_symlink(p: &Path) -> Result<(), Error> {
+    match std::fs::symlink_metadata(p) {
+        Ok(m) if m.file_type().is_symlink() => Err(Error::Command {
+            what: "staging an image".into(),
+            output: format!("{} is a link; not written through", p.display()),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Lay out `spec`'s root filesystem under `root`.
 fn stage(spec: &ImageSpec, root: &Path) -> Result<(), Error> {
     for e in &spec.entries {
@@ -547,6 +564,7 @@ fn stage(spec: &ImageSpec, root: &Path) -> Result<(), Error> {
             }
             Entry::Text { dst, contents } => {
                 let p = under(root, dst);
+                refuse_symlink(&p)?;
                 if let Some(d) = p.parent() {
                     std::fs::create_dir_all(d)
                         .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
@@ -557,6 +575,7 @@ fn stage(spec: &ImageSpec, root: &Path) -> Result<(), Error> {
             Entry::Mode { path, mode } => {
                 use std::os::unix::fs::PermissionsExt;
                 let p = under(root, path);
+                refuse_symlink(&p)?;
                 std::fs::set_permissions(&p, std::fs::Permissions::from_mode(*mode))
                     .map_err(|e| Error::io(format!("setting the mode of {}", p.display()), e))?;
             }
@@ -605,9 +624,11 @@ fn digest(spec: &ImageSpec, root: &Path) -> Result<String, Error> {
             let t = std::fs::read_link(&p).map_err(|e| Error::io("reading a link", e))?;
             h.update(b"->");
             h.update(t.to_string_lossy().as_bytes());
-        } else if ft.is_file() {
+        } else {
             let m = p.metadata().map_err(|e| Error::io("stat", e))?;
             h.update(m.permissions().mode().to_le_bytes());
+        }
+        if ft.is_file() {
             h.update(
                 std::fs::read(&p).map_err(|e| Error::io(format!("reading {}", p.display()), e))?,
             );

@@ -71,7 +71,7 @@ impl Error {
 }
 
 /// The hint printed when a node's programs are missing.
-pub const INSTALL_HINT: &str = "run scripts/install-deps.sh (installs containerd, runc, the CNI plugins, buildah, busybox-static, iptables, conntrack, and builds kubelet and kube-proxy)";
+pub const INSTALL_HINT: &str = "run scripts/install-deps.sh (installs containerd, runc, the CNI plugins, buildah, busybox-static, iptables, conntrack, curl, bind9-dnsutils and netcat-openbsd, and builds kubelet, kube-proxy and the end-to-end suite's servers)";
 
 /// Check that everything a node needs is installed; the error names what is missing and how
 /// to install it.
