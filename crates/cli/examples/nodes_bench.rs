@@ -96,6 +96,7 @@ async fn main() {
         group: None,
         control_plane_user: None,
         guard: None,
+        tunnel: None,
     })
     .await
     .expect("node");

@@ -52,6 +52,10 @@ enum Command {
         #[command(subcommand)]
         command: images::ImagesCommand,
     },
+    /// The egress proxy beside an API server of the `kubernetes` runtime: the API server's
+    /// `cluster` traffic (HTTP CONNECT on `--socket`) is carried by the agents its cluster's
+    /// nodes connect to `--listen` with their kubelets' client certificates.
+    EgressProxy(EgressProxyArgs),
     /// Print the admin kubeconfig of a tenant control plane (from `<name>-kubeconfig`).
     Kubeconfig {
         /// The control plane's name.
@@ -60,6 +64,29 @@ enum Command {
         #[arg(short, long, default_value = "default")]
         namespace: String,
     },
+}
+
+/// Arguments of `nestplane egress-proxy`.
+#[derive(clap::Args, Debug)]
+struct EgressProxyArgs {
+    /// The Unix socket the API server's egress selector names (made 0600).
+    #[arg(long)]
+    socket: PathBuf,
+    /// Where nodes' agents connect.
+    #[arg(long, default_value = "0.0.0.0:8132")]
+    listen: std::net::SocketAddr,
+    /// The serving certificate (PEM): the API server's.
+    #[arg(long)]
+    cert: PathBuf,
+    /// Its key.
+    #[arg(long)]
+    key: PathBuf,
+    /// The CA of the agents' client certificates: the cluster CA.
+    #[arg(long)]
+    client_ca: PathBuf,
+    /// The cluster's Service ranges (comma-separated), reached through any node.
+    #[arg(long, default_value = "")]
+    service_cidr: String,
 }
 
 /// Arguments of `nestplane operator`.
@@ -80,6 +107,10 @@ struct OperatorArgs {
     /// Size of each etcd member's volume (`kubernetes` runtime).
     #[arg(long, default_value = nestplane_render::workload::DEFAULT_ETCD_STORAGE)]
     etcd_storage: String,
+    /// Image of the egress proxy beside each API server (`kubernetes` runtime): the
+    /// operator's own; set it where kustomize sets the operator's.
+    #[arg(long, default_value = nestplane_operator::workloads::DEFAULT_EGRESS_IMAGE)]
+    egress_image: String,
     /// Watch only this namespace (all namespaces when unset).
     #[arg(long)]
     namespace: Option<String>,
@@ -155,6 +186,23 @@ fn main() -> anyhow::Result<()> {
             nestplane_dns::server::serve(client, &zone, listen, health, upstreams).await?;
             Ok(())
         }),
+        Command::EgressProxy(a) => {
+            let read = |p: &PathBuf| {
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+            };
+            let tls = nestplane_nodes::tunnel::server_tls(
+                &read(&a.cert)?,
+                &read(&a.key)?,
+                &read(&a.client_ca)?,
+            )
+            .map_err(anyhow::Error::msg)?;
+            let services = nestplane_nodes::egress::service_ranges(&a.service_cidr);
+            runtime()?.block_on(async move {
+                nestplane_nodes::tunnel::run_proxy(&a.socket, a.listen, tls, services)
+                    .await
+                    .with_context(|| format!("serving {} and {}", a.socket.display(), a.listen))
+            })
+        }
         Command::Kubeconfig { name, namespace } => runtime()?.block_on(async move {
             let client = kube::Client::try_default()
                 .await
@@ -193,6 +241,7 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
             nestplane_operator::Mode::Kubernetes(nestplane_operator::KubernetesSettings {
                 image_registry: args.image_registry,
                 etcd_storage: args.etcd_storage,
+                egress_image: args.egress_image,
             })
         }
         _ => nestplane_operator::Mode::Process,

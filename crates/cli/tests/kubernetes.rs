@@ -647,6 +647,196 @@ spec:
   datastoreRef: {name: pool}
 "#;
 
+/// A webhook server in the tenant (agnhost, the end-to-end suite's), behind a Service, and a
+/// validating webhook that makes the API server call it at that Service's address to create
+/// a ConfigMap in namespace `denied`; the proxy subresources of the pod and the Service, over
+/// https. The API server is a pod of the management cluster, whose network knows neither the
+/// tenant's pods nor its Services: every one of these goes through the tenant node's agent.
+fn the_api_server_reaches_a_pod_and_a_service_of_its_cluster(tenant: &std::path::Path) {
+    let now = time::OffsetDateTime::now_utc();
+    let ca = nestplane_pki::generate_ca("webhook-ca", now).unwrap();
+    let leaf = nestplane_pki::issue(
+        &ca,
+        &nestplane_pki::LeafSpec {
+            common_name: "webhook".into(),
+            dns_names: vec!["webhook.default.svc".into()],
+            usage: nestplane_pki::Usage::Server,
+            ..Default::default()
+        },
+        now,
+    )
+    .unwrap();
+    let b64 = |s: &str| nestplane_pki::base64(s.as_bytes());
+    kubectl_apply(
+        tenant,
+        &format!(
+            r#"apiVersion: v1
+kind: Secret
+metadata: {{name: serving, namespace: default}}
+type: kubernetes.io/tls
+data: {{tls.crt: {crt}, tls.key: {key}}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: webhook, namespace: default, labels: {{app: webhook}}}}
+spec:
+  containers:
+  - name: webhook
+    image: {image}
+    imagePullPolicy: Never
+    args: [webhook, --tls-cert-file=/certs/tls.crt, --tls-private-key-file=/certs/tls.key, --port=8443]
+    volumeMounts: [{{name: certs, mountPath: /certs, readOnly: true}}]
+  volumes: [{{name: certs, secret: {{secretName: serving}}}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: webhook, namespace: default}}
+spec:
+  selector: {{app: webhook}}
+  ports: [{{port: 443, targetPort: 8443}}]
+"#,
+            crt = b64(&leaf.cert_pem),
+            key = b64(&leaf.key_pem),
+            image = nestplane_nodes::images::AGNHOST_IMAGE,
+        ),
+    );
+    kubectl_ok(
+        tenant,
+        &[
+            "wait",
+            "--for=condition=Ready",
+            "pod/webhook",
+            "--timeout=120s",
+        ],
+    );
+    for path in [
+        "/api/v1/namespaces/default/services/https:webhook:443/proxy/readyz",
+        "/api/v1/namespaces/default/pods/https:webhook:8443/proxy/readyz",
+    ] {
+        eventually(&format!("{path} answers"), Duration::from_secs(60), || {
+            let out = kubectl(tenant, &["get", "--raw", path]);
+            (out.status.success() && out.stdout == b"ok").then_some(())
+        });
+    }
+    kubectl_apply(
+        tenant,
+        &format!(
+            r#"apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingWebhookConfiguration
+metadata: {{name: deny-configmaps}}
+webhooks:
+- name: deny.tunnel-test.example.com
+  rules: [{{operations: [CREATE], apiGroups: [""], apiVersions: [v1], resources: [configmaps]}}]
+  namespaceSelector: {{matchLabels: {{webhook-test: deny}}}}
+  clientConfig:
+    service: {{namespace: default, name: webhook, path: /always-deny, port: 443}}
+    caBundle: {ca}
+  sideEffects: None
+  admissionReviewVersions: [v1, v1beta1]
+  failurePolicy: Fail
+  timeoutSeconds: 10
+---
+apiVersion: v1
+kind: Namespace
+metadata: {{name: denied, labels: {{webhook-test: deny}}}}
+"#,
+            ca = b64(&ca.cert_pem),
+        ),
+    );
+    let denied = eventually(
+        "the webhook denies a ConfigMap",
+        Duration::from_secs(60),
+        || {
+            let out = kubectl(tenant, &["create", "configmap", "c1", "-n", "denied"]);
+            let err = String::from_utf8_lossy(&out.stderr).into_owned();
+            (!out.status.success() && err.contains("this webhook denies all requests"))
+                .then_some(err)
+        },
+    );
+    assert!(denied.contains("deny.tunnel-test.example.com"), "{denied}");
+}
+
+/// The tenant's API server is a pod of the management cluster; its admin tries to make it
+/// reach the management cluster's own network (before the tunnel, it dialled from there):
+/// a Node object `borrowed` naming the management plane's node, a pod bound to it whose
+/// status they set to the address of the tenant's own etcd member in the management
+/// cluster (its plain-HTTP metrics port), and a Service with hand-written Endpoints naming
+/// that pod; then `services/proxy`, `pods/proxy` and the node proxy. Each one is refused by
+/// the egress proxy: none of those is an address of the tenant's nodes, pods or Services.
+async fn the_api_server_reaches_nothing_of_the_management_cluster(
+    management: &std::path::Path,
+    tenant: &std::path::Path,
+) {
+    let etcd_ip = jsonpath(
+        management,
+        &["pod", "-n", NS, "trio-etcd-0"],
+        "{.status.podIP}",
+    );
+    let node_ip = jsonpath(
+        management,
+        &["nodes"],
+        "{.items[0].status.addresses[?(@.type==\"InternalIP\")].address}",
+    );
+    assert!(
+        !etcd_ip.is_empty() && !node_ip.is_empty(),
+        "{etcd_ip:?} {node_ip:?}"
+    );
+    let image = nestplane_nodes::images::SHELL_IMAGE;
+    kubectl_apply(
+        tenant,
+        &format!(
+            "apiVersion: v1\nkind: Node\nmetadata: {{name: borrowed}}\nstatus:\n  addresses: [{{type: InternalIP, address: {node_ip}}}]\n  daemonEndpoints: {{kubeletEndpoint: {{Port: 10250}}}}\n---\napiVersion: v1\nkind: Pod\nmetadata: {{name: forged, namespace: default}}\nspec:\n  nodeName: borrowed\n  containers: [{{name: c, image: {image}}}]\n"
+        ),
+    );
+    let pods: Api<k8s_openapi::api::core::v1::Pod> =
+        Api::namespaced(client_for(tenant).await, "default");
+    pods.patch_status(
+        "forged",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(serde_json::json!({
+            "status": {"phase": "Running", "podIP": etcd_ip, "podIPs": [{"ip": etcd_ip}]}
+        })),
+    )
+    .await
+    .expect("a tenant admin may write a pod's status");
+    kubectl_apply(
+        tenant,
+        &format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: steal, namespace: default}}\nspec:\n  ports: [{{port: 2381, targetPort: 2381}}]\n---\napiVersion: v1\nkind: Endpoints\nmetadata: {{name: steal, namespace: default}}\nsubsets:\n- addresses: [{{ip: {etcd_ip}, targetRef: {{kind: Pod, name: forged, namespace: default}}}}]\n  ports: [{{port: 2381}}]\n"
+        ),
+    );
+    for (what, path) in [
+        (
+            "services/proxy to the management cluster's etcd pod",
+            "/api/v1/namespaces/default/services/steal/proxy/metrics",
+        ),
+        (
+            "pods/proxy to the management cluster's etcd pod",
+            "/api/v1/namespaces/default/pods/forged:2381/proxy/metrics",
+        ),
+        (
+            "node proxy to the management cluster's node",
+            "/api/v1/nodes/borrowed/proxy/healthz",
+        ),
+    ] {
+        // The Endpoints may take a moment to reach the API server's cache.
+        let (ok, out) = eventually(&format!("{what} tried"), Duration::from_secs(30), || {
+            let out = kubectl(tenant, &["get", "--raw", path]);
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            (!text.contains("no endpoints available")).then_some((out.status.success(), text))
+        });
+        assert!(
+            !ok && !out.contains("etcd_")
+                && out.contains("is not an address of this cluster's nodes, pods or Services"),
+            "{what}: the tenant's API server must be refused by its egress proxy:\n{out}"
+        );
+    }
+}
+
 /// A management plane with one real node and cluster DNS; every locally built image is on
 /// the node.
 async fn management_plane_with_a_node() -> LocalPlane {
@@ -816,7 +1006,8 @@ async fn three_member_etcd_from_pods_and_a_tenant_node_running_a_pod() {
     }
 
     // A node joins the tenant (whose API server is a pod behind a Service) and runs a pod
-    // that reaches the tenant's API with its own token.
+    // that reaches the tenant's API with its own token. Its agent dials out to the API
+    // server's tunnel port: the API server reaches the cluster only through it.
     let tenant = tenant_kubeconfig(&admin, "trio", state.path()).await;
     let tenant_admin = client_for(&tenant).await;
     let ca: Secret = Api::namespaced(admin.clone(), NS)
@@ -840,16 +1031,26 @@ async fn three_member_etcd_from_pods_and_a_tenant_node_running_a_pod() {
         &[
             "registry.k8s.io/pause:3.2",
             nestplane_nodes::images::SHELL_IMAGE,
+            nestplane_nodes::images::AGNHOST_IMAGE,
         ],
         // The API server is a pod of the management plane: no tenant user to let through.
         None,
+        Some((
+            format!("{cluster_ip}:{}", nestplane_nodes::tunnel::PORT)
+                .parse()
+                .unwrap(),
+            cluster_ip.clone(),
+        )),
     )
     .await;
     wait_node_ready(&tenant, "worker-0", &node_dir, Duration::from_secs(120));
     kubectl_apply(&tenant, SHELL_POD);
+    // `kubectl logs` and `exec`: the API server to the kubelet, through the tunnel.
     wait_pod_running_and_logging(&tenant, "shell", "hello-from-a-tenant-pod");
     let api = pod_reads_itself_from_its_api(&tenant, "shell");
     assert!(api.contains("\"nodeName\": \"worker-0\""), "{api}");
+    the_api_server_reaches_a_pod_and_a_service_of_its_cluster(&tenant);
+    the_api_server_reaches_nothing_of_the_management_cluster(&kc, &tenant).await;
 
     node.remove()
         .await

@@ -77,6 +77,7 @@ async fn a_node_joins_a_process_tenant_by_bootstrap_token_and_runs_a_pod() {
         ],
         // The node of control plane default/nodes: its API server's user may reach it.
         Some(env.uid("default", "nodes")),
+        None,
     )
     .await;
     wait_node_ready(&tenant, "worker-0", &node_dir, READY);
@@ -210,6 +211,7 @@ async fn nodes_started_and_removed_100_times_leave_nothing_behind() {
                 },
                 control_plane_user: (cycle % 4 == 1).then_some(0x4e50_0007),
                 guard: None,
+                tunnel: None,
             };
             batch.push(tokio::spawn(nestplane_nodes::node::Node::start(cfg)));
             cycle += 1;

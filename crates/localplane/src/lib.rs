@@ -564,6 +564,7 @@ impl LocalPlane {
                 group: None,
                 control_plane_user: None,
                 guard: None,
+                tunnel: None,
             })
             .await
             .map_err(node_err)?;

@@ -109,6 +109,14 @@ impl Layout {
     pub fn kubelet_root(&self) -> PathBuf {
         self.dir.join("kubelet")
     }
+    /// The kubelet's certificates (`--cert-dir`).
+    pub fn kubelet_pki(&self) -> PathBuf {
+        self.kubelet_root().join("pki")
+    }
+    /// The kubelet's current client certificate and key, as it rotates them.
+    pub fn kubelet_client_certificate(&self) -> PathBuf {
+        self.kubelet_pki().join("kubelet-client-current.pem")
+    }
     /// The kubelet's configuration file.
     pub fn kubelet_config(&self) -> PathBuf {
         self.dir.join("kubelet-config.json")

@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use ipnet::Ipv4Net;
 use nestplane_runtime::egress::User;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpStream, UnixListener, UnixStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 
 /// The longest `CONNECT` request head accepted.
@@ -97,6 +97,15 @@ pub fn choose(routes: &[Route], services: &[Ipv4Net], target: Ipv4Addr) -> Resul
     ))
 }
 
+/// The IPv4 ranges of a comma-separated Service CIDR list (IPv6 ones are not served). Pure.
+pub fn service_ranges(cidrs: &str) -> Vec<Ipv4Net> {
+    cidrs
+        .split(',')
+        .filter_map(|c| c.trim().parse::<Ipv4Net>().ok())
+        .map(|n| n.trunc())
+        .collect()
+}
+
 /// A refused request: its status code and reason.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Refusal(pub u16, pub String);
@@ -122,6 +131,14 @@ pub fn parse_connect(head: &str) -> Result<SocketAddrV4, Refusal> {
         .map_err(|_| Refusal(400, "the target must be an IPv4 address and port".into()))
 }
 
+/// How the proxy reaches a cluster's network.
+pub enum Reach {
+    /// Through its nodes on this machine, read at each connection (none: from the host).
+    Local(Box<dyn Fn() -> Vec<Route> + Send + Sync>),
+    /// Through the agents its nodes connect ([`crate::tunnel`]), wherever they are.
+    Agents(Arc<crate::tunnel::Agents>),
+}
+
 /// What the proxy knows of one cluster; every listener of the cluster shares it.
 pub struct Cluster {
     /// Its control plane's user: the only peer served, and the identity of connections
@@ -129,8 +146,8 @@ pub struct Cluster {
     pub user: Option<User>,
     /// Its Service ranges (updated in place when they change).
     pub services: RwLock<Vec<Ipv4Net>>,
-    /// Its nodes on this machine, read at each connection.
-    pub routes: Box<dyn Fn() -> Vec<Route> + Send + Sync>,
+    /// How its network is reached.
+    pub reach: Reach,
     /// Its open tunnels ([`MAX_TUNNELS`]).
     pub tunnels: Arc<Semaphore>,
     /// When a connection beyond the limit was last logged.
@@ -149,16 +166,21 @@ impl Cluster {
         }
     }
 
-    /// A cluster of `user`, with `services`, whose nodes `routes` reads.
+    /// A cluster of `user`, with `services`, whose nodes here `routes` reads.
     pub fn new(
         user: Option<User>,
         services: Vec<Ipv4Net>,
         routes: Box<dyn Fn() -> Vec<Route> + Send + Sync>,
     ) -> Cluster {
+        Cluster::reached(user, services, Reach::Local(routes))
+    }
+
+    /// A cluster of `user`, with `services`, reached by `reach`.
+    pub fn reached(user: Option<User>, services: Vec<Ipv4Net>, reach: Reach) -> Cluster {
         Cluster {
             user,
             services: RwLock::new(services),
-            routes,
+            reach,
             tunnels: Arc::new(Semaphore::new(MAX_TUNNELS)),
             full_warned: Default::default(),
         }
@@ -230,8 +252,14 @@ async fn refuse(stream: &mut UnixStream, r: &Refusal) -> std::io::Result<()> {
         .await
 }
 
-async fn dial(cluster: &Cluster, target: SocketAddrV4) -> Result<TcpStream, Refusal> {
-    let routes = (cluster.routes)();
+async fn dial(
+    cluster: &Cluster,
+    target: SocketAddrV4,
+) -> Result<Box<dyn crate::tunnel::Stream>, Refusal> {
+    let routes = match &cluster.reach {
+        Reach::Local(routes) => routes(),
+        Reach::Agents(agents) => return agents.dial(target).await,
+    };
     let services = cluster
         .services
         .read()
@@ -243,14 +271,19 @@ async fn dial(cluster: &Cluster, target: SocketAddrV4) -> Result<TcpStream, Refu
         Via::Node(i) => crate::net::connect_in_netns(routes[i].netns.clone(), addr, TIMEOUT).await,
         Via::Host => nestplane_runtime::egress::connect_as(cluster.user, addr, TIMEOUT).await,
     };
-    made.map_err(|e| Refusal(502, format!("connecting to {target}: {e}")))
+    made.map(|s| Box::new(s) as Box<dyn crate::tunnel::Stream>)
+        .map_err(|e| Refusal(502, format!("connecting to {target}: {e}")))
 }
 
 /// Carry bytes both ways until both ends are done; once one direction has ended, the other
 /// gets [`HALF_CLOSED`] to finish (a peer that never closes holds nothing for long).
-async fn carry(mut a: UnixStream, mut b: TcpStream) {
-    let (mut ar, mut aw) = a.split();
-    let (mut br, mut bw) = b.split();
+pub(crate) async fn carry<A, B>(a: A, b: B)
+where
+    A: AsyncRead + AsyncWrite + Unpin,
+    B: AsyncRead + AsyncWrite + Unpin,
+{
+    let (mut ar, mut aw) = tokio::io::split(a);
+    let (mut br, mut bw) = tokio::io::split(b);
     let up = async {
         let _ = tokio::io::copy(&mut ar, &mut bw).await;
         let _ = bw.shutdown().await;

@@ -57,6 +57,11 @@ pub struct NodeConfig {
     /// The container policy enforced below the tenant at `spec.pod_security`
     /// ([`crate::guard`]); `None` runs runc directly (a node only nestplane itself uses).
     pub guard: Option<crate::guard::Setup>,
+    /// The control plane's tunnel port, as the host reaches it, and the name its certificate
+    /// is checked for: the node then runs an agent that dials out to it and carries the API
+    /// server's traffic into the cluster ([`crate::tunnel`]); `None` where the control plane
+    /// connects from this machine itself.
+    pub tunnel: Option<(SocketAddr, String)>,
 }
 
 impl std::fmt::Debug for NodeConfig {
@@ -217,6 +222,9 @@ impl Node {
             listen,
             cfg.apiservers.clone(),
         )?);
+        if let Some((server, server_name)) = &cfg.tunnel {
+            self.tasks.push(self.agent(cfg, *server, server_name)?);
+        }
         let kubelet = self.kubelet_spec(cfg, hpid, kubelet_bin);
         let k = Child::spawn(&kubelet).map_err(|e| Error::io("starting the kubelet", e))?;
         self.procs.lock().map_err(poisoned)?.kubelet = Some(k);
@@ -229,6 +237,33 @@ impl Node {
             self.layout.kubelet_kubeconfig(),
         ));
         Ok(())
+    }
+
+    /// The node's tunnel agent: it dials out from this side with the kubelet's client
+    /// certificate (once the kubelet has one) and connects inside the node's namespace, held
+    /// open from now on.
+    fn agent(
+        &self,
+        cfg: &NodeConfig,
+        server: SocketAddr,
+        server_name: &str,
+    ) -> Result<JoinHandle<()>, Error> {
+        let netns = net::open_netns(&self.addrs).map_err(|e| {
+            Error::io(
+                format!("opening {}", net::netns_path(&self.addrs).display()),
+                e,
+            )
+        })?;
+        let agent = crate::tunnel::AgentConfig {
+            server,
+            server_name: server_name.to_string(),
+            ca_pem: cfg.ca_pem.clone(),
+            credential: self.layout.kubelet_client_certificate(),
+            node_ip: self.addrs.node_ip,
+            pod_cidr: self.addrs.pod_cidr.parse().ok(),
+            netns: Some(netns),
+        };
+        Ok(tokio::spawn(crate::tunnel::run_agent(agent)))
     }
 
     /// The node's directories, credentials and configuration files, and its cgroups.
@@ -411,7 +446,7 @@ impl Node {
                 l.bootstrap_kubeconfig().display()
             ),
             format!("--kubeconfig={}", l.kubelet_kubeconfig().display()),
-            format!("--cert-dir={}", l.kubelet_root().join("pki").display()),
+            format!("--cert-dir={}", l.kubelet_pki().display()),
             format!("--root-dir={}", l.kubelet_root().display()),
             "--container-runtime=remote".into(),
             format!(

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use ipnet::Ipv4Net;
+pub use nestplane_nodes::egress::service_ranges;
 use nestplane_nodes::egress::{Cluster, serve};
 use nestplane_runtime::egress::User;
 use nestplane_runtime::process::TenantKey;
@@ -38,15 +39,6 @@ struct Served {
 pub struct Egress {
     nodes: Arc<dyn NodeRuntime>,
     tenants: Mutex<HashMap<TenantKey, Served>>,
-}
-
-/// The IPv4 ranges of a comma-separated Service CIDR list (IPv6 ones are not served). Pure.
-pub fn service_ranges(cidrs: &str) -> Vec<Ipv4Net> {
-    cidrs
-        .split(',')
-        .filter_map(|c| c.trim().parse::<Ipv4Net>().ok())
-        .map(|n| n.trunc())
-        .collect()
 }
 
 /// Bind the socket in directory `dir`, owned by `user`, 0600. Through a descriptor of the

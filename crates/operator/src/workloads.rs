@@ -29,13 +29,20 @@ pub struct KubernetesSettings {
     pub image_registry: String,
     /// Size of each etcd member's volume.
     pub etcd_storage: String,
+    /// The image of the API server's egress proxy (the operator's own image, which holds
+    /// `nestplane egress-proxy`).
+    pub egress_image: String,
 }
+
+/// The operator's image as the install manifests name it.
+pub const DEFAULT_EGRESS_IMAGE: &str = "nestplane:latest";
 
 impl Default for KubernetesSettings {
     fn default() -> Self {
         KubernetesSettings {
             image_registry: nestplane_render::DEFAULT_IMAGE_REGISTRY.into(),
             etcd_storage: nestplane_render::workload::DEFAULT_ETCD_STORAGE.into(),
+            egress_image: DEFAULT_EGRESS_IMAGE.into(),
         }
     }
 }
@@ -246,7 +253,16 @@ async fn run(
     } = pass;
     let ns = t.namespace();
     let input = render_input(t, version, settings);
-    let rendered = nestplane_render::render(c, &input)?;
+    let mut rendered = nestplane_render::render(c, &input)?;
+    if c == Component::ApiServer {
+        // Its cluster's traffic goes through the nodes' agents: this pod's own network is
+        // the management cluster's.
+        nestplane_render::egress::apply_kubernetes(
+            &mut rendered,
+            &settings.egress_image,
+            &input.service_cidr,
+        );
+    }
     let mut objects = nestplane_render::objects(&rendered, &input, "", &settings.etcd_storage);
     policy::apply_checked(objects.all_mut(), patches, policy::Runtime::Kubernetes)?;
     let Some(owner) = owner_of(t, c) else {

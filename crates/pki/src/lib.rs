@@ -230,7 +230,20 @@ fn with_cert<T>(
 
 /// Read a certificate's subject, issuer, validity, SANs and usages.
 pub fn inspect(cert_pem: &str) -> Result<CertInfo, PkiError> {
-    with_cert(cert_pem, |c| {
+    with_cert(cert_pem, info)
+}
+
+/// [`inspect`] of a certificate in DER (as TLS hands a peer's over).
+pub fn inspect_der(der: &[u8]) -> Result<CertInfo, PkiError> {
+    let (_, cert) = X509Certificate::from_der(der).map_err(|e| PkiError::Parse {
+        what: "a certificate",
+        reason: e.to_string(),
+    })?;
+    info(&cert)
+}
+
+fn info(c: &X509Certificate<'_>) -> Result<CertInfo, PkiError> {
+    {
         let cn = |n: &x509_parser::x509::X509Name<'_>| {
             n.iter_common_name()
                 .next()
@@ -273,7 +286,7 @@ pub fn inspect(cert_pem: &str) -> Result<CertInfo, PkiError> {
             server_auth,
             client_auth,
         })
-    })
+    }
 }
 
 /// What a certificate signing request asks for: subject and subject alternative names.

@@ -72,6 +72,160 @@ pub fn apply(rendered: &mut Rendered) -> (String, BTreeMap<String, Vec<u8>>) {
     (name, data)
 }
 
+/// The `kubernetes` runtime's proxy: a container beside the API server, from the operator's
+/// image, serving the socket in a volume the two share and the tunnel port that the cluster's
+/// nodes dial out to (`nestplane_nodes::tunnel`).
+pub const SIDECAR: &str = "egress-proxy";
+/// Where the sidecar's socket is, in both containers.
+const RUN_DIR: &str = "/run/nestplane/egress";
+const RUN_VOLUME: &str = "egress-run";
+/// The pod annotation that holds the configuration (read by a downward API volume: no other
+/// object to make, and a change rolls the pods like any change of the template).
+pub const CONFIG_ANNOTATION: &str = "nestplane.io/egress-selector";
+/// The tunnel port (konnectivity's agent port), on the pod and on the API server's Service.
+pub const TUNNEL_PORT: i32 = 8132;
+/// The tunnel port's name.
+pub const TUNNEL_PORT_NAME: &str = "tunnel";
+
+/// Point a rendered API server of the `kubernetes` runtime at a sidecar running `image` (the
+/// operator's, which holds `nestplane egress-proxy`), which reaches the cluster through the
+/// agents of its nodes; its Service gets the tunnel port. The sidecar presents the API
+/// server's serving certificate and admits only client certificates of the cluster CA
+/// (nodes').
+pub fn apply_kubernetes(rendered: &mut Rendered, image: &str, service_cidr: &str) {
+    use k8s_openapi::api::core::v1::{
+        Container, ContainerPort, DownwardAPIVolumeFile, DownwardAPIVolumeSource,
+        EmptyDirVolumeSource, ObjectFieldSelector, ResourceRequirements, ServicePort,
+    };
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    use nestplane_api::names::SecretPurpose;
+
+    rendered
+        .pod_template
+        .metadata
+        .get_or_insert_with(Default::default)
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(
+            CONFIG_ANNOTATION.into(),
+            config(&format!("{RUN_DIR}/{SOCKET_FILE}")),
+        );
+    let Some(spec) = rendered.pod_template.spec.as_mut() else {
+        return;
+    };
+    let volumes = spec.volumes.get_or_insert_with(Vec::new);
+    volumes.push(Volume {
+        name: VOLUME.into(),
+        downward_api: Some(DownwardAPIVolumeSource {
+            items: Some(vec![DownwardAPIVolumeFile {
+                path: CONFIG_KEY.into(),
+                field_ref: Some(ObjectFieldSelector {
+                    field_path: format!("metadata.annotations['{CONFIG_ANNOTATION}']"),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    volumes.push(Volume {
+        name: RUN_VOLUME.into(),
+        empty_dir: Some(EmptyDirVolumeSource {
+            medium: Some("Memory".into()),
+            size_limit: Some(Quantity("1Mi".into())),
+        }),
+        ..Default::default()
+    });
+    let run_mount = VolumeMount {
+        name: RUN_VOLUME.into(),
+        mount_path: RUN_DIR.into(),
+        ..Default::default()
+    };
+    // The API server alone: the rendered pod has one container.
+    if let Some(c) = spec.containers.first_mut() {
+        let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
+        mounts.push(VolumeMount {
+            name: VOLUME.into(),
+            mount_path: MOUNT.into(),
+            read_only: Some(true),
+            ..Default::default()
+        });
+        mounts.push(run_mount.clone());
+        c.args.get_or_insert_with(Vec::new).push(format!(
+            "--egress-selector-config-file={MOUNT}/{CONFIG_KEY}"
+        ));
+    }
+    let secret =
+        |p: SecretPurpose, key: &str| format!("{}/{}", crate::pod::secret_mount_path(p), key);
+    let secret_mount = |p: SecretPurpose| VolumeMount {
+        name: crate::pod::secret_volume_name(p).into(),
+        mount_path: crate::pod::secret_mount_path(p),
+        read_only: Some(true),
+        ..Default::default()
+    };
+    spec.containers.push(Container {
+        name: SIDECAR.into(),
+        image: Some(image.into()),
+        image_pull_policy: Some("IfNotPresent".into()),
+        command: Some(vec!["/nestplane".into()]),
+        args: Some(vec![
+            "egress-proxy".into(),
+            format!("--socket={RUN_DIR}/{SOCKET_FILE}"),
+            format!("--listen=0.0.0.0:{TUNNEL_PORT}"),
+            format!("--cert={}", secret(SecretPurpose::ApiServer, "tls.crt")),
+            format!("--key={}", secret(SecretPurpose::ApiServer, "tls.key")),
+            format!(
+                "--client-ca={}",
+                secret(SecretPurpose::ClusterCa, "tls.crt")
+            ),
+            format!("--service-cidr={service_cidr}"),
+        ]),
+        ports: Some(vec![ContainerPort {
+            name: Some(TUNNEL_PORT_NAME.into()),
+            container_port: TUNNEL_PORT,
+            protocol: Some("TCP".into()),
+            ..Default::default()
+        }]),
+        volume_mounts: Some(vec![
+            run_mount,
+            secret_mount(SecretPurpose::ApiServer),
+            secret_mount(SecretPurpose::ClusterCa),
+        ]),
+        resources: Some(ResourceRequirements {
+            requests: Some(BTreeMap::from([
+                ("cpu".into(), Quantity("10m".into())),
+                ("memory".into(), Quantity("16Mi".into())),
+            ])),
+            limits: Some(BTreeMap::from([(
+                "memory".into(),
+                Quantity("128Mi".into()),
+            )])),
+            ..Default::default()
+        }),
+        security_context: Some(k8s_openapi::api::core::v1::SecurityContext {
+            read_only_root_filesystem: Some(true),
+            ..crate::pod::container_security()
+        }),
+        ..Default::default()
+    });
+    for svc in &mut rendered.services {
+        if svc.metadata.name.as_deref() != Some(&*rendered.workload_name) {
+            continue;
+        }
+        if let Some(ports) = svc.spec.as_mut().and_then(|s| s.ports.as_mut()) {
+            ports.push(ServicePort {
+                name: Some(TUNNEL_PORT_NAME.into()),
+                port: TUNNEL_PORT,
+                target_port: Some(IntOrString::String(TUNNEL_PORT_NAME.into())),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            });
+        }
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -116,6 +270,88 @@ mod tests {
         assert_eq!(
             sel[0]["connection"]["transport"]["uds"]["udsName"],
             "/proc/self/cwd/egress.sock"
+        );
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod kubernetes_tests {
+    use super::*;
+    use crate::{KubeVersion, Network, RenderInput, objects, render};
+    use nestplane_api::names::Component;
+
+    #[test]
+    fn a_pod_api_server_sends_cluster_traffic_to_its_sidecar_which_nodes_dial() {
+        let input = RenderInput::new(
+            "alpha",
+            "ns",
+            KubeVersion::parse("v1.20.2").unwrap(),
+            Network::Cluster,
+        );
+        let mut r = render(Component::ApiServer, &input).unwrap();
+        apply_kubernetes(&mut r, "nestplane:latest", "10.96.0.0/12");
+        let o = objects(&r, &input, "sum", "1Gi");
+        let template = &o.workload["spec"]["template"];
+        // The configuration travels in the template, and the API server reads it.
+        let text = template["metadata"]["annotations"][CONFIG_ANNOTATION]
+            .as_str()
+            .unwrap();
+        let doc: serde_json::Value = serde_saphyr::from_str(text).unwrap();
+        assert_eq!(
+            doc["egressSelections"][0]["connection"]["transport"]["uds"]["udsName"],
+            "/run/nestplane/egress/egress.sock"
+        );
+        assert!(
+            template["metadata"]["annotations"][crate::SECRETS_CHECKSUM_ANNOTATION].is_string()
+        );
+        let containers = template["spec"]["containers"].as_array().unwrap();
+        assert_eq!(containers.len(), 2);
+        let api = &containers[0];
+        assert!(
+            api["args"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|a| a == "--egress-selector-config-file=/etc/nestplane/egress-selector/egress-selector.yaml")
+        );
+        let proxy = &containers[1];
+        assert_eq!(proxy["name"], SIDECAR);
+        assert_eq!(proxy["image"], "nestplane:latest");
+        let args: Vec<&str> = proxy["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        assert!(
+            args.contains(&"--client-ca=/etc/nestplane/cluster-ca/tls.crt"),
+            "{args:?}"
+        );
+        assert!(args.contains(&"--service-cidr=10.96.0.0/12"), "{args:?}");
+        assert_eq!(proxy["securityContext"]["runAsNonRoot"], true);
+        assert_eq!(proxy["securityContext"]["readOnlyRootFilesystem"], true);
+        // Every volume the sidecar mounts is one of the pod's.
+        let vols: Vec<&str> = template["spec"]["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v["name"].as_str().unwrap())
+            .collect();
+        for m in proxy["volumeMounts"].as_array().unwrap() {
+            assert!(
+                vols.contains(&m["name"].as_str().unwrap()),
+                "{m} not in {vols:?}"
+            );
+        }
+        // Nodes reach the tunnel port where they reach the API server.
+        let svc = &o.services[0];
+        let ports = svc["spec"]["ports"].as_array().unwrap();
+        assert!(
+            ports
+                .iter()
+                .any(|p| p["port"] == TUNNEL_PORT && p["targetPort"] == TUNNEL_PORT_NAME),
+            "{ports:?}"
         );
     }
 }

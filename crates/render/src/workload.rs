@@ -59,10 +59,17 @@ pub fn objects(
     etcd_storage: &str,
 ) -> Objects {
     let mut template = serde_json::to_value(&r.pod_template).unwrap_or(Value::Null);
-    template["metadata"]["annotations"] = json!({
-        SECRETS_CHECKSUM_ANNOTATION: secrets_checksum,
-        TEMPLATE_HASH_ANNOTATION: crate::template_hash(r),
-    });
+    // The template's own annotations (the egress configuration) and the two of the rollout.
+    let mut annotations = template["metadata"]["annotations"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    annotations.insert(SECRETS_CHECKSUM_ANNOTATION.into(), json!(secrets_checksum));
+    annotations.insert(
+        TEMPLATE_HASH_ANNOTATION.into(),
+        json!(crate::template_hash(r)),
+    );
+    template["metadata"]["annotations"] = Value::Object(annotations);
     let selector = selector_labels(&input.cluster, r.component);
     // Spread replicas across nodes (and zones when there are several), softly: a small
     // management cluster must still be able to run three members.

@@ -505,13 +505,14 @@ pub fn images() -> std::collections::BTreeMap<String, PathBuf> {
                     "registry.k8s.io/etcd:3.4.13-0",
                     nestplane_nodes::images::SHELL_IMAGE,
                     nestplane_nodes::images::OPERATOR_IMAGE,
+                    nestplane_nodes::images::AGNHOST_IMAGE,
                 ] {
                     if nestplane_nodes::images::archive_path(&dir, name) == p {
                         map.insert(name.to_string(), p.clone());
                     }
                 }
             }
-            assert_eq!(map.len(), 8, "images built: {map:?}");
+            assert_eq!(map.len(), 9, "images built: {map:?}");
             map
         })
         .clone()
@@ -540,6 +541,7 @@ pub async fn join_node(
     api_port: u16,
     image_names: &[&str],
     control_plane: Option<u32>,
+    tunnel: Option<(std::net::SocketAddr, String)>,
 ) -> nestplane_nodes::node::Node {
     use nestplane_nodes::{join, node};
     nestplane_nodes::check_prerequisites("v1.20.2").expect("node prerequisites");
@@ -565,6 +567,7 @@ pub async fn join_node(
         group: control_plane,
         control_plane_user: control_plane,
         guard: None,
+        tunnel,
     })
     .await
     .expect("node starts")

@@ -175,6 +175,8 @@ impl LocalNodes {
             guard: Some(nestplane_nodes::guard::Setup {
                 nestplane: self.settings.guard.clone(),
             }),
+            // The operator connects from this machine itself.
+            tunnel: None,
         })
         .await
         .map_err(|e| format!("node {}: {e}", r.name))?;
