@@ -87,6 +87,12 @@ struct EgressProxyArgs {
     /// The cluster's Service ranges (comma-separated), reached through any node.
     #[arg(long, default_value = "")]
     service_cidr: String,
+    /// The API server's replicas (agents keep connections at each).
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
+    /// This replica's id, told to agents (default: the host name, a pod's name).
+    #[arg(long)]
+    id: Option<String>,
 }
 
 /// Arguments of `nestplane operator`.
@@ -197,8 +203,23 @@ fn main() -> anyhow::Result<()> {
             )
             .map_err(anyhow::Error::msg)?;
             let services = nestplane_nodes::egress::service_ranges(&a.service_cidr);
+            let id = match a.id {
+                Some(id) => id,
+                None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .context("reading the host name")?
+                    .trim()
+                    .to_string(),
+            };
+            anyhow::ensure!(
+                !id.is_empty() && !id.contains(char::is_whitespace),
+                "a replica's id is one word: {id:?}"
+            );
+            let replica = nestplane_nodes::tunnel::Replica {
+                id,
+                count: a.replicas.max(1),
+            };
             runtime()?.block_on(async move {
-                nestplane_nodes::tunnel::run_proxy(&a.socket, a.listen, tls, services)
+                nestplane_nodes::tunnel::run_proxy(&a.socket, a.listen, tls, services, replica)
                     .await
                     .with_context(|| format!("serving {} and {}", a.socket.display(), a.listen))
             })

@@ -11,9 +11,14 @@
 //!
 //! ```text
 //! agent → proxy   NODE <node-ip> <pod-cidr or ->      (once the TLS session is up)
+//! proxy → agent   PROXY <id> <replicas>               (which API server replica this is)
 //! proxy → agent   DIAL <ip>:<port>                    (when the connection is taken)
 //! agent → proxy   OK | ERR <reason>
 //! ```
+//!
+//! An API server may have several replicas behind one Service address: the agent keeps
+//! [`WAITING`] connections at each, by their ids (a connection that lands on a replica that
+//! has its share is closed, and the next one tried after a pause).
 //!
 //! Trust: the proxy serves the control plane's serving certificate and asks every agent for a
 //! client certificate of *its cluster's* CA with the subject a kubelet's client certificate
@@ -49,6 +54,20 @@ const MAX_WAITING: usize = 1024;
 const MAX_LINE: u64 = 256;
 /// How long a handshake, a line or a dial may take.
 const TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the proxy waits for an agent's answer: longer than the agent's own dial.
+const ANSWER: Duration = Duration::from_secs(15);
+/// Waiting connections found dead that one dial tries past before it gives up.
+const DEAD_TRIES: usize = 4;
+/// Connections the proxy holds before they have said who they are (TLS and the NODE line):
+/// more are closed at once.
+const MAX_WELCOMING: usize = 128;
+/// How long an agent's connection waits before it is made anew (its certificate is read
+/// again: the kubelet rotates it).
+const MAX_WAIT: Duration = Duration::from_secs(600);
+/// Replicas of one API server an agent keeps connections at, at most.
+const MAX_REPLICAS: usize = 16;
+/// The read buffer of a protocol stream (the tunnel's bytes pass it by when it is empty).
+const BUFFER: usize = 1024;
 
 /// A stream a tunnel runs over.
 pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
@@ -137,13 +156,22 @@ pub fn parse_hello(line: &str) -> Result<(Ipv4Addr, Option<Ipv4Net>), String> {
         return Err(format!("not a NODE line: {line:?}"));
     };
     let ip: Ipv4Addr = ip.parse().map_err(|_| format!("bad address {ip:?}"))?;
+    if let Some(why) = never(ip) {
+        return Err(format!("{ip} is {why}"));
+    }
     let cidr = match cidr {
         "-" => None,
-        c => Some(
-            c.parse::<Ipv4Net>()
+        c => {
+            let c = c
+                .parse::<Ipv4Net>()
                 .map_err(|_| format!("bad range {c:?}"))?
-                .trunc(),
-        ),
+                .trunc();
+            // One node's pods, not a network's.
+            if c.prefix_len() < 16 {
+                return Err(format!("{c} is wider than one node's pod range"));
+            }
+            Some(c)
+        }
     };
     Ok((ip, cidr))
 }
@@ -231,42 +259,48 @@ impl Agents {
         ))
     }
 
-    /// A tunnel to `target` through one of the agents; a connection found dead is dropped and
-    /// the next one tried.
+    /// A tunnel to `target` through one of the agents; a connection found dead (closed
+    /// before it answered) is dropped and the next one tried, [`DEAD_TRIES`] times at most.
     pub async fn dial(&self, target: SocketAddrV4) -> Result<Box<dyn Stream>, Refusal> {
-        loop {
+        for _ in 0..DEAD_TRIES {
             let w = self.take(*target.ip())?;
             let node = w.node.clone();
             match ask(w.stream, target).await {
-                Ok(Ok(s)) => return Ok(s),
-                Ok(Err(reason)) => {
+                Answer::Connected(s) => return Ok(s),
+                Answer::Refused(reason) => {
                     return Err(Refusal(
                         502,
                         format!("node {node} connecting to {target}: {reason}"),
                     ));
                 }
+                Answer::Silent => {
+                    return Err(Refusal(
+                        504,
+                        format!("node {node} did not answer for {target} in time"),
+                    ));
+                }
                 // Gone meanwhile (the agent restarted, the network broke): try another.
-                Err(e) => tracing::debug!(%node, error = %e, "a waiting tunnel was dead"),
+                Answer::Dead(e) => tracing::debug!(%node, error = %e, "a waiting tunnel was dead"),
             }
         }
+        Err(Refusal(
+            502,
+            format!("no live connection of this cluster's nodes reached {target}"),
+        ))
     }
 }
 
-/// Read one line of at most [`MAX_LINE`] bytes, within [`TIMEOUT`] unless `wait`.
+/// Read one line of at most [`MAX_LINE`] bytes, within `within`.
 async fn read_line<S: AsyncRead + Unpin>(
     s: &mut BufReader<S>,
-    wait: bool,
+    within: Duration,
 ) -> std::io::Result<String> {
     let mut line = String::new();
     let mut limited = (&mut *s).take(MAX_LINE);
     let read = limited.read_line(&mut line);
-    let n = if wait {
-        read.await?
-    } else {
-        tokio::time::timeout(TIMEOUT, read)
-            .await
-            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??
-    };
+    let n = tokio::time::timeout(within, read)
+        .await
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
     if n == 0 {
         return Err(std::io::ErrorKind::UnexpectedEof.into());
     }
@@ -276,47 +310,86 @@ async fn read_line<S: AsyncRead + Unpin>(
     Ok(line.trim_end().to_string())
 }
 
-/// Ask a waiting agent connection for `target`: `Ok(Ok(stream))` when connected,
-/// `Ok(Err(reason))` when the agent could not, `Err` when the connection is dead.
-async fn ask(
-    stream: Box<dyn Stream>,
-    target: SocketAddrV4,
-) -> std::io::Result<Result<Box<dyn Stream>, String>> {
-    let mut s = BufReader::new(stream);
-    s.get_mut()
-        .write_all(format!("DIAL {target}\n").as_bytes())
-        .await?;
-    s.get_mut().flush().await?;
-    let reply = read_line(&mut s, false).await?;
-    if reply == "OK" {
-        // The reader itself carries on: what it read past the line is the tunnel's.
-        return Ok(Ok(Box::new(s)));
-    }
-    let reason = reply
-        .strip_prefix("ERR ")
-        .unwrap_or("an unreadable answer")
-        .chars()
-        .filter(|c| !c.is_control())
-        .collect();
-    Ok(Err(reason))
+/// What a waiting connection said to a `DIAL`.
+enum Answer {
+    /// `OK`: the stream carries the tunnel.
+    Connected(Box<dyn Stream>),
+    /// `ERR <reason>` (or something unreadable).
+    Refused(String),
+    /// Nothing within [`ANSWER`].
+    Silent,
+    /// Closed or broken before an answer: the connection was dead.
+    Dead(std::io::Error),
 }
 
-/// Serve agents on `listener` for `agents`, with `tls`, until this future is dropped.
+/// Ask a waiting agent connection for `target`.
+async fn ask(stream: Box<dyn Stream>, target: SocketAddrV4) -> Answer {
+    let mut s = BufReader::with_capacity(BUFFER, stream);
+    let sent = async {
+        s.get_mut()
+            .write_all(format!("DIAL {target}\n").as_bytes())
+            .await?;
+        s.get_mut().flush().await
+    };
+    if let Err(e) = sent.await {
+        return Answer::Dead(e);
+    }
+    let reply = match read_line(&mut s, ANSWER).await {
+        Ok(r) => r,
+        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Answer::Silent,
+        Err(e) => return Answer::Dead(e),
+    };
+    if reply == "OK" {
+        // The reader itself carries on: what it read past the line is the tunnel's.
+        return Answer::Connected(Box::new(s));
+    }
+    Answer::Refused(
+        reply
+            .strip_prefix("ERR ")
+            .unwrap_or("an unreadable answer")
+            .chars()
+            .filter(|c| !c.is_control())
+            .collect(),
+    )
+}
+
+/// Which replica a proxy is: its id (the pod's name) and how many replicas its API server
+/// has.
+#[derive(Clone, Debug)]
+pub struct Replica {
+    /// This replica's id.
+    pub id: String,
+    /// The API server's replicas.
+    pub count: usize,
+}
+
+/// Serve agents on `listener` for `agents`, with `tls`, as `replica`, until this future is
+/// dropped. At most [`MAX_WELCOMING`] connections are served before they have said who they
+/// are; more are closed at once.
 pub async fn serve_agents(
     listener: TcpListener,
     tls: tokio_rustls::TlsAcceptor,
     agents: Arc<Agents>,
+    replica: Replica,
 ) {
+    let welcoming = Arc::new(tokio::sync::Semaphore::new(MAX_WELCOMING));
+    let replica = Arc::new(replica);
     loop {
         let Ok((tcp, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
+        let Ok(permit) = welcoming.clone().try_acquire_owned() else {
+            drop(tcp);
+            continue;
+        };
         let tls = tls.clone();
         let agents = agents.clone();
+        let replica = replica.clone();
         tokio::spawn(async move {
-            if let Err(e) = welcome(tcp, tls, &agents).await {
-                tracing::info!(%peer, error = %e, "an agent's connection is refused");
+            let welcomed = welcome(tcp, tls, &agents, &replica, permit).await;
+            if let Err(e) = welcomed {
+                tracing::debug!(%peer, error = %e, "an agent's connection is refused");
             }
         });
     }
@@ -326,6 +399,8 @@ async fn welcome(
     tcp: TcpStream,
     tls: tokio_rustls::TlsAcceptor,
     agents: &Agents,
+    replica: &Replica,
+    permit: tokio::sync::OwnedSemaphorePermit,
 ) -> Result<(), String> {
     let _ = tcp.set_nodelay(true);
     keepalive(&tcp);
@@ -341,9 +416,20 @@ async fn welcome(
         .ok_or("no client certificate")?
         .to_vec();
     let node = node_of(&der)?;
-    let mut s = BufReader::new(stream);
-    let hello = read_line(&mut s, false).await.map_err(|e| e.to_string())?;
+    let mut s = BufReader::with_capacity(BUFFER, stream);
+    let hello = read_line(&mut s, TIMEOUT)
+        .await
+        .map_err(|e| e.to_string())?;
     let (node_ip, pod_cidr) = parse_hello(&hello)?;
+    let greeting = format!("PROXY {} {}\n", replica.id, replica.count);
+    tokio::time::timeout(TIMEOUT, async {
+        s.get_mut().write_all(greeting.as_bytes()).await?;
+        s.get_mut().flush().await
+    })
+    .await
+    .map_err(|_| "writing the greeting timed out".to_string())?
+    .map_err(|e| e.to_string())?;
+    drop(permit);
     tracing::debug!(%node, %node_ip, "an agent is waiting");
     agents.push(Waiting {
         node,
@@ -363,6 +449,7 @@ pub async fn run_proxy(
     listen: SocketAddr,
     tls: tokio_rustls::TlsAcceptor,
     services: Vec<Ipv4Net>,
+    replica: Replica,
 ) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     match std::fs::remove_file(socket) {
@@ -383,18 +470,26 @@ pub async fn run_proxy(
         services,
         crate::egress::Reach::Agents(agents.clone()),
     ));
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
-        _ = serve_agents(tcp, tls, agents) => {}
+        _ = serve_agents(tcp, tls, agents, replica) => {}
         _ = crate::egress::serve(uds, cluster) => {}
+        // A pod that goes: its tunnels end with it, its agents find the next replica.
+        _ = term.recv() => {}
     }
     Ok(())
 }
 
 /// TCP keepalive on a connection that waits: a peer gone without a word is found by the
-/// kernel's probes (and, at the latest, on use, when it is dropped).
+/// kernel's probes within about a minute (and, at the latest, on use, when it is dropped).
 fn keepalive(s: &TcpStream) {
+    use rustix::net::sockopt;
     use std::os::fd::AsFd;
-    let _ = rustix::net::sockopt::set_socket_keepalive(s.as_fd(), true);
+    let fd = s.as_fd();
+    let _ = sockopt::set_socket_keepalive(fd, true);
+    let _ = sockopt::set_tcp_keepidle(fd, Duration::from_secs(30));
+    let _ = sockopt::set_tcp_keepintvl(fd, Duration::from_secs(10));
+    let _ = sockopt::set_tcp_keepcnt(fd, 3);
 }
 
 /// An agent: where its control plane's proxy is and how the node reaches its cluster.
@@ -479,41 +574,113 @@ impl AgentConfig {
     }
 }
 
-/// Run an agent until this future is dropped: [`WAITING`] connections wait at the proxy;
-/// each one taken is replaced at once, and carries its tunnel on a task of its own.
+/// Which replicas an agent has connections waiting at.
+#[derive(Default)]
+struct Seen {
+    /// The replicas the proxies say their API server has.
+    count: usize,
+    /// Connections waiting, by replica id.
+    waiting: std::collections::HashMap<String, usize>,
+}
+
+/// Run an agent until this future is dropped: [`WAITING`] connections wait at each replica of
+/// the API server; each one taken is replaced at once, and carries its tunnel on a task of its
+/// own.
 pub async fn run_agent(cfg: AgentConfig) {
     let cfg = Arc::new(cfg);
+    let seen = Arc::new(Mutex::new(Seen {
+        count: 1,
+        ..Default::default()
+    }));
+    let more = Arc::new(tokio::sync::Notify::new());
     let mut lanes = tokio::task::JoinSet::new();
-    for _ in 0..WAITING {
-        lanes.spawn(lane(cfg.clone()));
+    loop {
+        let want = {
+            let seen = seen.lock().unwrap_or_else(|e| e.into_inner());
+            WAITING * seen.count.clamp(1, MAX_REPLICAS)
+        };
+        while lanes.len() < want {
+            lanes.spawn(lane(cfg.clone(), seen.clone(), more.clone()));
+        }
+        tokio::select! {
+            _ = more.notified() => {}
+            _ = lanes.join_next() => {}
+        }
     }
-    while lanes.join_next().await.is_some() {}
+}
+
+/// A pause of `d` and a little more, so that lanes do not march in step.
+async fn pause(d: Duration) {
+    let jitter = Duration::from_millis(rand::random::<u64>() % 200);
+    tokio::time::sleep(d + jitter).await;
 }
 
 /// One waiting connection after another.
-async fn lane(cfg: Arc<AgentConfig>) {
+async fn lane(cfg: Arc<AgentConfig>, seen: Arc<Mutex<Seen>>, more: Arc<tokio::sync::Notify>) {
     let mut tunnels = tokio::task::JoinSet::new();
     let mut backoff = Duration::from_millis(200);
+    let grow = |b: Duration| (b * 2).min(Duration::from_secs(5));
     loop {
         while tunnels.try_join_next().is_some() {}
-        let stream = match cfg.connect_out().await {
-            Ok(s) => {
-                backoff = Duration::from_millis(200);
-                s
-            }
+        let mut s = match cfg.connect_out().await {
+            Ok(s) => BufReader::with_capacity(BUFFER, s),
             Err(e) => {
                 tracing::debug!(error = %e, "the agent cannot reach its control plane yet");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
+                pause(backoff).await;
+                backoff = grow(backoff);
                 continue;
             }
         };
-        let mut s = BufReader::new(stream);
-        let target = match read_line(&mut s, true).await {
-            Ok(line) => line,
-            // The proxy went (restarted, dropped an old connection): wait again.
-            Err(_) => continue,
+        // Which replica this is; a refusal (another CA, not a node) ends here too.
+        let replica = match read_line(&mut s, TIMEOUT).await.map(|l| parse_greeting(&l)) {
+            Ok(Ok(r)) => r,
+            other => {
+                tracing::debug!(result = ?other.err(), "the proxy did not greet the agent");
+                pause(backoff).await;
+                backoff = grow(backoff);
+                continue;
+            }
         };
+        let kept = {
+            let mut seen = seen.lock().unwrap_or_else(|e| e.into_inner());
+            if replica.count > seen.count {
+                seen.count = replica.count.min(MAX_REPLICAS);
+                more.notify_one();
+            }
+            let n = seen.waiting.entry(replica.id.clone()).or_default();
+            let keep = *n < WAITING;
+            if keep {
+                *n += 1;
+            }
+            keep
+        };
+        if !kept {
+            // That replica has its share: another one may be behind the same address.
+            drop(s);
+            pause(backoff).await;
+            backoff = grow(backoff);
+            continue;
+        }
+        let line = read_line(&mut s, MAX_WAIT).await;
+        {
+            let mut seen = seen.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = seen.waiting.get_mut(&replica.id) {
+                *n = n.saturating_sub(1);
+            }
+        }
+        let target = match line {
+            Ok(line) => line,
+            // Waited long enough (made anew with the current certificate), or the proxy
+            // went (restarted, dropped an old connection): wait again.
+            Err(e) => {
+                if e.kind() != std::io::ErrorKind::TimedOut {
+                    pause(backoff).await;
+                    backoff = grow(backoff);
+                }
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(200);
         let cfg = cfg.clone();
         tunnels.spawn(async move {
             let Some(target) = target
@@ -538,6 +705,26 @@ async fn lane(cfg: Arc<AgentConfig>) {
             }
         });
     }
+}
+
+/// The proxy's greeting: `PROXY <id> <replicas>`. Pure.
+pub fn parse_greeting(line: &str) -> Result<Replica, String> {
+    let mut parts = line.trim_end().split(' ');
+    let (Some("PROXY"), Some(id), Some(count), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(format!("not a PROXY line: {line:?}"));
+    };
+    let count: usize = count
+        .parse()
+        .map_err(|_| format!("bad replica count {count:?}"))?;
+    if id.is_empty() || count == 0 {
+        return Err(format!("not a PROXY line: {line:?}"));
+    }
+    Ok(Replica {
+        id: id.to_string(),
+        count,
+    })
 }
 
 #[cfg(test)]
@@ -584,12 +771,29 @@ mod tests {
     /// A control plane's proxy: the agents' port on loopback, the API server's socket in
     /// `dir`. Returns the port, the socket and the agents.
     async fn proxy(ca: &CertKey, dir: &std::path::Path) -> (SocketAddr, PathBuf, Arc<Agents>) {
+        proxy_as(ca, dir, "proxy-0", 1).await
+    }
+
+    async fn proxy_as(
+        ca: &CertKey,
+        dir: &std::path::Path,
+        id: &str,
+        count: usize,
+    ) -> (SocketAddr, PathBuf, Arc<Agents>) {
         let serving = leaf(ca, "kube-apiserver", &[], Usage::Server);
         let tls = server_tls(&serving.cert_pem, &serving.key_pem, &ca.cert_pem).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let agents = Arc::new(Agents::new(vec![]));
-        tokio::spawn(serve_agents(listener, tls, agents.clone()));
+        tokio::spawn(serve_agents(
+            listener,
+            tls,
+            agents.clone(),
+            Replica {
+                id: id.into(),
+                count,
+            },
+        ));
         let sock = dir.join("egress.sock");
         let l = UnixListener::bind(&sock).unwrap();
         tokio::spawn(serve(
@@ -696,8 +900,29 @@ mod tests {
             "NODE 10.0.0.5",
             "NODE 10.0.0.5 - x",
             "DIAL 1.2.3.4:5",
+            // Not a node's: the whole network, loopback.
+            "NODE 10.0.0.5 0.0.0.0/0",
+            "NODE 10.0.0.5 10.0.0.0/8",
+            "NODE 127.0.0.1 -",
         ] {
             assert!(parse_hello(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            parse_greeting("PROXY trio-apiserver-5d9f-x2 3")
+                .unwrap()
+                .count,
+            3
+        );
+        for bad in [
+            "",
+            "PROXY",
+            "PROXY a",
+            "PROXY a 0",
+            "PROXY a b",
+            "PROXY a 1 x",
+            "NODE a 1",
+        ] {
+            assert!(parse_greeting(bad).is_err(), "{bad:?}");
         }
     }
 
@@ -765,6 +990,111 @@ mod tests {
             head.starts_with("HTTP/1.1 403 127.0.0.1 is a loopback address"),
             "{head}"
         );
+    }
+
+    /// A round-robin forwarder on loopback: one address before several proxies, as a
+    /// Service before the replicas of an API server.
+    async fn balancer(backends: Vec<SocketAddr>) -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            for i in 0.. {
+                let (mut c, _) = l.accept().await.unwrap();
+                let backend = backends[i % backends.len()];
+                tokio::spawn(async move {
+                    if let Ok(mut b) = TcpStream::connect(backend).await {
+                        let _ = tokio::io::copy_bidirectional(&mut c, &mut b).await;
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    async fn echo_server(own: Ipv4Addr) -> SocketAddr {
+        let echo = TcpListener::bind((own, 0)).await.unwrap();
+        let echo_addr = echo.local_addr().unwrap();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = echo.accept().await.unwrap();
+                tokio::spawn(async move {
+                    let (mut r, mut w) = s.split();
+                    let _ = tokio::io::copy(&mut r, &mut w).await;
+                });
+            }
+        });
+        echo_addr
+    }
+
+    #[tokio::test]
+    async fn an_agent_waits_at_every_replica_behind_one_address() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a_dir, b_dir) = (dir.path().join("a"), dir.path().join("b"));
+        std::fs::create_dir_all(&a_dir).unwrap();
+        std::fs::create_dir_all(&b_dir).unwrap();
+        let ca = generate_ca("cluster-a", now()).unwrap();
+        let (a, a_sock, a_agents) = proxy_as(&ca, &a_dir, "apiserver-a", 2).await;
+        let (b, b_sock, b_agents) = proxy_as(&ca, &b_dir, "apiserver-b", 2).await;
+        // Most connections land on the first replica.
+        let front = balancer(vec![a, a, a, b]).await;
+        let own = own_address();
+        let echo_addr = echo_server(own).await;
+        let cred = leaf(
+            &ca,
+            "system:node:worker-0",
+            &["system:nodes"],
+            Usage::Client,
+        );
+        let _agent = agent(dir.path(), front, &ca, &cred, own);
+        wait_for_nodes(&a_agents, &["worker-0"]).await;
+        wait_for_nodes(&b_agents, &["worker-0"]).await;
+        // Both replicas' API servers reach the cluster, again and again.
+        for round in 0..3 {
+            for sock in [&a_sock, &b_sock] {
+                let (head, mut c) = ask(sock, &echo_addr.to_string()).await;
+                assert!(head.starts_with("HTTP/1.1 200 "), "{round}: {head}");
+                c.write_all(b"ping").await.unwrap();
+                let mut got = [0u8; 4];
+                c.read_exact(&mut got).await.unwrap();
+                assert_eq!(&got, b"ping");
+            }
+            wait_for_nodes(&a_agents, &["worker-0"]).await;
+            wait_for_nodes(&b_agents, &["worker-0"]).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_node_that_never_answers_holds_no_request_for_long() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = generate_ca("cluster-a", now()).unwrap();
+        let (server, sock, agents) = proxy(&ca, dir.path()).await;
+        let own = own_address();
+        // A node that takes the DIAL and says nothing (its network drops the packets).
+        let cred = leaf(&ca, "system:node:mute", &["system:nodes"], Usage::Client);
+        let credential = dir.path().join("mute.pem");
+        std::fs::write(&credential, format!("{}{}", cred.cert_pem, cred.key_pem)).unwrap();
+        let cfg = AgentConfig {
+            server,
+            server_name: "127.0.0.1".into(),
+            ca_pem: ca.cert_pem.clone(),
+            credential,
+            node_ip: own,
+            pod_cidr: None,
+            netns: None,
+        };
+        let mut conns = Vec::new();
+        for _ in 0..DEAD_TRIES + 1 {
+            conns.push(cfg.connect_out().await.unwrap());
+        }
+        wait_for_nodes(&agents, &["mute"]).await;
+        let started = std::time::Instant::now();
+        let (head, _) = ask(&sock, &format!("{own}:443")).await;
+        assert!(
+            head.starts_with("HTTP/1.1 504 node mute did not answer"),
+            "{head}"
+        );
+        assert!(started.elapsed() < ANSWER * 2, "{:?}", started.elapsed());
+        drop(conns);
     }
 
     #[tokio::test]

@@ -181,6 +181,8 @@ pub fn apply_kubernetes(rendered: &mut Rendered, image: &str, service_cidr: &str
                 secret(SecretPurpose::ClusterCa, "tls.crt")
             ),
             format!("--service-cidr={service_cidr}"),
+            // Agents keep connections at every replica behind the Service's one address.
+            format!("--replicas={}", rendered.replicas),
         ]),
         ports: Some(vec![ContainerPort {
             name: Some(TUNNEL_PORT_NAME.into()),
@@ -224,6 +226,104 @@ pub fn apply_kubernetes(rendered: &mut Rendered, image: &str, service_cidr: &str
             });
         }
     }
+}
+
+/// What a patch may not change of a pod template that [`apply_kubernetes`] made (`b`,
+/// rendered; `a`, patched): the configuration annotation, the sidecar, the two volumes, the
+/// API server's mounts of them and its flag (the last of its name wins); no container mounts
+/// anything else at or under the configuration or socket directories. Templates without the
+/// sidecar pass. Pure.
+pub(crate) fn kept(b: &serde_json::Value, a: &serde_json::Value) -> Result<(), String> {
+    use serde_json::Value;
+    let containers = |t: &Value| -> Vec<Value> {
+        t.pointer("/spec/containers")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let named = |cs: &[Value], n: &str| cs.iter().find(|c| c["name"] == n).cloned();
+    let (bcs, acs) = (containers(b), containers(a));
+    let Some(sidecar) = named(&bcs, SIDECAR) else {
+        return Ok(());
+    };
+    let refuse = |what: &str| {
+        Err(format!(
+            "{what} may not be changed by a patch: the API server reaches its cluster only through its egress proxy"
+        ))
+    };
+    let annotation = |t: &Value| {
+        t.pointer("/metadata/annotations")
+            .map(|m| m[CONFIG_ANNOTATION].clone())
+    };
+    if annotation(a) != annotation(b) {
+        return refuse(&format!("the annotation {CONFIG_ANNOTATION}"));
+    }
+    if named(&acs, SIDECAR).as_ref() != Some(&sidecar) {
+        return refuse(&format!("container {SIDECAR:?}"));
+    }
+    let volumes = |t: &Value| -> Vec<Value> {
+        t.pointer("/spec/volumes")
+            .and_then(Value::as_array)
+            .map(|vs| {
+                vs.iter()
+                    .filter(|v| v["name"] == VOLUME || v["name"] == RUN_VOLUME)
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    if volumes(a) != volumes(b) {
+        return refuse(&format!("volumes {VOLUME:?} and {RUN_VOLUME:?}"));
+    }
+    let Some(api) = bcs.first() else {
+        return Ok(());
+    };
+    let Some(patched_api) = named(&acs, api["name"].as_str().unwrap_or_default()) else {
+        return refuse("the API server container");
+    };
+    let flag = |c: &Value| {
+        c["args"].as_array().and_then(|args| {
+            args.iter()
+                .rev()
+                .find(|x| {
+                    x.as_str()
+                        .is_some_and(|x| x.starts_with("--egress-selector-config-file"))
+                })
+                .cloned()
+        })
+    };
+    if flag(&patched_api) != flag(api) {
+        return refuse("the API server's --egress-selector-config-file");
+    }
+    let mounts =
+        |c: &Value| -> Vec<Value> { c["volumeMounts"].as_array().cloned().unwrap_or_default() };
+    let ours: Vec<Value> = mounts(api)
+        .into_iter()
+        .chain(mounts(&sidecar))
+        .filter(|m| m["name"] == VOLUME || m["name"] == RUN_VOLUME)
+        .collect();
+    if !ours
+        .iter()
+        .all(|m| mounts(&patched_api).contains(m) || mounts(&sidecar).contains(m))
+    {
+        return refuse("the API server's egress mounts");
+    }
+    let under = |path: &str, dir: &str| path == dir || path.starts_with(&format!("{dir}/"));
+    for c in &acs {
+        for m in mounts(c) {
+            let path = m["mountPath"]
+                .as_str()
+                .unwrap_or_default()
+                .trim_end_matches('/');
+            if (under(path, MOUNT) || under(path, RUN_DIR)) && !ours.contains(&m) {
+                return refuse(&format!(
+                    "what is mounted at {path} (container {})",
+                    c["name"]
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -344,6 +444,57 @@ mod kubernetes_tests {
                 "{m} not in {vols:?}"
             );
         }
+        // A patch leaves the way through the sidecar alone.
+        let name = |i: usize| containers[i]["name"].as_str().unwrap().to_string();
+        let api_name = name(0);
+        let patch = |p: serde_json::Value| {
+            let mut objs = objects(&r, &input, "sum", "1Gi");
+            crate::policy::apply_checked(
+                objs.all_mut(),
+                &[{
+                    let mut p = p;
+                    p["kind"] = "Deployment".into();
+                    p["metadata"]["name"] = "alpha-apiserver".into();
+                    p
+                }],
+                crate::policy::Runtime::Kubernetes,
+            )
+        };
+        for (what, p) in [
+            (
+                "annotation",
+                serde_json::json!({"spec": {"template": {"metadata": {"annotations": {CONFIG_ANNOTATION: "kind: EgressSelectorConfiguration"}}}}}),
+            ),
+            (
+                "sidecar image",
+                serde_json::json!({"spec": {"template": {"spec": {"containers": [{"name": SIDECAR, "image": "evil:1"}]}}}}),
+            ),
+            (
+                "sidecar gone",
+                serde_json::json!({"spec": {"template": {"spec": {"containers": [{"name": SIDECAR, "$patch": "delete"}]}}}}),
+            ),
+            (
+                "flag overridden",
+                serde_json::json!({"spec": {"template": {"spec": {"containers": [{"name": api_name, "args": ["--egress-selector-config-file=/tmp/none.yaml"]}]}}}}),
+            ),
+            (
+                "config shadowed",
+                serde_json::json!({"spec": {"template": {"spec": {
+                    "volumes": [{"name": "mine", "configMap": {"name": "mine"}}],
+                    "containers": [{"name": api_name, "volumeMounts": [{"name": "mine", "mountPath": "/etc/nestplane/egress-selector"}]}]}}}}),
+            ),
+            (
+                "socket volume replaced",
+                serde_json::json!({"spec": {"template": {"spec": {"volumes": [{"name": RUN_VOLUME, "configMap": {"name": "mine"}}]}}}}),
+            ),
+        ] {
+            let e = patch(p).expect_err(what);
+            assert!(e.reason.contains("egress proxy"), "{what}: {}", e.reason);
+        }
+        // Other changes stay the user's.
+        patch(serde_json::json!({"spec": {"template": {"spec": {"containers": [{"name": api_name, "resources": {"limits": {"memory": "1Gi"}}}]}}}}))
+            .unwrap();
+
         // Nodes reach the tunnel port where they reach the API server.
         let svc = &o.services[0];
         let ports = svc["spec"]["ports"].as_array().unwrap();

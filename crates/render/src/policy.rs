@@ -11,7 +11,9 @@
 //! except `emptyDir` and `configMap` (so no `hostPath`, no other Secret, no projected token);
 //! `envFrom` and `valueFrom` that the renderer did not write; a different `serviceAccountName`,
 //! `automountServiceAccountToken`, `nodeName`; init and ephemeral containers; and
-//! `externalIPs` on Services.
+//! `externalIPs` on Services. Where the API server's cluster traffic goes through a sidecar
+//! (the `kubernetes` runtime), the sidecar, its configuration and the API server's flag and
+//! mounts that point at it ([`crate::egress::kept`]).
 //!
 //! The `process` runtime runs the template on the host, so it also keeps, byte for byte, the
 //! command, the volumes and mounts, the working directory and the list of containers. Of the
@@ -222,6 +224,13 @@ pub fn check(
             continue;
         };
         if let Err(reason) = check_pod(b, a, runtime) {
+            return fail(reason);
+        }
+        if let (Some(b), Some(a)) = (
+            before.pointer("/spec/template"),
+            after.pointer("/spec/template"),
+        ) && let Err(reason) = crate::egress::kept(b, a)
+        {
             return fail(reason);
         }
     }
