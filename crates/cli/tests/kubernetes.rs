@@ -3,6 +3,9 @@
 //! kube-proxy) and cluster DNS. `kubectl apply -k config/default` installs the operator, which
 //! runs as a pod from the locally built image under the shipped RBAC; tenants are made of pods
 //! that become Ready from real rollouts and real probes. Nothing here writes workload status.
+//! A tenant's API server, a pod of the management plane, reaches its cluster through the
+//! agent of the tenant's node (webhooks, conversion, an aggregated API, proxies, logs, exec)
+//! and nothing of the management plane's network.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -647,115 +650,6 @@ spec:
   datastoreRef: {name: pool}
 "#;
 
-/// A webhook server in the tenant (agnhost, the end-to-end suite's), behind a Service, and a
-/// validating webhook that makes the API server call it at that Service's address to create
-/// a ConfigMap in namespace `denied`; the proxy subresources of the pod and the Service, over
-/// https. The API server is a pod of the management cluster, whose network knows neither the
-/// tenant's pods nor its Services: every one of these goes through the tenant node's agent.
-fn the_api_server_reaches_a_pod_and_a_service_of_its_cluster(tenant: &std::path::Path) {
-    let now = time::OffsetDateTime::now_utc();
-    let ca = nestplane_pki::generate_ca("webhook-ca", now).unwrap();
-    let leaf = nestplane_pki::issue(
-        &ca,
-        &nestplane_pki::LeafSpec {
-            common_name: "webhook".into(),
-            dns_names: vec!["webhook.default.svc".into()],
-            usage: nestplane_pki::Usage::Server,
-            ..Default::default()
-        },
-        now,
-    )
-    .unwrap();
-    let b64 = |s: &str| nestplane_pki::base64(s.as_bytes());
-    kubectl_apply(
-        tenant,
-        &format!(
-            r#"apiVersion: v1
-kind: Secret
-metadata: {{name: serving, namespace: default}}
-type: kubernetes.io/tls
-data: {{tls.crt: {crt}, tls.key: {key}}}
----
-apiVersion: v1
-kind: Pod
-metadata: {{name: webhook, namespace: default, labels: {{app: webhook}}}}
-spec:
-  containers:
-  - name: webhook
-    image: {image}
-    imagePullPolicy: Never
-    args: [webhook, --tls-cert-file=/certs/tls.crt, --tls-private-key-file=/certs/tls.key, --port=8443]
-    volumeMounts: [{{name: certs, mountPath: /certs, readOnly: true}}]
-  volumes: [{{name: certs, secret: {{secretName: serving}}}}]
----
-apiVersion: v1
-kind: Service
-metadata: {{name: webhook, namespace: default}}
-spec:
-  selector: {{app: webhook}}
-  ports: [{{port: 443, targetPort: 8443}}]
-"#,
-            crt = b64(&leaf.cert_pem),
-            key = b64(&leaf.key_pem),
-            image = nestplane_nodes::images::AGNHOST_IMAGE,
-        ),
-    );
-    kubectl_ok(
-        tenant,
-        &[
-            "wait",
-            "--for=condition=Ready",
-            "pod/webhook",
-            "--timeout=120s",
-        ],
-    );
-    for path in [
-        "/api/v1/namespaces/default/services/https:webhook:443/proxy/readyz",
-        "/api/v1/namespaces/default/pods/https:webhook:8443/proxy/readyz",
-    ] {
-        eventually(&format!("{path} answers"), Duration::from_secs(60), || {
-            let out = kubectl(tenant, &["get", "--raw", path]);
-            (out.status.success() && out.stdout == b"ok").then_some(())
-        });
-    }
-    kubectl_apply(
-        tenant,
-        &format!(
-            r#"apiVersion: admissionregistration.k8s.io/v1
-kind: ValidatingWebhookConfiguration
-metadata: {{name: deny-configmaps}}
-webhooks:
-- name: deny.tunnel-test.example.com
-  rules: [{{operations: [CREATE], apiGroups: [""], apiVersions: [v1], resources: [configmaps]}}]
-  namespaceSelector: {{matchLabels: {{webhook-test: deny}}}}
-  clientConfig:
-    service: {{namespace: default, name: webhook, path: /always-deny, port: 443}}
-    caBundle: {ca}
-  sideEffects: None
-  admissionReviewVersions: [v1, v1beta1]
-  failurePolicy: Fail
-  timeoutSeconds: 10
----
-apiVersion: v1
-kind: Namespace
-metadata: {{name: denied, labels: {{webhook-test: deny}}}}
-"#,
-            ca = b64(&ca.cert_pem),
-        ),
-    );
-    let denied = eventually(
-        "the webhook denies a ConfigMap",
-        Duration::from_secs(60),
-        || {
-            let out = kubectl(tenant, &["create", "configmap", "c1", "-n", "denied"]);
-            let err = String::from_utf8_lossy(&out.stderr).into_owned();
-            (!out.status.success() && err.contains("this webhook denies all requests"))
-                .then_some(err)
-        },
-    );
-    assert!(denied.contains("deny.tunnel-test.example.com"), "{denied}");
-}
-
 /// The tenant's API server is a pod of the management cluster; its admin tries to make it
 /// reach the management cluster's own network (before the tunnel, it dialled from there):
 /// a Node object `borrowed` naming the management plane's node, a pod bound to it whose
@@ -1031,7 +925,9 @@ async fn three_member_etcd_from_pods_and_a_tenant_node_running_a_pod() {
         &[
             "registry.k8s.io/pause:3.2",
             nestplane_nodes::images::SHELL_IMAGE,
-            nestplane_nodes::images::AGNHOST_IMAGE,
+            common::network::IMAGES[0],
+            common::network::IMAGES[1],
+            common::network::IMAGES[2],
         ],
         // The API server is a pod of the management plane: no tenant user to let through.
         None,
@@ -1049,7 +945,11 @@ async fn three_member_etcd_from_pods_and_a_tenant_node_running_a_pod() {
     wait_pod_running_and_logging(&tenant, "shell", "hello-from-a-tenant-pod");
     let api = pod_reads_itself_from_its_api(&tenant, "shell");
     assert!(api.contains("\"nodeName\": \"worker-0\""), "{api}");
-    the_api_server_reaches_a_pod_and_a_service_of_its_cluster(&tenant);
+    // The end-to-end suite's servers in tenant pods: the API server (a pod of the management
+    // cluster, whose network knows neither the tenant's pods nor its Services) reaches each
+    // one through the node's agent: the proxy subresources, an admission webhook at a
+    // Service address, a conversion webhook, an aggregated API.
+    common::network::serve_and_reach(&tenant);
     the_api_server_reaches_nothing_of_the_management_cluster(&kc, &tenant).await;
 
     node.remove()

@@ -1,6 +1,8 @@
 //! Helpers shared by the CLI's integration tests: real binaries only.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod network;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -506,13 +508,14 @@ pub fn images() -> std::collections::BTreeMap<String, PathBuf> {
                     nestplane_nodes::images::SHELL_IMAGE,
                     nestplane_nodes::images::OPERATOR_IMAGE,
                     nestplane_nodes::images::AGNHOST_IMAGE,
+                    nestplane_nodes::images::SAMPLE_APISERVER_IMAGE,
                 ] {
                     if nestplane_nodes::images::archive_path(&dir, name) == p {
                         map.insert(name.to_string(), p.clone());
                     }
                 }
             }
-            assert_eq!(map.len(), 9, "images built: {map:?}");
+            assert_eq!(map.len(), 10, "images built: {map:?}");
             map
         })
         .clone()
