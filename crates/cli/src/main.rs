@@ -6,6 +6,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 mod images;
+mod tenants;
 mod up;
 
 /// nestplane runs many isolated Kubernetes control planes on shared infrastructure.
@@ -56,14 +57,16 @@ enum Command {
     /// `cluster` traffic (HTTP CONNECT on `--socket`) is carried by the agents its cluster's
     /// nodes connect to `--listen` with their kubelets' client certificates.
     EgressProxy(EgressProxyArgs),
-    /// Print the admin kubeconfig of a tenant control plane (from `<name>-kubeconfig`).
-    Kubeconfig {
-        /// The control plane's name.
-        name: String,
-        /// Its namespace.
-        #[arg(short, long, default_value = "default")]
-        namespace: String,
-    },
+    /// Create a hosted cluster (a HostedCluster with `--nodes` real nodes) in the management
+    /// plane of a running `nestplane up` (or `--kubeconfig`'s), and wait until it is ready.
+    Create(tenants::CreateArgs),
+    /// List the hosted clusters and control planes: name, kind, version, ready, nodes, age,
+    /// endpoint (`-o json|yaml` too).
+    List(tenants::ListArgs),
+    /// Delete a hosted cluster (or a NestedControlPlane) and wait until it is gone.
+    Delete(tenants::DeleteArgs),
+    /// Print the admin kubeconfig of a hosted cluster or a tenant control plane.
+    Kubeconfig(tenants::KubeconfigArgs),
 }
 
 /// Arguments of `nestplane egress-proxy`.
@@ -224,14 +227,11 @@ fn main() -> anyhow::Result<()> {
                     .with_context(|| format!("serving {} and {}", a.socket.display(), a.listen))
             })
         }
-        Command::Kubeconfig { name, namespace } => runtime()?.block_on(async move {
-            let client = kube::Client::try_default()
-                .await
-                .context("connecting to the management cluster")?;
-            print!(
-                "{}",
-                up::tenant_kubeconfig(&client, &namespace, &name).await?
-            );
+        Command::Create(a) => runtime()?.block_on(tenants::create(a)),
+        Command::List(a) => runtime()?.block_on(tenants::list(a)),
+        Command::Delete(a) => runtime()?.block_on(tenants::delete(a)),
+        Command::Kubeconfig(a) => runtime()?.block_on(async move {
+            print!("{}", tenants::kubeconfig(a).await?);
             Ok(())
         }),
     }

@@ -467,46 +467,7 @@ async fn up_hosted(
         );
     }
     let deadline = Instant::now() + Duration::from_secs(args.timeout + 120);
-    let mut last = String::new();
-    loop {
-        let hc = hcs.get(&args.name).await?;
-        let pool = pools.get_opt(&args.name).await?;
-        let st = hc.status.unwrap_or_default();
-        // Status written for what is asked now (a status from before a restart or a
-        // change of replicas does not count).
-        let available = conditions::is_true(&st.conditions, "Available")
-            && st.observed_generation == hc.metadata.generation;
-        let pool_ready = pool.as_ref().is_some_and(|p| {
-            p.status.as_ref().is_some_and(|s| {
-                conditions::is_true(&s.conditions, "Ready")
-                    && s.replicas == args.nodes as i32
-                    && s.observed_generation == p.metadata.generation
-                    && s.nodes.len() == args.nodes as usize
-                    && s.nodes.iter().all(|n| n.ready)
-            })
-        });
-        if available && pool_ready && st.kubeconfig.is_some() {
-            break;
-        }
-        let line = if !available {
-            conditions::get(&st.conditions, "Available")
-                .map(|c| format!("control plane: {}: {}", c.reason, c.message))
-                .unwrap_or_else(|| "waiting for the operator".into())
-        } else {
-            pool.and_then(|p| p.status)
-                .and_then(|s| conditions::get(&s.conditions, "Ready").cloned())
-                .map(|c| format!("nodes: {}: {}", c.reason, c.message))
-                .unwrap_or_else(|| "nodes: starting".into())
-        };
-        if line != last {
-            eprintln!("nestplane:   {line}");
-            last = line;
-        }
-        if Instant::now() > deadline {
-            bail!("the hosted cluster is not ready in time; last state: {last}");
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    crate::tenants::wait_hosted(client, NAMESPACE, &args.name, args.nodes, deadline).await?;
     let secrets: Api<Secret> = Api::namespaced(client.clone(), NAMESPACE);
     let kc = secrets
         .get(&format!("{}-admin-kubeconfig", args.name))

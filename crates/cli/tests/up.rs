@@ -217,12 +217,125 @@ fn up_with_nodes_gives_a_cluster_where_kubectl_run_and_logs_work() {
         ],
     );
     wait_pod_running_and_logging(&kubeconfig, "hello", "hello from a real node");
+    more_clusters_from_the_command_line(state.path());
     sigterm(child);
     // `down` tears the hosted cluster down (its nodes went with `up`).
     down(state.path(), "work");
     assert!(
         running_under(state.path()).is_empty(),
         "nothing runs from the state directory"
+    );
+}
+
+/// `nestplane create`, `list`, `kubeconfig` and `delete` against the running `nestplane up`
+/// of `state` (found by its state directory, as a user's shell finds it): a second cluster is
+/// made beside `work`, listed with `work`'s node, used with `kubectl`, and deleted.
+fn more_clusters_from_the_command_line(state: &std::path::Path) {
+    let cli = |args: &[&str]| {
+        let out = nestplane()
+            .args(args)
+            .arg("--state-dir")
+            .arg(state)
+            .env_remove("KUBECONFIG")
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, out, err) = cli(&["create", "second", "--nodes", "0"]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        out.trim(),
+        "nestplane kubeconfig second -n default > second.kubeconfig"
+    );
+    let (ok, _, err) = cli(&["create", "second", "--nodes", "0"]);
+    assert!(!ok && err.contains("exists already"), "{err}");
+
+    let (ok, out, err) = cli(&["list", "-o", "json"]);
+    assert!(ok, "{err}");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    let row = |name: &str| {
+        rows.iter()
+            .find(|r| r["name"] == name)
+            .unwrap_or_else(|| panic!("{name} not listed: {out}"))
+            .clone()
+    };
+    let work = row("work");
+    assert_eq!(work["kind"], "HostedCluster");
+    assert_eq!(work["ready"], true);
+    assert_eq!(
+        (work["nodesReady"].as_i64(), work["nodes"].as_i64()),
+        (Some(1), Some(1))
+    );
+    assert!(work["endpoint"].as_str().unwrap().contains(':'), "{work}");
+    let second = row("second");
+    assert_eq!(
+        (second["ready"].clone(), second["nodes"].clone()),
+        (true.into(), 0.into())
+    );
+    assert_eq!(second["version"], "v1.20.2");
+    let (ok, table, err) = cli(&["list"]);
+    assert!(ok, "{err}");
+    let head: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        head,
+        [
+            "NAMESPACE",
+            "NAME",
+            "KIND",
+            "VERSION",
+            "READY",
+            "NODES",
+            "AGE",
+            "ENDPOINT"
+        ]
+    );
+    assert!(
+        table
+            .lines()
+            .any(|l| l.split_whitespace().take(6).collect::<Vec<_>>()
+                == ["default", "work", "HostedCluster", "v1.20.2", "True", "1/1"]),
+        "{table}"
+    );
+    let (ok, yaml, err) = cli(&["list", "-n", "default", "-o", "yaml"]);
+    assert!(ok && yaml.contains("name: second"), "{err}{yaml}");
+
+    // Its kubeconfig works with kubectl.
+    let (ok, kc, err) = cli(&["kubeconfig", "second"]);
+    assert!(ok, "{err}");
+    let path = state.join("second-from-cli.kubeconfig");
+    std::fs::write(&path, kc).unwrap();
+    let ns = kubectl_ok(&path, &["get", "namespace", "kube-system", "-o", "name"]);
+    assert_eq!(ns.trim(), "namespace/kube-system");
+
+    let (ok, _, err) = cli(&["delete", "second"]);
+    assert!(ok, "{err}");
+    let (ok, out, err) = cli(&["list", "-o", "json"]);
+    assert!(ok, "{err}");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    let names: Vec<&str> = rows.iter().filter_map(|r| r["name"].as_str()).collect();
+    assert_eq!(names, ["work"], "{out}");
+    for again in [&["delete", "second"][..], &["kubeconfig", "second"]] {
+        let (ok, _, err) = cli(again);
+        assert!(
+            !ok && err.contains("no HostedCluster or NestedControlPlane default/second"),
+            "{again:?}: {err}"
+        );
+    }
+    // A state directory without a management plane is said to be one, not passed over.
+    let empty = tempfile::tempdir().unwrap();
+    let out = nestplane()
+        .args(["list", "--state-dir"])
+        .arg(empty.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no `nestplane up` in"),
+        "{err}"
     );
 }
 
