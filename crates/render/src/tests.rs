@@ -863,6 +863,14 @@ fn labels_images_ports_probes_and_security() {
             let https = get.scheme.as_deref() == Some("HTTPS");
             assert_eq!(https, r.component != Component::Etcd);
         }
+        // Ready about a second after it answers, with kubeadm's 4 minutes to start.
+        let startup = c.startup_probe.as_ref().unwrap();
+        assert_eq!(startup.initial_delay_seconds.unwrap_or(0), 0);
+        assert_eq!(startup.period_seconds, Some(1));
+        assert_eq!(
+            startup.period_seconds.unwrap() * startup.failure_threshold.unwrap(),
+            240
+        );
         let expected_ports: &[(&str, i32)] = match r.component {
             Component::Etcd => &[("client", 2379), ("peer", 2380), ("metrics", 2381)],
             Component::ApiServer => &[("https", 6443)],
