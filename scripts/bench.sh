@@ -4,7 +4,7 @@
 #     directory, N runs (default 3): every figure `nestplane up --exit-when-ready` reports.
 #  3. A HostedCluster applied to Available with N real nodes Ready (N = 1, 3):
 #     `nestplane up --nodes N --exit-when-ready`; `tenant_seconds` is that time.
-#  2. Real nodes: node start to Ready, memory of an idle node, and a `NestedControlPlane` to
+#  2. Real nodes: node start to Ready (and its timeline), memory of an idle node, and a `NestedControlPlane` to
 #     Ready in the kubernetes runtime on a real node (crates/cli/examples/nodes_bench.rs).
 #  4. The built-in DNS server with 2,000 Services: queries/s and p99 latency from dnsperf,
 #     resident memory (crates/cli/examples/dns_bench.rs).

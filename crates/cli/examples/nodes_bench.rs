@@ -12,7 +12,7 @@
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Api;
 use kube::api::PostParams;
 use nestplane_api::NestedControlPlane;
@@ -73,6 +73,12 @@ async fn main() {
     let port: u16 = plane.server().rsplit(':').next().unwrap().parse().unwrap();
     let work = tempfile::tempdir().unwrap();
     let started = Instant::now();
+    let seen = tokio::spawn(nestplane_nodes::timeline::observe(
+        client.clone(),
+        nestplane_nodes::timeline::Nodes::Named("bench-node".into()),
+        started,
+        Duration::from_secs(300),
+    ));
     let n = node::Node::start(node::NodeConfig {
         name: "bench-node".into(),
         dir: work.path().join("bench-node"),
@@ -102,6 +108,16 @@ async fn main() {
     .expect("node");
     node_ready(&client, "bench-node").await;
     println!("node_ready_seconds={:.2}", started.elapsed().as_secs_f64());
+    let mut steps: Vec<(String, Duration)> = n
+        .timeline()
+        .iter()
+        .map(|(w, d)| (w.to_string(), *d))
+        .collect();
+    steps.extend(seen.await.unwrap_or_default());
+    println!(
+        "node_ready_timeline: {}",
+        nestplane_nodes::timeline::format(&steps)
+    );
     tokio::time::sleep(Duration::from_secs(20)).await;
     let kib: u64 = n.pids().into_iter().map(rss_kib).sum();
     println!("idle_node_rss_mib={:.1}", kib as f64 / 1024.0);
@@ -133,9 +149,51 @@ async fn main() {
     .unwrap();
     let started = Instant::now();
     ncps.create(&PostParams::default(), &ncp).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let mut steps: Vec<(String, Duration)> = Vec::new();
+    let mut see = |what: String| {
+        if !steps.iter().any(|(w, _)| *w == what) {
+            steps.push((what, started.elapsed()));
+        }
+    };
     loop {
         let n = ncps.get("bench").await.unwrap();
+        // Each component's pods: scheduled, containers started, Ready.
+        for pod in pods.list(&Default::default()).await.unwrap().items {
+            let Some(component) = pod
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(nestplane_api::names::COMPONENT_LABEL))
+                .cloned()
+            else {
+                continue;
+            };
+            let st = pod.status.unwrap_or_default();
+            let cond = |t: &str| {
+                st.conditions
+                    .as_ref()
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == t && c.status == "True"))
+            };
+            if cond("PodScheduled") {
+                see(format!("{component} scheduled"));
+            }
+            if st.container_statuses.as_ref().is_some_and(|c| {
+                c.iter()
+                    .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
+            }) {
+                see(format!("{component} running"));
+            }
+            if cond("Ready") {
+                see(format!("{component} Ready"));
+            }
+        }
         if n.status.is_some_and(|s| s.ready) {
+            see("control plane Ready".into());
+            println!(
+                "kubernetes_runtime_timeline: {}",
+                nestplane_nodes::timeline::format(&steps)
+            );
             break;
         }
         assert!(

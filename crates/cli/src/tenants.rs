@@ -479,10 +479,11 @@ pub async fn wait_hosted(
     name: &str,
     nodes: u32,
     deadline: Instant,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<(String, Instant)>> {
     let hcs: Api<HostedCluster> = Api::namespaced(client.clone(), ns);
     let pools: Api<NodePool> = Api::namespaced(client.clone(), ns);
     let mut last = String::new();
+    let mut changes = Vec::new();
     loop {
         let hc = hcs.get(name).await?;
         let pool = pools.get_opt(name).await?;
@@ -502,7 +503,8 @@ pub async fn wait_hosted(
                 })
             });
         if available && pool_ready && st.kubeconfig.is_some() {
-            return Ok(());
+            changes.push(("ready".to_string(), Instant::now()));
+            return Ok(changes);
         }
         // What waiting cannot mend: the operator refused the spec.
         if let Some(c) =
@@ -522,6 +524,7 @@ pub async fn wait_hosted(
         };
         if line != last {
             eprintln!("nestplane:   {line}");
+            changes.push((line.clone(), Instant::now()));
             last = line;
         }
         if Instant::now() > deadline {

@@ -427,6 +427,17 @@ async fn up_hosted(
             .await
             .context("creating the NodePool")?;
     }
+    let applied = Instant::now();
+    // What the benchmark prints: the tenant's nodes joining, seen from inside the tenant.
+    let follow = (args.exit_when_ready && args.nodes > 0).then(|| {
+        tokio::spawn(follow_nodes(
+            client.clone(),
+            args.name.clone(),
+            args.nodes as usize,
+            applied,
+            Duration::from_secs(args.timeout + 120),
+        ))
+    });
     if hcs.get_opt(&args.name).await?.is_none() {
         let mut hc = HostedCluster::new(
             &args.name,
@@ -467,7 +478,19 @@ async fn up_hosted(
         );
     }
     let deadline = Instant::now() + Duration::from_secs(args.timeout + 120);
-    crate::tenants::wait_hosted(client, NAMESPACE, &args.name, args.nodes, deadline).await?;
+    let changes =
+        crate::tenants::wait_hosted(client, NAMESPACE, &args.name, args.nodes, deadline).await?;
+    if let Some(follow) = follow {
+        let mut steps: Vec<(String, Duration)> = changes
+            .into_iter()
+            .map(|(what, at)| (what, at.saturating_duration_since(applied)))
+            .collect();
+        steps.extend(follow.await.unwrap_or_default());
+        println!(
+            "hosted_timeline: {}",
+            nestplane_nodes::timeline::format(&steps)
+        );
+    }
     let secrets: Api<Secret> = Api::namespaced(client.clone(), NAMESPACE);
     let kc = secrets
         .get(&format!("{}-admin-kubeconfig", args.name))
@@ -486,6 +509,51 @@ async fn up_hosted(
     );
     println!("kubectl --kubeconfig {} get nodes", path.display());
     Ok(total)
+}
+
+/// The tenant's nodes joining, from `since`: once its admin kubeconfig is published, what
+/// [`nestplane_nodes::timeline::observe`] sees inside the tenant until `nodes` are Ready.
+async fn follow_nodes(
+    client: kube::Client,
+    name: String,
+    nodes: usize,
+    since: Instant,
+    timeout: Duration,
+) -> Vec<(String, Duration)> {
+    let secrets: Api<Secret> = Api::namespaced(client, NAMESPACE);
+    let tenant = loop {
+        if since.elapsed() > timeout {
+            return Vec::new();
+        }
+        let kc = secrets
+            .get_opt(&format!("{name}-admin-kubeconfig"))
+            .await
+            .ok()
+            .flatten()
+            .and_then(|s| s.data)
+            .and_then(|d| d.get("kubeconfig").cloned())
+            .and_then(|kc| {
+                kube::config::Kubeconfig::from_yaml(&String::from_utf8_lossy(&kc.0)).ok()
+            });
+        if let Some(kc) = kc
+            && let Ok(config) = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await
+            && let Ok(c) = kube::Client::try_from(config)
+        {
+            break c;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut steps = vec![("admin kubeconfig published".to_string(), since.elapsed())];
+    steps.extend(
+        nestplane_nodes::timeline::observe(
+            tenant,
+            nestplane_nodes::timeline::Nodes::Count(nodes),
+            since,
+            timeout,
+        )
+        .await,
+    );
+    steps
 }
 
 async fn wait_ready(

@@ -18,6 +18,7 @@ pub mod join;
 pub mod net;
 pub mod node;
 mod proxy;
+pub mod timeline;
 pub mod tunnel;
 
 /// Errors making, running or removing nodes and images.

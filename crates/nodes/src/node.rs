@@ -3,9 +3,11 @@
 //!
 //! Start: claim a slot ([`crate::net::claim`]), make the network ([`crate::net::setup`]), start
 //! a mount-namespace holder (its `/var/log`, `/run/netns`, `/run/containerd` and
-//! `/var/lib/cni` are the node's own directories), containerd, import the images, open the
-//! node-local API proxy, start the kubelet, and kube-proxy once the kubelet has its client
-//! certificate. A process that exits is restarted.
+//! `/var/lib/cni` are the node's own directories), containerd, open the node-local API proxy,
+//! start the kubelet, import the images while it starts, then write the pod network's
+//! configuration (the node cannot be Ready before it, so nothing is scheduled there before its
+//! images are), and start kube-proxy once the kubelet has its client certificate. A process
+//! that exits is restarted.
 //!
 //! Remove: stop the processes, kill what runs in the node's cgroups and its containerd shims,
 //! drop the namespaces, delete the cgroups and the directory, release the slot.
@@ -93,6 +95,7 @@ pub struct Node {
     procs: Arc<Mutex<Procs>>,
     tasks: Vec<JoinHandle<()>>,
     started: Instant,
+    timeline: Vec<(&'static str, Duration)>,
 }
 
 impl std::fmt::Debug for Node {
@@ -191,6 +194,7 @@ impl Node {
             })),
             tasks: Vec::new(),
             started,
+            timeline: Vec::new(),
         };
         match node.bring_up(&cfg, kubelet_bin, proxy_bin).await {
             Ok(()) => Ok(node),
@@ -204,8 +208,8 @@ impl Node {
         }
     }
 
-    /// Files → network → mount namespace → containerd and images → API proxy → kubelet and
-    /// kube-proxy (supervised).
+    /// Files → network → mount namespace → containerd → API proxy → kubelet → images →
+    /// the pod network's configuration → kube-proxy (and all supervised).
     async fn bring_up(
         &mut self,
         cfg: &NodeConfig,
@@ -213,9 +217,12 @@ impl Node {
         proxy_bin: PathBuf,
     ) -> Result<(), Error> {
         self.write_files(cfg)?;
+        self.mark("files");
         self.connect(cfg)?;
+        self.mark("network");
         let hpid = self.mount_namespace().await?;
-        let containerd = self.start_containerd(hpid, &cfg.images).await?;
+        self.mark("mount namespace");
+        let containerd = self.start_containerd(hpid).await?;
         let listen = SocketAddr::new(NODE_LOCAL_APISERVER.into(), cfg.api_port);
         self.tasks.push(crate::proxy::start(
             net::netns_path(&self.addrs),
@@ -228,6 +235,21 @@ impl Node {
         let kubelet = self.kubelet_spec(cfg, hpid, kubelet_bin);
         let k = Child::spawn(&kubelet).map_err(|e| Error::io("starting the kubelet", e))?;
         self.procs.lock().map_err(poisoned)?.kubelet = Some(k);
+        self.mark("kubelet started");
+        // The images go in while the kubelet starts (it takes seconds before it registers).
+        // The node's network configuration is written only once they are in: until then
+        // the runtime reports its network not ready, so the node is not Ready and nothing
+        // is scheduled to it that would look for an image not yet there.
+        let sock = self.layout.containerd_socket();
+        let archives = cfg.images.clone();
+        tokio::task::spawn_blocking(move || archives.iter().try_for_each(|a| import(&sock, a)))
+            .await
+            .map_err(|e| Error::io("importing images", std::io::Error::other(e.to_string())))??;
+        self.mark("images imported");
+        write(
+            &self.layout.cni_conf_dir().join("10-nestplane.conflist"),
+            &config::cni_conflist(&self.layout, &self.addrs),
+        )?;
         let proxy = self.kube_proxy_spec(hpid, proxy_bin);
         self.tasks.push(supervise(
             self.procs.clone(),
@@ -293,10 +315,6 @@ impl Node {
         write(
             &layout.containerd_config(),
             &config::containerd_toml(layout, &cfg.pause_image, runc.as_deref()),
-        )?;
-        write(
-            &layout.cni_conf_dir().join("10-nestplane.conflist"),
-            &config::cni_conflist(layout, addrs),
         )?;
         write(
             &layout.kubelet_config(),
@@ -390,9 +408,8 @@ impl Node {
         Ok(hpid)
     }
 
-    /// containerd in the node, answering, with `images` imported; returns its spec (for the
-    /// supervisor).
-    async fn start_containerd(&mut self, hpid: u32, images: &[PathBuf]) -> Result<Spec, Error> {
+    /// containerd in the node, answering; returns its spec (for the supervisor).
+    async fn start_containerd(&mut self, hpid: u32) -> Result<Spec, Error> {
         let containerd = self.containerd_spec(hpid);
         let c = Child::spawn(&containerd).map_err(|e| Error::io("starting containerd", e))?;
         self.procs.lock().map_err(poisoned)?.containerd = Some(c);
@@ -412,9 +429,7 @@ impl Node {
             &containerd.log,
         )
         .await?;
-        for archive in images {
-            import(&sock, archive)?;
-        }
+        self.mark("containerd answers");
         Ok(containerd)
     }
 
@@ -473,7 +488,13 @@ impl Node {
                 cfg.spec.taints.join(",")
             ));
         }
-        self.in_node(hpid, "kubelet", &bin, args)
+        let mut spec = self.in_node(hpid, "kubelet", &bin, args);
+        // The kubelet's built-in ECR credential provider otherwise asks the EC2 metadata
+        // address (169.254.169.254) for credentials at start: a packet meant to leave the
+        // machine, and about 6 s of timeouts before the node registers.
+        spec.env
+            .insert("AWS_EC2_METADATA_DISABLED".into(), "true".into());
+        spec
     }
 
     fn kube_proxy_spec(&self, hpid: u32, bin: PathBuf) -> Spec {
@@ -511,6 +532,16 @@ impl Node {
     /// When [`Node::start`] began.
     pub fn started(&self) -> Instant {
         self.started
+    }
+
+    /// How long each step of [`Node::start`] took to finish, from its beginning (files,
+    /// network, mount namespace, containerd answers, images imported, kubelet started).
+    pub fn timeline(&self) -> &[(&'static str, Duration)] {
+        &self.timeline
+    }
+
+    fn mark(&mut self, step: &'static str) {
+        self.timeline.push((step, self.started.elapsed()));
     }
 
     /// Process ids of containerd, the kubelet and kube-proxy (for memory measurements).

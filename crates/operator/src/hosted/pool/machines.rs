@@ -180,6 +180,12 @@ impl LocalNodes {
         })
         .await
         .map_err(|e| format!("node {}: {e}", r.name))?;
+        let steps: Vec<_> = node
+            .timeline()
+            .iter()
+            .map(|(w, d)| (w.to_string(), *d))
+            .collect();
+        tracing::info!(node = %r.name, steps = %nestplane_nodes::timeline::format(&steps), "node started");
         let machine = Machine {
             name: r.name,
             token_id: r.token.id,

@@ -410,9 +410,45 @@ fn ready(listed: &[KubeNode], name: &str) -> bool {
 }
 
 /// Start `count` nodes at once, each with a bootstrap token made for it.
+/// How often the certificates of nodes being started are looked at (they ask for their
+/// client certificate while their kubelet starts; approving it is on their way to Ready).
+const JOINING_APPROVAL_INTERVAL: Duration = Duration::from_millis(200);
+
 async fn start_nodes(pass: &Pass<'_>, n: &Nodes<'_>, count: u32) {
-    let starts = (0..count).map(|_| start_node(pass, n));
-    for r in futures::future::join_all(starts).await {
+    if count == 0 {
+        return;
+    }
+    let planned: Vec<(String, BootstrapToken)> = (0..count)
+        .map(|_| (node_name(pass), BootstrapToken::generate()))
+        .collect();
+    // The new nodes' client certificates are approved as soon as they ask, not when every
+    // start here has returned (a start includes importing images, while the kubelet is
+    // already asking).
+    let mut joining = n.runtime.list(&pass.key);
+    joining.extend(planned.iter().map(|(name, token)| Machine {
+        name: name.clone(),
+        token_id: token.id.clone(),
+        hash: String::new(),
+        version: String::new(),
+        ip: None,
+        token_deleted: false,
+    }));
+    let starts = futures::future::join_all(
+        planned
+            .into_iter()
+            .map(|(name, token)| start_node(pass, n, name, token)),
+    );
+    let approving = async {
+        loop {
+            tokio::time::sleep(JOINING_APPROVAL_INTERVAL).await;
+            csr::approve(&n.target.client, &pass.key, &joining).await;
+        }
+    };
+    let results = tokio::select! {
+        r = starts => r,
+        () = approving => Vec::new(),
+    };
+    for r in results {
         match r {
             Ok(m) => {
                 let note = format!("node {} ({})", m.name, m.version);
@@ -426,16 +462,22 @@ async fn start_nodes(pass: &Pass<'_>, n: &Nodes<'_>, count: u32) {
     }
 }
 
-async fn start_node(pass: &Pass<'_>, n: &Nodes<'_>) -> Result<Machine, String> {
+/// A new node's name: the pool's and a random suffix.
+fn node_name(pass: &Pass<'_>) -> String {
     const CHARS: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
-    let suffix: String = {
-        let mut rng = rand::rng();
-        (0..5)
-            .map(|_| CHARS[rng.random_range(0..CHARS.len())] as char)
-            .collect()
-    };
-    let name = format!("{}-{suffix}", pass.pool.name_any());
-    let token = BootstrapToken::generate();
+    let mut rng = rand::rng();
+    let suffix: String = (0..5)
+        .map(|_| CHARS[rng.random_range(0..CHARS.len())] as char)
+        .collect();
+    format!("{}-{suffix}", pass.pool.name_any())
+}
+
+async fn start_node(
+    pass: &Pass<'_>,
+    n: &Nodes<'_>,
+    name: String,
+    token: BootstrapToken,
+) -> Result<Machine, String> {
     join::create_token(&n.target.client, &token, TOKEN_TTL)
         .await
         .map_err(|e| format!("node {name}: {e}"))?;
