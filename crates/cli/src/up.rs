@@ -480,17 +480,6 @@ async fn up_hosted(
     let deadline = Instant::now() + Duration::from_secs(args.timeout + 120);
     let changes =
         crate::tenants::wait_hosted(client, NAMESPACE, &args.name, args.nodes, deadline).await?;
-    if let Some(follow) = follow {
-        let mut steps: Vec<(String, Duration)> = changes
-            .into_iter()
-            .map(|(what, at)| (what, at.saturating_duration_since(applied)))
-            .collect();
-        steps.extend(follow.await.unwrap_or_default());
-        println!(
-            "hosted_timeline: {}",
-            nestplane_nodes::timeline::format(&steps)
-        );
-    }
     let secrets: Api<Secret> = Api::namespaced(client.clone(), NAMESPACE);
     let kc = secrets
         .get(&format!("{}-admin-kubeconfig", args.name))
@@ -508,6 +497,21 @@ async fn up_hosted(
         total.as_secs_f64()
     );
     println!("kubectl --kubeconfig {} get nodes", path.display());
+    if let Some(follow) = follow {
+        let mut steps: Vec<(String, Duration)> = changes
+            .into_iter()
+            .map(|(what, at)| (what, at.saturating_duration_since(applied)))
+            .collect();
+        // The nodes are Ready by now: the observer has seen it, or cannot (a tenant API
+        // this machine does not reach) and its steps are left out.
+        if let Ok(Ok(seen)) = tokio::time::timeout(Duration::from_secs(5), follow).await {
+            steps.extend(seen);
+        }
+        println!(
+            "hosted_timeline: {}",
+            nestplane_nodes::timeline::format(&steps)
+        );
+    }
     Ok(total)
 }
 

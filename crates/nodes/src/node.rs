@@ -238,8 +238,11 @@ impl Node {
         self.mark("kubelet started");
         // The images go in while the kubelet starts (it takes seconds before it registers).
         // The node's network configuration is written only once they are in: until then
-        // the runtime reports its network not ready, so the node is not Ready and nothing
-        // is scheduled to it that would look for an image not yet there.
+        // the runtime reports its network not ready, so the node is not Ready and carries
+        // the not-ready taint; only a pod that tolerates it or names the node could land
+        // before its image is there (and would wait for it). containerd reloads its CNI
+        // configuration on a write or rename in the directory, and `write` renames a
+        // finished file into place.
         let sock = self.layout.containerd_socket();
         let archives = cfg.images.clone();
         tokio::task::spawn_blocking(move || archives.iter().try_for_each(|a| import(&sock, a)))
@@ -302,6 +305,14 @@ impl Node {
             layout.dir.join("var-lib-cni"),
         ] {
             mkdir(&d)?;
+        }
+        // A directory used before may hold the pod network's configuration already; it is
+        // written again once the images are in (see `bring_up`).
+        let conflist = layout.cni_conf_dir().join("10-nestplane.conflist");
+        if let Err(e) = std::fs::remove_file(&conflist)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            return Err(Error::io(format!("removing {}", conflist.display()), e));
         }
         write(&layout.ca(), &cfg.ca_pem)?;
         write(

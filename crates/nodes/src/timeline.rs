@@ -3,8 +3,8 @@
 //! reasons it gave while it was not). For benchmarks and `nestplane up --exit-when-ready`:
 //! where the seconds go, measured rather than guessed.
 //!
-//! The cluster is polled every 50 ms; a step's time is when it was first seen, so each is at
-//! most that much late.
+//! The cluster is polled every 100 ms (two list requests); a step's time is when it was first
+//! seen, so each is at most that much late.
 
 use std::time::{Duration, Instant};
 
@@ -139,7 +139,7 @@ pub async fn observe(
                 return steps;
             }
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     steps
 }

@@ -233,11 +233,13 @@ pub(crate) fn probes(port_name: &str, https: bool, live: &str, ready: &str) -> P
     Probes {
         // Looked at every second from the start, so a component is Ready about a second
         // after it answers rather than at the next of kubeadm's 10 s ticks; the same 4
-        // minutes to start. It stops once it passes.
+        // minutes to start, also for an endpoint that hangs rather than refuses (probes of
+        // one container run one at a time, so a look costs its timeout). It stops once it
+        // passes.
         startup: Probe {
             http_get: Some(get(live)),
             period_seconds: Some(STARTUP_PROBE_PERIOD),
-            timeout_seconds: Some(15),
+            timeout_seconds: Some(STARTUP_PROBE_PERIOD),
             failure_threshold: Some(STARTUP_SECONDS / STARTUP_PROBE_PERIOD),
             ..Default::default()
         },

@@ -409,11 +409,12 @@ fn ready(listed: &[KubeNode], name: &str) -> bool {
         })
 }
 
-/// Start `count` nodes at once, each with a bootstrap token made for it.
 /// How often the certificates of nodes being started are looked at (they ask for their
 /// client certificate while their kubelet starts; approving it is on their way to Ready).
 const JOINING_APPROVAL_INTERVAL: Duration = Duration::from_millis(200);
 
+/// Start `count` nodes at once, each with a bootstrap token made for it, approving their
+/// client certificates meanwhile.
 async fn start_nodes(pass: &Pass<'_>, n: &Nodes<'_>, count: u32) {
     if count == 0 {
         return;
