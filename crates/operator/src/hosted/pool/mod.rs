@@ -553,9 +553,31 @@ async fn report(
     Ok(Action::requeue(if r.done {
         Duration::from_secs(30)
     } else {
-        Duration::from_secs(2)
+        recheck(listed, &pass.status.nodes, pass.now)
     }))
 }
+
+/// How soon a pool that is not done is looked at again: in [`ABOUT_TO_BE_READY`] when one of
+/// its nodes registered within the last minute and is not Ready yet (its kubelet's next
+/// status is at most 2 s away, and the pool's status should follow it closely), else in 2 s.
+fn recheck(listed: &[KubeNode], nodes: &[NodeInfo], now: Timestamp) -> Duration {
+    let joining = nodes.iter().filter(|n| !n.ready).any(|n| {
+        listed
+            .iter()
+            .find(|k| k.name_any() == n.name)
+            .and_then(|k| k.metadata.creation_timestamp.as_ref())
+            .and_then(|t| Duration::try_from(now.duration_since(t.0)).ok())
+            .is_some_and(|age| age < Duration::from_secs(60))
+    });
+    if joining {
+        ABOUT_TO_BE_READY
+    } else {
+        Duration::from_secs(2)
+    }
+}
+
+/// How often a pool with a node that has just registered is looked at.
+const ABOUT_TO_BE_READY: Duration = Duration::from_millis(500);
 
 /// Cordon and drain `node` (evictions, which PodDisruptionBudgets may refuse, until
 /// `timeout`; then its pods are deleted), delete its Node and its bootstrap token, and
@@ -642,4 +664,51 @@ async fn teardown(
         Api::namespaced(ctx.client.clone(), &pool.namespace().unwrap_or_default());
     crate::finalizer::remove(&api, pool, FINALIZER).await?;
     Ok(Action::await_change())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+    use k8s_openapi::jiff::SignedDuration;
+
+    fn node(name: &str, registered: Timestamp) -> KubeNode {
+        KubeNode {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                creation_timestamp: Some(Time(registered)),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    fn info(name: &str, ready: bool) -> NodeInfo {
+        NodeInfo {
+            name: name.into(),
+            version: "v1.20.2".into(),
+            ready,
+            current: true,
+        }
+    }
+
+    #[test]
+    fn a_pool_looks_again_soon_only_while_a_node_has_just_registered() {
+        let now = Timestamp::now();
+        let ago = |s: i64| now - SignedDuration::from_secs(s);
+        // Registered 5 s ago, not Ready yet: about to be.
+        assert_eq!(
+            recheck(&[node("a", ago(5))], &[info("a", false)], now),
+            ABOUT_TO_BE_READY
+        );
+        // Not registered yet, or registered long ago and still not Ready (something is
+        // wrong; looking often would not mend it), or Ready: the usual pace.
+        for (listed, nodes) in [
+            (vec![], vec![info("a", false)]),
+            (vec![node("a", ago(600))], vec![info("a", false)]),
+            (vec![node("a", ago(5))], vec![info("a", true)]),
+        ] {
+            assert_eq!(recheck(&listed, &nodes, now), Duration::from_secs(2));
+        }
+    }
 }
