@@ -214,6 +214,8 @@ pub(crate) fn port(name: &str, number: i32) -> ContainerPort {
 pub(crate) const STARTUP_SECONDS: i32 = 240;
 /// How often a starting component is probed.
 pub(crate) const STARTUP_PROBE_PERIOD: i32 = 1;
+/// How long one startup probe may wait for its answer.
+pub(crate) const STARTUP_PROBE_TIMEOUT: i32 = 5;
 
 /// Probes of a container, kubeadm-like timings (but a startup probe that looks every second).
 pub(crate) struct Probes {
@@ -233,13 +235,14 @@ pub(crate) fn probes(port_name: &str, https: bool, live: &str, ready: &str) -> P
     Probes {
         // Looked at every second from the start, so a component is Ready about a second
         // after it answers rather than at the next of kubeadm's 10 s ticks; the same 4
-        // minutes to start, also for an endpoint that hangs rather than refuses (probes of
-        // one container run one at a time, so a look costs its timeout). It stops once it
-        // passes.
+        // minutes to start for an endpoint that refuses. An answer may take 5 s (a component
+        // starting on a busy machine answers slowly; a 1 s timeout failed a scale-up under
+        // the test suite's load), so one that hangs is given 240 looks of 5 s, 20 minutes
+        // (probes of one container run one at a time). It stops once it passes.
         startup: Probe {
             http_get: Some(get(live)),
             period_seconds: Some(STARTUP_PROBE_PERIOD),
-            timeout_seconds: Some(STARTUP_PROBE_PERIOD),
+            timeout_seconds: Some(STARTUP_PROBE_TIMEOUT),
             failure_threshold: Some(STARTUP_SECONDS / STARTUP_PROBE_PERIOD),
             ..Default::default()
         },

@@ -867,7 +867,7 @@ fn labels_images_ports_probes_and_security() {
         let startup = c.startup_probe.as_ref().unwrap();
         assert_eq!(startup.initial_delay_seconds.unwrap_or(0), 0);
         assert_eq!(startup.period_seconds, Some(1));
-        assert_eq!(startup.timeout_seconds, Some(1));
+        assert_eq!(startup.timeout_seconds, Some(5));
         assert_eq!(
             startup.period_seconds.unwrap() * startup.failure_threshold.unwrap(),
             240
