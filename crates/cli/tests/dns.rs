@@ -29,7 +29,8 @@ fn nslookup(kc: &Path, args: &[&str]) -> String {
 /// `nslookup ARGS` until its output contains `want`.
 fn resolves(kc: &Path, args: &[&str], want: &str, timeout: Duration) -> String {
     let what = format!("nslookup {} showing {want}", args.join(" "));
-    let deadline = std::time::Instant::now() + timeout;
+    let started = std::time::Instant::now();
+    let deadline = started + timeout;
     loop {
         let out = nslookup(kc, args);
         if out.contains(want) {
@@ -39,7 +40,7 @@ fn resolves(kc: &Path, args: &[&str], want: &str, timeout: Duration) -> String {
             std::time::Instant::now() < deadline,
             "{what}; last answer:\n{out}"
         );
-        std::thread::sleep(Duration::from_millis(300));
+        std::thread::sleep(common::poll_pause(started).max(Duration::from_millis(300)));
     }
 }
 

@@ -31,7 +31,8 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    let deadline = std::time::Instant::now() + timeout;
+    let started = std::time::Instant::now();
+    let deadline = started + timeout;
     loop {
         if let Some(v) = f().await {
             return v;
@@ -40,7 +41,7 @@ where
             std::time::Instant::now() < deadline,
             "timed out after {timeout:?} waiting for {what}"
         );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(common::poll_pause(started)).await;
     }
 }
 

@@ -806,7 +806,11 @@ pub fn build_pause(source_tree: &Path, out: &Path) -> Result<PathBuf, Error> {
     if let Some(d) = out.parent() {
         std::fs::create_dir_all(d).map_err(|e| Error::io("creating the pause directory", e))?;
     }
-    let tmp = out.with_extension("tmp");
+    // A name of this call's own: tests and `up` side by side may compile it at once, and the
+    // rename makes whichever finishes last the one in place (each is the same program).
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = out.with_extension(format!("tmp.{}.{call}", std::process::id()));
     run(
         Command::new("gcc")
             .args(["-Os", "-static", "-Wall", "-DVERSION=v3.2-nestplane", "-o"])
@@ -1106,5 +1110,33 @@ mod tests {
             archive_path(Path::new("/c"), "registry.k8s.io/etcd:3.4.13-0"),
             PathBuf::from("/c/registry.k8s.io_etcd_3.4.13-0.oci.tar")
         );
+    }
+
+    /// Test processes and `up` start together on a fresh machine, and each compiles pause
+    /// when it is missing: every one of them must end with the program in place.
+    #[test]
+    fn pause_compiled_by_several_at_once_is_in_place_for_each() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let src = dir.path().join("src");
+        std::fs::create_dir_all(src.join("build/pause/linux")).expect("a source tree");
+        std::fs::write(
+            src.join("build/pause/linux/pause.c"),
+            "int main(void) { return 0; }\n",
+        )
+        .expect("pause.c");
+        let out = dir.path().join("bin/pause");
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| s.spawn(|| build_pause(&src, &out)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a compiling thread"))
+                .collect()
+        });
+        for r in results {
+            assert_eq!(r.expect("pause compiled"), out);
+        }
+        assert!(Command::new(&out).status().expect("pause runs").success());
     }
 }

@@ -68,9 +68,19 @@ pub fn nestplane() -> Command {
     Command::new(env!("CARGO_BIN_EXE_nestplane"))
 }
 
+/// How long a poll that began at `started` waits before looking again: a tenth of the time
+/// it has waited so far, between 100 ms and 1 s. Most looks run `kubectl`, about 0.1 s of CPU
+/// each (measured with process accounting: 40% of a hosted-cluster test's CPU when every wait
+/// looked every 100 ms), so a long wait looks once a second while a short one still ends
+/// within a tenth of its length.
+pub fn poll_pause(started: Instant) -> Duration {
+    (started.elapsed() / 10).clamp(Duration::from_millis(100), Duration::from_secs(1))
+}
+
 /// Poll `f` until it returns `Some`, or panic with `what` after `timeout`.
 pub fn eventually<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + timeout;
+    let started = Instant::now();
+    let deadline = started + timeout;
     loop {
         if let Some(v) = f() {
             return v;
@@ -79,7 +89,7 @@ pub fn eventually<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Optio
             Instant::now() < deadline,
             "timed out after {timeout:?} waiting for {what}"
         );
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(poll_pause(started));
     }
 }
 
