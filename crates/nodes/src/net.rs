@@ -67,6 +67,18 @@ pub fn claim(dir: &Path, stale: impl Fn(u8, &Path)) -> Result<Slot, Error> {
 
 fn claim_in(sd: &Path, max: u8, dir: &Path, stale: impl Fn(u8, &Path)) -> Result<Slot, Error> {
     std::fs::create_dir_all(sd).map_err(|e| Error::io(format!("creating {}", sd.display()), e))?;
+    // One claimer at a time on this machine. Without it, two that found the same stale claim
+    // both cleaned it up: the second removed the network namespace (and the claim) the first
+    // had just made its own, and both used the slot. The lock goes when the file closes, also
+    // when a claimer dies.
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(sd.join(".lock"))
+        .map_err(|e| Error::io("opening the slot lock", e))?;
+    lock.lock()
+        .map_err(|e| Error::io("taking the slot lock", e))?;
     for n in 1..=max {
         let path = sd.join(n.to_string());
         if let Some((pid, old)) = claim_owner(&path) {
@@ -467,6 +479,54 @@ pub fn install_unreachable(ranges: &[&str]) -> Result<Vec<String>, Error> {
 #[cfg(test)]
 mod unreachable_tests {
     use super::*;
+
+    /// Claimers side by side (tests, `up`, operators) that find the same stale claim each end
+    /// with a slot of their own, and the stale node is cleaned up before its slot is reused.
+    #[test]
+    fn claimers_at_once_never_share_a_slot() {
+        let sd = tempfile::tempdir().expect("a temporary directory");
+        // A claim whose process is gone.
+        let mut gone = Command::new("true").spawn().expect("true runs");
+        let dead = gone.id();
+        gone.wait().expect("true ends");
+        std::fs::write(sd.path().join("1"), format!("{dead} /old-node\n")).expect("a claim");
+        let cleanups = std::sync::atomic::AtomicU32::new(0);
+        let slots: Vec<u8> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..6)
+                .map(|i| {
+                    let (sd, cleanups) = (sd.path(), &cleanups);
+                    s.spawn(move || {
+                        let dir = PathBuf::from(format!("/node-{i}"));
+                        claim_in(sd, 10, &dir, |n, old| {
+                            assert_eq!((n, old), (1, Path::new("/old-node")));
+                            cleanups.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            // A cleanup takes time (processes, namespaces, cgroups).
+                            std::thread::sleep(std::time::Duration::from_millis(50));
+                        })
+                        .expect("a slot")
+                        .number
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a claiming thread"))
+                .collect()
+        });
+        let mut sorted = slots.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(
+            sorted,
+            [1, 2, 3, 4, 5, 6],
+            "each claimer its own slot: {slots:?}"
+        );
+        assert_eq!(
+            cleanups.into_inner(),
+            1,
+            "the stale node is cleaned up once"
+        );
+    }
 
     #[test]
     fn ranges_overlap_by_their_common_prefix() {
