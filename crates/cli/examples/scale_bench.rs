@@ -344,8 +344,17 @@ async fn main() -> anyhow::Result<()> {
     );
     let pid = op.0.id();
     let deadline = Instant::now() + Duration::from_secs(30);
-    while http_get(&metrics_addr, "/readyz").await.as_deref() != Some("ok") {
-        anyhow::ensure!(Instant::now() < deadline, "the operator did not start");
+    while http_get(&metrics_addr, "/readyz")
+        .await
+        .as_deref()
+        .map(str::trim)
+        != Some("ok")
+    {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the operator did not start in 30 s; its log:\n{}",
+            std::fs::read_to_string(work.path().join("operator.log")).unwrap_or_default()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     println!("scale: {tenants} NestedControlPlanes, kubernetes runtime, no nodes");
