@@ -30,6 +30,7 @@ pub mod patch;
 mod pod;
 pub mod policy;
 mod services;
+pub mod upgrade;
 mod version;
 pub mod workload;
 

@@ -6,7 +6,8 @@ use std::net::Ipv4Addr;
 
 use k8s_openapi::jiff::Timestamp;
 use nestplane_api::hosted::{
-    ClusterNetworking, DnsProvider, HostedClusterSpec, NetworkEntry, POD_NETWORK, SERVICE_NETWORK,
+    ClusterNetworking, DnsProvider, HostedCluster, HostedClusterSpec, NetworkEntry, POD_NETWORK,
+    SERVICE_NETWORK,
 };
 use nestplane_render::KubeVersion;
 
@@ -184,28 +185,51 @@ pub fn paused(
     Ok((t > now).then_some(Some(t)))
 }
 
-/// Whether a pool's version is allowed with its control plane's: not newer, at most two
-/// minor versions older (Kubernetes' kubelet skew policy).
+/// Whether a pool's version is allowed with its control plane's: not newer (not even by a
+/// patch), and within Kubernetes' kubelet skew policy
+/// ([`nestplane_render::upgrade::skew`]: at most three minors older, two below 1.25).
 pub fn version_skew(pool: &str, control_plane: &str) -> Result<(), String> {
     let p =
         KubeVersion::parse(&version(pool)).map_err(|e| format!("release.version {pool:?}: {e}"))?;
     let c = KubeVersion::parse(&version(control_plane))
         .map_err(|e| format!("the control plane's version {control_plane:?}: {e}"))?;
-    if (p.major, p.minor, p.patch) > (c.major, c.minor, c.patch) {
+    if p > c {
         return Err(format!(
             "the pool's version {} is newer than its control plane's {}",
             version(pool),
             version(control_plane)
         ));
     }
-    if p.major != c.major || c.minor > p.minor + 2 {
-        return Err(format!(
-            "the pool's version {} is more than two minor versions older than its control plane's {}",
-            version(pool),
-            version(control_plane)
-        ));
-    }
-    Ok(())
+    nestplane_render::upgrade::skew(nestplane_render::upgrade::Part::Kubelet, p, c)
+        .map_err(|e| format!("the pool's version does not fit its control plane's: {e}"))
+}
+
+/// The newest version the control plane has reached (its newest `Completed` history entry).
+pub fn reached_version(hc: &HostedCluster) -> Option<String> {
+    hc.status
+        .as_ref()?
+        .version
+        .as_ref()?
+        .history
+        .iter()
+        .find(|h| h.state == "Completed")
+        .map(|h| version(&h.version))
+}
+
+/// Whether a pool's nodes may be made at `version` now: not while the control plane has only
+/// been asked for a version and not reached it, so that kubelets are never replaced before
+/// the API server they must not outrun (`reached`: [`reached_version`]; `None` before the
+/// control plane reached any, when no node exists yet and the pool waits for it anyway).
+pub fn nodes_may_move(version: &str, reached: Option<&str>) -> Result<(), String> {
+    let Some(reached) = reached else {
+        return Ok(());
+    };
+    version_skew(version, reached).map_err(|why| {
+        format!(
+            "waiting for the control plane to reach {}: it runs {reached} ({why})",
+            self::version(version)
+        )
+    })
 }
 
 /// A node of a pool, as the rollout sees it.

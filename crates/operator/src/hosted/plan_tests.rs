@@ -92,7 +92,19 @@ fn a_pool_is_never_newer_than_its_control_plane_nor_too_old() {
     assert!(
         version_skew("v1.20.2", "v1.23.0")
             .unwrap_err()
-            .contains("two minor")
+            .contains("more than 2 minor versions older")
+    );
+    // From 1.25 on, a kubelet may be three minors older.
+    assert_eq!(version_skew("v1.25.0", "v1.28.3"), Ok(()));
+    assert!(
+        version_skew("v1.25.0", "v1.29.0")
+            .unwrap_err()
+            .contains("more than 3 minor versions older")
+    );
+    assert!(
+        version_skew("v1.24.9", "v1.27.0")
+            .unwrap_err()
+            .contains("more than 2")
     );
 }
 
@@ -242,4 +254,42 @@ fn the_dns_provider_is_the_specs_then_the_operators_then_where_nodes_are_made() 
         dns_provider(&s, Some(DnsProvider::CoreDns), false),
         DnsProvider::Builtin
     );
+}
+
+#[test]
+fn nodes_wait_for_the_control_plane_to_reach_their_version() {
+    let hc = |history: &[(&str, &str)]| -> HostedCluster {
+        let entries: Vec<serde_json::Value> = history
+            .iter()
+            .map(|(v, state)| serde_json::json!({"version": v, "state": state, "startedTime": "2026-01-01T00:00:00Z"}))
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "nestplane.io/v1alpha1",
+            "kind": "HostedCluster",
+            "metadata": {"name": "c", "namespace": "default"},
+            "spec": {"release": {"version": "1.20.5"}},
+            "status": {"version": {"desired": {"version": "1.20.5"}, "history": entries}}
+        }))
+        .expect("hosted cluster")
+    };
+    // Asked for 1.20.5, still at 1.20.2: a pool that follows its control plane waits.
+    let moving = hc(&[("1.20.5", "Partial"), ("1.20.2", "Completed")]);
+    let reached = reached_version(&moving);
+    assert_eq!(reached.as_deref(), Some("v1.20.2"));
+    let why = nodes_may_move("v1.20.5", reached.as_deref()).expect_err("kubelets first");
+    assert!(
+        why.contains("waiting for the control plane to reach v1.20.5"),
+        "{why}"
+    );
+    // A pool pinned to what runs keeps going.
+    assert_eq!(nodes_may_move("v1.20.2", reached.as_deref()), Ok(()));
+    // Once reached, the pool follows.
+    let done = hc(&[("1.20.5", "Completed"), ("1.20.2", "Completed")]);
+    assert_eq!(
+        nodes_may_move("v1.20.5", reached_version(&done).as_deref()),
+        Ok(())
+    );
+    // A new cluster has reached nothing; its pool waits for the control plane to be Ready.
+    assert_eq!(reached_version(&hc(&[("1.20.5", "Partial")])), None);
+    assert_eq!(nodes_may_move("v1.20.5", None), Ok(()));
 }

@@ -241,6 +241,14 @@ async fn admit(pass: &mut Pass<'_>, hc: &HostedCluster) -> Result<Step<String>, 
         "AsExpected",
         "",
     ));
+    // The control plane first: nodes keep their version until it has reached theirs.
+    if let Err(msg) =
+        super::plan::nodes_may_move(&version, super::plan::reached_version(hc).as_deref())
+    {
+        return Ok(Err(
+            Halt::wait("WaitingForControlPlane", msg).again(Duration::from_secs(10))
+        ));
+    }
     let level = pool.spec.pod_security.unwrap_or_default();
     if level == PodSecurityLevel::Privileged && !privileged_allowed(pass.ctx, &ns).await? {
         let why = format!(
