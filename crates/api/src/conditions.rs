@@ -17,6 +17,9 @@ pub mod types {
     pub const DELETING: &str = "Deleting";
     /// A component runs the replicas its spec asks for (False: the change was refused).
     pub const SCALED: &str = "Scaled";
+    /// A control plane's version change: True while its components move to the asked-for
+    /// version, False when the change is refused (nothing moved); absent when none is pending.
+    pub const UPGRADING: &str = "Upgrading";
 }
 
 /// Condition reasons used across nestplane.
@@ -34,6 +37,12 @@ pub mod reasons {
     pub const SECRET_REISSUED: &str = "SecretReissued";
     /// The requested version is not available (no binaries, unsupported).
     pub const VERSION_UNAVAILABLE: &str = "VersionUnavailable";
+    /// A version change to an older minor was refused.
+    pub const DOWNGRADE_REFUSED: &str = "DowngradeRefused";
+    /// A version change of more than one minor at once was refused.
+    pub const MINOR_SKIP_REFUSED: &str = "MinorSkipRefused";
+    /// A control plane's components are moving to a new version.
+    pub const UPGRADING: &str = "Upgrading";
     /// A referenced object does not exist.
     pub const REFERENCE_NOT_FOUND: &str = "ReferenceNotFound";
     /// Paused by annotation or by the Cluster.

@@ -387,6 +387,106 @@ async fn bad_input_gets_conditions_and_events_and_others_keep_working() {
     // Fixing the input heals it: create the missing etcd.
     env.apply("apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedEtcd\nmetadata:\n  name: no-such-etcd\n  namespace: default\nspec: {}\n");
     env.wait_ready("default", "dangling", READY).await;
+
+    // A version change that cannot be made moves nothing: two minors at once, a patch with
+    // no binaries here, a minor down, a version out of range. Every process of "good" keeps
+    // running (same pids), every component stays Ready at v1.20.2, the tenant answers, and
+    // its control plane says why in `Upgrading`, with a Warning Event.
+    let parts = ["etcd", "apiserver", "controller-manager", "scheduler"];
+    let pids = |env: &Env| -> Vec<Option<u32>> {
+        parts
+            .iter()
+            .map(|p| env.pid("default", "good", p, 0))
+            .collect()
+    };
+    let before = pids(&env);
+    assert!(before.iter().all(Option::is_some), "{before:?}");
+    let good_kc = env.tenant_kubeconfig("default", "good").await;
+    for (version, reason, says) in [
+        ("v1.22.0", "MinorSkipRefused", "set a 1.21 version first"),
+        ("v1.20.9", "VersionUnavailable", "v1.20.9"),
+        ("v1.19.0", "VersionUnavailable", "v1.19.0"),
+    ] {
+        kubectl_ok(
+            &kc,
+            &[
+                "patch",
+                "ncp",
+                "good",
+                "--type=merge",
+                "-p",
+                &format!("{{\"spec\":{{\"version\":\"{version}\"}}}}"),
+            ],
+        );
+        let got = eventually(
+            &format!("good refuses {version}"),
+            Duration::from_secs(30),
+            || {
+                let c = condition("ncp", "good", "Upgrading");
+                c.starts_with(&format!("{reason}|")).then_some(c)
+            },
+        );
+        assert!(
+            got.contains(says) && got.contains("keeps the version it runs"),
+            "{got}"
+        );
+        eventually(
+            &format!("a Warning Event for {version}"),
+            Duration::from_secs(30),
+            || {
+                events_for(&kc, "default", "good")
+                    .contains(&format!("Warning {reason}"))
+                    .then_some(())
+            },
+        );
+        kubectl_ok(&good_kc, &["get", "--raw", "/version"]);
+        assert_eq!(pids(&env), before, "a process was restarted for {version}");
+        for (kind, part) in [
+            ("nestedetcd", "etcd"),
+            ("nestedapiserver", "apiserver"),
+            ("nestedcontrollermanager", "controller-manager"),
+            ("nestedscheduler", "scheduler"),
+        ] {
+            let got = kubectl_ok(
+                &kc,
+                &[
+                    "get",
+                    kind,
+                    &format!("good-{part}"),
+                    "-o",
+                    "jsonpath={.status.ready}/{.status.version}",
+                ],
+            );
+            assert_eq!(got, "true/v1.20.2", "{kind} with {version} asked for");
+        }
+        let available = kubectl_ok(
+            &kc,
+            &[
+                "get",
+                "ncp",
+                "good",
+                "-o",
+                "jsonpath={.status.conditions[?(@.type==\"Available\")].status}",
+            ],
+        );
+        assert_eq!(available, "True", "good with {version} asked for");
+    }
+    // Asked for what runs again: nothing pending, nothing moved.
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "ncp",
+            "good",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"version":"v1.20.2"}}"#,
+        ],
+    );
+    eventually("Upgrading is gone", Duration::from_secs(30), || {
+        condition("ncp", "good", "Upgrading").eq("|").then_some(())
+    });
+    assert_eq!(pids(&env), before);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -372,6 +372,16 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<O
     Ok(judge(ctx, t, c, key, version, seen))
 }
 
+/// The components whose versions this operator moves for tenant `t` (a shared datastore's
+/// etcd and components another controller runs are not its to move).
+pub(crate) fn version_parts(ctx: &Context, t: &Tenant) -> Vec<Component> {
+    Component::ALL
+        .into_iter()
+        .filter(|&d| ctx.runs_here(t, d))
+        .filter(|&d| d != Component::Etcd || t.ncp.spec.datastore_ref.is_none())
+        .collect()
+}
+
 enum Gate {
     Proceed {
         version: nestplane_render::KubeVersion,
@@ -400,9 +410,11 @@ fn gate(ctx: &Context, t: &Tenant, c: Component, key: &str) -> Result<Gate, Erro
             None,
         );
     }
-    let version = match t.version(c) {
-        Ok(v) => v,
-        Err((reason, msg)) => {
+    let version = match (t.version(c), t.running_version(c)) {
+        (Ok(v), _) => v,
+        // What runs keeps its version; its control plane's `Upgrading` says why.
+        (Err(_), Some(running)) => running,
+        (Err((reason, msg)), None) => {
             let reason = if reason == reasons::INVALID_SPEC {
                 reasons::INVALID_SPEC
             } else {
@@ -417,6 +429,26 @@ fn gate(ctx: &Context, t: &Tenant, c: Component, key: &str) -> Result<Gate, Erro
     {
         return stop(reasons::INVALID_SPEC, msg, None, Some(EventType::Warning));
     }
+    // A version change is judged for the whole control plane before anything moves: when it
+    // is refused, what runs keeps its version (its control plane says why) and nothing starts.
+    let version = match t.version_change(&version_parts(ctx, t), |d, v| {
+        ctx.runtime.can_run(d, v).map_err(|e| e.to_string())
+    }) {
+        crate::tenant::VersionChange::Refused(reason, msg) => match t.running_version(c) {
+            Some(running) => running,
+            None => {
+                // Its own missing binary is said first (the message names it).
+                ctx.runtime.can_run(c, &version)?;
+                return stop(
+                    reason,
+                    msg,
+                    Some(ctx.pacing.error(key)),
+                    Some(EventType::Warning),
+                );
+            }
+        },
+        _ => version,
+    };
     // Say at once when this version cannot run here, rather than after the dependencies.
     ctx.runtime.can_run(c, &version)?;
     // Patches are judged before waiting for anything: a patch the runtime refuses is said at

@@ -257,6 +257,12 @@ async fn next_status(
         Some(crate::datastore::Binding::Bound(b)) => Some(b.clone()),
         _ => ncp.status.as_ref().and_then(|s| s.datastore.clone()),
     };
+    match upgrading_condition(ctx, tenant) {
+        Some(c) => conditions::set(&mut new_status.conditions, c, ncp.metadata.generation, now),
+        None => new_status
+            .conditions
+            .retain(|c| c.type_ != types::UPGRADING),
+    }
     match crate::datastore::quota_condition(ctx, ncp).await? {
         Some(c) => conditions::set(&mut new_status.conditions, c, ncp.metadata.generation, now),
         None => new_status
@@ -264,6 +270,46 @@ async fn next_status(
             .retain(|c| c.type_ != crate::datastore::QUOTA_CONDITION),
     }
     Ok(new_status)
+}
+
+/// `Upgrading`: True while components move to the version asked for, False when the change
+/// is refused as a whole (what runs keeps its version), absent when no change is pending.
+fn upgrading_condition(
+    ctx: &Context,
+    tenant: &Tenant,
+) -> Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    use crate::tenant::VersionChange;
+    match tenant.version_change(&crate::component::version_parts(ctx, tenant), |d, v| {
+        ctx.runtime.can_run(d, v).map_err(|e| e.to_string())
+    }) {
+        VersionChange::None => None,
+        // Nothing runs yet: the components themselves say why they do not start.
+        VersionChange::Refused(..)
+            if Component::ALL
+                .iter()
+                .all(|&c| tenant.running_version(c).is_none()) =>
+        {
+            None
+        }
+        VersionChange::Refused(reason, msg) => Some(conditions::new(
+            types::UPGRADING,
+            false,
+            reason,
+            format!("{msg}; every component keeps the version it runs"),
+        )),
+        VersionChange::Moving(moves) => {
+            let parts: Vec<String> = moves
+                .iter()
+                .map(|(c, from, to)| format!("{} {from} → {to}", tenant::kind_of(*c)))
+                .collect();
+            Some(conditions::new(
+                types::UPGRADING,
+                true,
+                reasons::UPGRADING,
+                parts.join(", "),
+            ))
+        }
+    }
 }
 
 /// Write `new_status` (a merge patch: server-side apply in 1.20 turns empty strings into
@@ -299,6 +345,22 @@ async fn write_status(
         )
         .await?;
     ctx.written.remember(&tenant.ncp, written);
+    let upgrading = |st: Option<&nestplane_api::NestedControlPlaneStatus>| {
+        st.and_then(|s| conditions::get(&s.conditions, types::UPGRADING))
+            .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+    };
+    if let Some((status, reason, message)) = upgrading(Some(&new_status))
+        && upgrading(ncp.status.as_ref()).map(|(s, r, _)| (s, r))
+            != Some((status.clone(), reason.clone()))
+    {
+        let type_ = if status == "True" {
+            EventType::Normal
+        } else {
+            EventType::Warning
+        };
+        ctx.event(ncp.object_ref(&()), type_, &reason, &message)
+            .await;
+    }
     let first_wait = before.is_none() && !problem;
     if let Some(after) = after
         && before != Some((after.status.clone(), after.reason.clone()))

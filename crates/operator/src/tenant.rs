@@ -653,6 +653,57 @@ impl Tenant {
         })
     }
 
+    /// The version component `c` runs now (its status, once it has run one).
+    pub fn running_version(&self, c: Component) -> Option<nestplane_render::KubeVersion> {
+        self.status_of(c)
+            .and_then(|s| s.version.as_deref())
+            .and_then(|v| nestplane_render::KubeVersion::parse(v).ok())
+    }
+
+    /// The control plane's version change, judged as a whole before any component moves
+    /// ([`VersionChange`]). `parts` are the components this operator runs for the tenant;
+    /// `can_run` says why a component cannot run a version here.
+    pub fn version_change(
+        &self,
+        parts: &[Component],
+        can_run: impl Fn(Component, &nestplane_render::KubeVersion) -> Result<(), String>,
+    ) -> VersionChange {
+        use nestplane_api::conditions::reasons;
+        let mut moves = Vec::new();
+        let mut unavailable = None;
+        for &c in parts {
+            let want = match self.version(c) {
+                Ok(v) => v,
+                // What runs keeps running its version; a new component reports it itself.
+                Err((reason, msg)) if self.running_version(c).is_some() => {
+                    let reason = if reason == reasons::INVALID_SPEC {
+                        reasons::INVALID_SPEC
+                    } else {
+                        reasons::VERSION_UNAVAILABLE
+                    };
+                    return VersionChange::Refused(reason, msg);
+                }
+                Err(_) => continue,
+            };
+            if let Some(from) = self.running_version(c).filter(|r| *r != want) {
+                if let Some(refused) = version_step_refused(c, from, want) {
+                    return refused;
+                }
+                moves.push((c, from, want));
+            }
+            if unavailable.is_none()
+                && let Err(e) = can_run(c, &want)
+            {
+                unavailable = Some(e);
+            }
+        }
+        match (unavailable, moves.is_empty()) {
+            (Some(e), _) => VersionChange::Refused(reasons::VERSION_UNAVAILABLE, e),
+            (None, true) => VersionChange::None,
+            (None, false) => VersionChange::Moving(moves),
+        }
+    }
+
     /// Validate the cluster name (see [`name_problem`]).
     pub fn name_problem(&self) -> Option<String> {
         name_problem(&self.ncp)
@@ -695,6 +746,77 @@ impl Tenant {
         }
         input
     }
+}
+
+/// Whether component `c` may go from `from` to `want` in one step. The API server decides
+/// for the control plane (its stored objects take its version's form): no minor down, one
+/// minor at a time (no intermediate version is offered yet). etcd's own data never goes back
+/// a minor of etcd (the one kubeadm pairs with each version). The controller manager and the
+/// scheduler follow the API server.
+fn version_step_refused(
+    c: Component,
+    from: nestplane_render::KubeVersion,
+    want: nestplane_render::KubeVersion,
+) -> Option<VersionChange> {
+    use nestplane_api::conditions::reasons;
+    use nestplane_render::{etcd_version_for, upgrade};
+    match c {
+        Component::ApiServer => match upgrade::steps(from, want, |_| None) {
+            Ok(_) => None,
+            Err(r @ upgrade::Refusal::MinorDowngrade { .. }) => Some(VersionChange::Refused(
+                reasons::DOWNGRADE_REFUSED,
+                format!("{}: {r}", kind_of(c)),
+            )),
+            Err(upgrade::Refusal::NoStepVersion { .. }) => {
+                let between: Vec<String> = (from.minor + 1..=want.minor)
+                    .map(|m| format!("1.{m}"))
+                    .collect();
+                Some(VersionChange::Refused(
+                    reasons::MINOR_SKIP_REFUSED,
+                    format!(
+                        "{} runs {from}; {want} is {} minor steps away ({}) and nestplane moves a control plane one minor at a time: set a 1.{} version first",
+                        kind_of(c),
+                        between.len(),
+                        between.join(", "),
+                        from.minor + 1
+                    ),
+                ))
+            }
+        },
+        Component::Etcd => {
+            let minor_of = |v: &str| -> (u32, u32) {
+                let mut it = v.split(['.', '-']).map(|p| p.parse().unwrap_or(0));
+                (it.next().unwrap_or(0), it.next().unwrap_or(0))
+            };
+            let (old, new) = (etcd_version_for(&from), etcd_version_for(&want));
+            (minor_of(new) < minor_of(old)).then(|| {
+                VersionChange::Refused(
+                    reasons::DOWNGRADE_REFUSED,
+                    format!(
+                        "{}: etcd {old} runs (paired with {from}) and {want} pairs etcd {new}; etcd's data never goes back a minor"
+                    , kind_of(c)),
+                )
+            })
+        }
+        Component::ControllerManager | Component::Scheduler => None,
+    }
+}
+
+/// A control plane's version change, judged as a whole ([`Tenant::version_change`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum VersionChange {
+    /// Every component runs (or will first run) the version asked for.
+    None,
+    /// Components that run one version and are asked for another: (component, from, to).
+    Moving(
+        Vec<(
+            Component,
+            nestplane_render::KubeVersion,
+            nestplane_render::KubeVersion,
+        )>,
+    ),
+    /// Refused: (reason, message). Components that run keep their version; none starts.
+    Refused(&'static str, String),
 }
 
 #[cfg(test)]
@@ -763,5 +885,125 @@ mod tests {
         let fine = ncp(serde_json::json!({"name": "x",
             "annotations": {"nestplane.io/cluster-name": "x"}}));
         assert_eq!(name_problem(&fine), None);
+    }
+    /// A tenant asking for `asked` whose components run `running` (none: not started).
+    fn running(asked: &str, running: [Option<&str>; 4]) -> Tenant {
+        let mut n = ncp(serde_json::json!({"name": "t", "namespace": "default"}));
+        n.spec.version = Some(asked.into());
+        fn part<K: serde::de::DeserializeOwned>(kind: &str, v: Option<&str>) -> Lookup<K> {
+            Lookup::Found(
+                serde_json::from_value(serde_json::json!({
+                    "apiVersion": "controlplane.cluster.x-k8s.io/v1alpha1",
+                    "kind": kind,
+                    "metadata": {"name": "t-part", "namespace": "default"},
+                    "spec": {},
+                    "status": {"ready": v.is_some(), "version": v},
+                }))
+                .expect("component"),
+            )
+        }
+        Tenant {
+            ncp: n,
+            etcd: part("NestedEtcd", running[0]),
+            apiserver: part("NestedAPIServer", running[1]),
+            controller_manager: part("NestedControllerManager", running[2]),
+            scheduler: part("NestedScheduler", running[3]),
+            cluster_paused: false,
+            external_etcd: None,
+            owner: None,
+            etcd_compacts_itself: false,
+            etcd_quota_backend_bytes: None,
+        }
+    }
+
+    /// Only 1.20.2 and 1.20.5 can run, as on a machine with those binaries.
+    fn here(c: Component, v: &nestplane_render::KubeVersion) -> Result<(), String> {
+        let ok = v.minor == 20 && [2, 5].contains(&v.patch);
+        ok.then_some(())
+            .ok_or(format!("no {} binary for {v}", c.binary()))
+    }
+
+    #[test]
+    fn a_version_change_moves_all_or_nothing() {
+        let all = Component::ALL;
+        let at = |v| [Some(v); 4];
+        // Nothing to change.
+        assert_eq!(
+            running("v1.20.2", at("v1.20.2")).version_change(&all, here),
+            VersionChange::None
+        );
+        // A patch up, available for every component: they move.
+        match running("v1.20.5", at("v1.20.2")).version_change(&all, here) {
+            VersionChange::Moving(m) => assert_eq!(m.len(), 4, "{m:?}"),
+            other => panic!("{other:?}"),
+        }
+        // A patch with no binaries: refused as a whole, naming what is missing.
+        let VersionChange::Refused(reason, msg) =
+            running("v1.20.9", at("v1.20.2")).version_change(&all, here)
+        else {
+            panic!("unavailable accepted")
+        };
+        assert_eq!(reason, "VersionUnavailable");
+        assert!(msg.contains("etcd") && msg.contains("v1.20.9"), "{msg}");
+        // A minor down: refused, whatever is available.
+        let VersionChange::Refused(reason, msg) =
+            running("v1.20.2", at("v1.21.0")).version_change(&all, here)
+        else {
+            panic!("downgrade accepted")
+        };
+        assert_eq!(reason, "DowngradeRefused");
+        assert!(msg.contains("never goes down"), "{msg}");
+        // Two minors up at once: refused, naming the step to take first.
+        let VersionChange::Refused(reason, msg) =
+            running("v1.22.0", at("v1.20.2")).version_change(&all, here)
+        else {
+            panic!("skip accepted")
+        };
+        assert_eq!(reason, "MinorSkipRefused");
+        assert!(
+            msg.contains("1.21, 1.22") && msg.contains("set a 1.21"),
+            "{msg}"
+        );
+        // A new tenant whose version cannot run: refused before anything starts.
+        assert!(matches!(
+            running("v1.33.0", [None; 4]).version_change(&all, here),
+            VersionChange::Refused("VersionUnavailable", _)
+        ));
+        // etcd reported the paired version of a change the API server never reached (its
+        // etcd was the same): going back is no downgrade of anything.
+        match running(
+            "v1.20.2",
+            [
+                Some("v1.21.4"),
+                Some("v1.20.2"),
+                Some("v1.20.2"),
+                Some("v1.20.2"),
+            ],
+        )
+        .version_change(&all, |_, _| Ok(()))
+        {
+            VersionChange::Moving(m) => assert_eq!(m.len(), 1, "{m:?}"),
+            other => panic!("{other:?}"),
+        }
+        // etcd 3.5 (paired with 1.22) does not go back to 3.4.
+        assert!(matches!(
+            running("v1.21.0", [Some("v1.22.0"), Some("v1.21.0"), Some("v1.21.0"), Some("v1.21.0")])
+                .version_change(&all, |_, _| Ok(())),
+            VersionChange::Refused("DowngradeRefused", m) if m.contains("etcd 3.5.0-0")
+        ));
+        // A part this operator does not run is not judged.
+        assert_eq!(
+            running(
+                "v1.20.2",
+                [
+                    Some("v1.21.0"),
+                    Some("v1.20.2"),
+                    Some("v1.20.2"),
+                    Some("v1.20.2")
+                ]
+            )
+            .version_change(&all[1..], here),
+            VersionChange::None
+        );
     }
 }
