@@ -35,6 +35,8 @@ mod version;
 pub mod workload;
 
 #[cfg(test)]
+mod golden;
+#[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod workload_tests;
