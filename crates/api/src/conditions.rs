@@ -41,6 +41,8 @@ pub mod reasons {
     pub const DOWNGRADE_REFUSED: &str = "DowngradeRefused";
     /// A version change of more than one minor at once was refused.
     pub const MINOR_SKIP_REFUSED: &str = "MinorSkipRefused";
+    /// A component's version would break the version skew policy with its API server.
+    pub const UNSUPPORTED_SKEW: &str = "UnsupportedSkew";
     /// A control plane's components are moving to a new version.
     pub const UPGRADING: &str = "Upgrading";
     /// A referenced object does not exist.

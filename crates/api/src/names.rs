@@ -11,6 +11,11 @@ pub const CLUSTER_NAME_LABEL: &str = "cluster.x-k8s.io/cluster-name";
 /// it is first provisioned (so a Cluster owner reference that arrives later renames nothing).
 pub const CLUSTER_IDENTITY_ANNOTATION: &str = "nestplane.io/cluster-name";
 
+/// Annotation on a component object recording the version nestplane last rendered it at,
+/// once it changes the version of a component that ran: a refused change keeps what was
+/// rendered (which may be ahead of the last version that became Ready).
+pub const RENDERED_VERSION_ANNOTATION: &str = "nestplane.io/rendered-version";
+
 /// The API group of Cluster API's `Cluster`.
 pub const CLUSTER_API_GROUP: &str = "cluster.x-k8s.io";
 /// Cluster API's annotation for objects some other system manages. On a component object

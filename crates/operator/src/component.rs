@@ -345,6 +345,18 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<O
         Gate::Proceed { version, patches } => (version, patches),
         Gate::Stop(out) => return Ok(*out),
     };
+    // A component that ran is about to be rendered at another version: recorded first, so
+    // that a change refused later keeps this one rather than going back.
+    if t.running_version(c).is_some()
+        && t.rendered_version(c) != Some(version)
+        && let Some(name) = t.meta_of(c).and_then(|m| m.name.clone())
+    {
+        let api: Api<K> = Api::namespaced(ctx.client.clone(), &t.namespace());
+        let patch = serde_json::json!({"metadata": {"annotations": {
+            nestplane_api::names::RENDERED_VERSION_ANNOTATION: version.to_string()}}});
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+    }
     let replaced = std::sync::Mutex::new(Vec::new());
     let seen = ctx
         .runtime
@@ -372,15 +384,27 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<O
     Ok(judge(ctx, t, c, key, version, seen))
 }
 
-/// The components whose versions this operator moves for tenant `t` (a shared datastore's
-/// etcd and components another controller runs are not its to move).
-pub(crate) fn version_parts(ctx: &Context, t: &Tenant) -> Vec<Component> {
-    Component::ALL
+/// A tenant's version change as this operator judges it: every component object of the
+/// tenant (a shared datastore's etcd is not the tenant's), whoever runs it; whether it can run
+/// a version here is asked only of the components this operator runs.
+pub(crate) fn version_change(ctx: &Context, t: &Tenant) -> crate::tenant::VersionChange {
+    let parts: Vec<Component> = Component::ALL
         .into_iter()
-        .filter(|&d| ctx.runs_here(t, d))
         .filter(|&d| d != Component::Etcd || t.ncp.spec.datastore_ref.is_none())
-        .collect()
+        .filter(|&d| t.meta_of(d).is_some())
+        .collect();
+    t.version_change(&parts, |d, v| {
+        if ctx.runs_here(t, d) {
+            ctx.runtime.can_run(d, v).map_err(|e| e.to_string())
+        } else {
+            Ok(())
+        }
+    })
 }
+
+/// How soon a component that a refused version change keeps from starting is looked at again
+/// (a change of the spec brings it back at once).
+const REFUSED_RECHECK: std::time::Duration = std::time::Duration::from_secs(30);
 
 enum Gate {
     Proceed {
@@ -412,8 +436,8 @@ fn gate(ctx: &Context, t: &Tenant, c: Component, key: &str) -> Result<Gate, Erro
     }
     let version = match (t.version(c), t.running_version(c)) {
         (Ok(v), _) => v,
-        // What runs keeps its version; its control plane's `Upgrading` says why.
-        (Err(_), Some(running)) => running,
+        // What runs keeps what was rendered; its control plane's `Upgrading` says why.
+        (Err(_), Some(running)) => t.rendered_version(c).unwrap_or(running),
         (Err((reason, msg)), None) => {
             let reason = if reason == reasons::INVALID_SPEC {
                 reasons::INVALID_SPEC
@@ -431,20 +455,14 @@ fn gate(ctx: &Context, t: &Tenant, c: Component, key: &str) -> Result<Gate, Erro
     }
     // A version change is judged for the whole control plane before anything moves: when it
     // is refused, what runs keeps its version (its control plane says why) and nothing starts.
-    let version = match t.version_change(&version_parts(ctx, t), |d, v| {
-        ctx.runtime.can_run(d, v).map_err(|e| e.to_string())
-    }) {
-        crate::tenant::VersionChange::Refused(reason, msg) => match t.running_version(c) {
-            Some(running) => running,
+    let version = match version_change(ctx, t) {
+        // What was rendered is kept (it may be ahead of the last version that became Ready).
+        crate::tenant::VersionChange::Refused(reason, msg) => match t.rendered_version(c) {
+            Some(rendered) => rendered,
             None => {
                 // Its own missing binary is said first (the message names it).
                 ctx.runtime.can_run(c, &version)?;
-                return stop(
-                    reason,
-                    msg,
-                    Some(ctx.pacing.error(key)),
-                    Some(EventType::Warning),
-                );
+                return stop(reason, msg, Some(REFUSED_RECHECK), Some(EventType::Warning));
             }
         },
         _ => version,

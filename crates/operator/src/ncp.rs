@@ -279,9 +279,7 @@ fn upgrading_condition(
     tenant: &Tenant,
 ) -> Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
     use crate::tenant::VersionChange;
-    match tenant.version_change(&crate::component::version_parts(ctx, tenant), |d, v| {
-        ctx.runtime.can_run(d, v).map_err(|e| e.to_string())
-    }) {
+    match crate::component::version_change(ctx, tenant) {
         VersionChange::None => None,
         // Nothing runs yet: the components themselves say why they do not start.
         VersionChange::Refused(..)

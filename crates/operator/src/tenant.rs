@@ -496,6 +496,19 @@ impl Tenant {
         }
     }
 
+    /// The object metadata of `c`, when found.
+    pub fn meta_of(
+        &self,
+        c: Component,
+    ) -> Option<&k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta> {
+        match c {
+            Component::Etcd => self.etcd.found().map(|k| k.meta()),
+            Component::ApiServer => self.apiserver.found().map(|k| k.meta()),
+            Component::ControllerManager => self.controller_manager.found().map(|k| k.meta()),
+            Component::Scheduler => self.scheduler.found().map(|k| k.meta()),
+        }
+    }
+
     /// The status of `c`, when found and written.
     pub fn status_of(&self, c: Component) -> Option<&ComponentStatus> {
         match c {
@@ -660,6 +673,16 @@ impl Tenant {
             .and_then(|v| nestplane_render::KubeVersion::parse(v).ok())
     }
 
+    /// The version `c` was last rendered at: its [`names::RENDERED_VERSION_ANNOTATION`],
+    /// else the version it runs. What a refused change keeps.
+    pub fn rendered_version(&self, c: Component) -> Option<nestplane_render::KubeVersion> {
+        self.meta_of(c)
+            .and_then(|m| m.annotations.as_ref())
+            .and_then(|a| a.get(names::RENDERED_VERSION_ANNOTATION))
+            .and_then(|v| nestplane_render::KubeVersion::parse(v).ok())
+            .or_else(|| self.running_version(c))
+    }
+
     /// The control plane's version change, judged as a whole before any component moves
     /// ([`VersionChange`]). `parts` are the components this operator runs for the tenant;
     /// `can_run` says why a component cannot run a version here.
@@ -669,13 +692,17 @@ impl Tenant {
         can_run: impl Fn(Component, &nestplane_render::KubeVersion) -> Result<(), String>,
     ) -> VersionChange {
         use nestplane_api::conditions::reasons;
+        use nestplane_render::upgrade::{Part, skew};
+        let nothing_runs = parts.iter().all(|&c| self.running_version(c).is_none());
         let mut moves = Vec::new();
+        let mut wants = Vec::new();
         let mut unavailable = None;
         for &c in parts {
+            let running = self.running_version(c);
             let want = match self.version(c) {
                 Ok(v) => v,
                 // What runs keeps running its version; a new component reports it itself.
-                Err((reason, msg)) if self.running_version(c).is_some() => {
+                Err((reason, msg)) if running.is_some() => {
                     let reason = if reason == reasons::INVALID_SPEC {
                         reasons::INVALID_SPEC
                     } else {
@@ -685,16 +712,42 @@ impl Tenant {
                 }
                 Err(_) => continue,
             };
-            if let Some(from) = self.running_version(c).filter(|r| *r != want) {
+            wants.push((c, want));
+            if let Some(from) = running.filter(|r| *r != want) {
                 if let Some(refused) = version_step_refused(c, from, want) {
                     return refused;
                 }
                 moves.push((c, from, want));
             }
+            // A component that never ran, beside others that run, says so itself and holds
+            // nobody else's change; before anything runs, nothing starts unless all can.
             if unavailable.is_none()
+                && (running.is_some() || nothing_runs)
                 && let Err(e) = can_run(c, &want)
             {
                 unavailable = Some(e);
+            }
+        }
+        // The controller manager and the scheduler never pass the API server, nor lag it by
+        // more than a minor (measured against where the API server is going).
+        let apiserver = wants
+            .iter()
+            .find(|(c, _)| *c == Component::ApiServer)
+            .map(|(_, v)| *v)
+            .or_else(|| self.running_version(Component::ApiServer));
+        if let Some(api) = apiserver {
+            for (c, want) in &wants {
+                let part = match c {
+                    Component::ControllerManager => Part::ControllerManager,
+                    Component::Scheduler => Part::Scheduler,
+                    _ => continue,
+                };
+                if let Err(e) = skew(part, *want, api) {
+                    return VersionChange::Refused(
+                        reasons::UNSUPPORTED_SKEW,
+                        format!("{}: {e}", kind_of(*c)),
+                    );
+                }
             }
         }
         match (unavailable, moves.is_empty()) {
@@ -991,6 +1044,48 @@ mod tests {
                 .version_change(&all, |_, _| Ok(())),
             VersionChange::Refused("DowngradeRefused", m) if m.contains("etcd 3.5.0-0")
         ));
+        // The controller manager never passes the API server.
+        let mut t = running("v1.20.2", at("v1.20.2"));
+        if let Lookup::Found(cm) = &mut t.controller_manager {
+            cm.spec.component.version = Some("v1.21.0".into());
+        }
+        assert!(matches!(
+            t.version_change(&all, |_, _| Ok(())),
+            VersionChange::Refused("UnsupportedSkew", m) if m.contains("newer than the API server")
+        ));
+        // A new component that cannot run (beside ones that run) says so itself and holds
+        // nobody else's change.
+        let mut t = running(
+            "v1.20.5",
+            [Some("v1.20.2"), Some("v1.20.2"), Some("v1.20.2"), None],
+        );
+        if let Lookup::Found(s) = &mut t.scheduler {
+            s.spec.component.version = Some("v1.20.9".into());
+        }
+        match t.version_change(&all, here) {
+            VersionChange::Moving(m) => assert_eq!(m.len(), 3, "{m:?}"),
+            other => panic!("{other:?}"),
+        }
+        // What a refused change keeps is what was last rendered, which may be ahead of the
+        // version that last became Ready.
+        let mut t = running("v1.22.0", at("v1.20.2"));
+        if let Lookup::Found(a) = &mut t.apiserver {
+            a.metadata.annotations = Some(
+                [(
+                    names::RENDERED_VERSION_ANNOTATION.to_string(),
+                    "v1.21.0".to_string(),
+                )]
+                .into(),
+            );
+        }
+        assert_eq!(
+            t.rendered_version(Component::ApiServer),
+            Some(nestplane_render::KubeVersion::new(1, 21, 0))
+        );
+        assert_eq!(
+            t.rendered_version(Component::Etcd),
+            Some(nestplane_render::KubeVersion::new(1, 20, 2))
+        );
         // A part this operator does not run is not judged.
         assert_eq!(
             running(

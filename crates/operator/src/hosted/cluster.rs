@@ -835,7 +835,11 @@ pub fn version_status(
                 completion_time: None,
             },
         );
+        // Ten entries, and always the newest one reached (node pools follow it).
+        let reached = v.history.iter().position(|h| h.state == "Completed");
+        let kept = reached.filter(|&i| i >= 10).map(|i| v.history[i].clone());
         v.history.truncate(10);
+        v.history.extend(kept);
     }
     if reached
         && let Some(h) = v.history.first_mut()
@@ -964,6 +968,24 @@ fn deleting<T>(result: Result<T, kube::Error>, kind: &str, name: &str) {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_history_keeps_the_newest_version_reached_however_many_were_asked_for() {
+        let now = Timestamp::now();
+        let mut v = version_status(None, "v1.20.2", true, Some(1), now);
+        for patch in 3..20 {
+            v = version_status(Some(v), &format!("v1.20.{patch}"), false, Some(2), now);
+        }
+        assert_eq!(v.history.len(), 11);
+        assert_eq!(v.history[0].version, "v1.20.19");
+        let reached = v.history.iter().find(|h| h.state == "Completed").unwrap();
+        assert_eq!(reached.version, "v1.20.2");
+        // Once reached, the newest is the one.
+        let v = version_status(Some(v), "v1.20.19", true, Some(3), now);
+        assert_eq!(v.history[0].state, "Completed");
+        let v = version_status(Some(v), "v1.20.20", false, Some(4), now);
+        assert_eq!(v.history.len(), 10);
+    }
 
     #[test]
     fn a_hosted_cluster_says_what_its_control_plane_says() {

@@ -220,6 +220,7 @@ pub fn reached_version(hc: &HostedCluster) -> Option<String> {
 /// been asked for a version and not reached it, so that kubelets are never replaced before
 /// the API server they must not outrun (`reached`: [`reached_version`]; `None` before the
 /// control plane reached any, when no node exists yet and the pool waits for it anyway).
+/// Meanwhile nodes are made at the reached version.
 pub fn nodes_may_move(version: &str, reached: Option<&str>) -> Result<(), String> {
     let Some(reached) = reached else {
         return Ok(());

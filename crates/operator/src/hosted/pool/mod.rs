@@ -173,7 +173,7 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<HostedContext>) -> Result<A
             .stop(Halt::warn("HostedClusterNotFound", missing).again(Duration::from_secs(30)))
             .await;
     };
-    let version = match admit(&mut pass, &hc).await.at("admit")? {
+    let (version, held) = match admit(&mut pass, &hc).await.at("admit")? {
         Ok(v) => v,
         Err(halt) => return pass.stop(halt).await,
     };
@@ -208,12 +208,18 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<HostedContext>) -> Result<A
         Ok(l) => l,
         Err(halt) => return pass.stop(halt).await,
     };
-    report(pass, runtime, &listed, &spec).await.at("status")
+    report(pass, runtime, &listed, &spec, held)
+        .await
+        .at("status")
 }
 
-/// Whether the pool may have nodes now; returns their version. Sets `SupportedVersionSkew`
-/// and `PodSecurity`.
-async fn admit(pass: &mut Pass<'_>, hc: &HostedCluster) -> Result<Step<String>, Error> {
+/// Whether the pool may have nodes now; returns their version now, and why it is not yet the
+/// pool's own (the control plane has not reached it). Sets `SupportedVersionSkew` and
+/// `PodSecurity`.
+async fn admit(
+    pass: &mut Pass<'_>,
+    hc: &HostedCluster,
+) -> Result<Step<(String, Option<String>)>, Error> {
     let pool = pass.pool;
     let ns = pool.namespace().unwrap_or_default();
     if let Err(msg) = plan::validate_pool(pool) {
@@ -241,14 +247,16 @@ async fn admit(pass: &mut Pass<'_>, hc: &HostedCluster) -> Result<Step<String>, 
         "AsExpected",
         "",
     ));
-    // The control plane first: nodes keep their version until it has reached theirs.
-    if let Err(msg) =
-        super::plan::nodes_may_move(&version, super::plan::reached_version(hc).as_deref())
-    {
-        return Ok(Err(
-            Halt::wait("WaitingForControlPlane", msg).again(Duration::from_secs(10))
-        ));
-    }
+    // The control plane first: nodes are made at the version it has reached until it has
+    // reached the pool's (scaling and replacing unhealthy nodes go on meanwhile).
+    let reached = super::plan::reached_version(hc);
+    let (version, held) = match (
+        super::plan::nodes_may_move(&version, reached.as_deref()),
+        reached,
+    ) {
+        (Err(msg), Some(reached)) => (reached, Some(msg)),
+        _ => (version, None),
+    };
     let level = pool.spec.pod_security.unwrap_or_default();
     if level == PodSecurityLevel::Privileged && !privileged_allowed(pass.ctx, &ns).await? {
         let why = format!(
@@ -273,7 +281,7 @@ async fn admit(pass: &mut Pass<'_>, hc: &HostedCluster) -> Result<Step<String>, 
             "paused (pausedUntil)".into(),
         )
         .again(Duration::from_secs(30)))),
-        Ok(None) => Ok(Ok(version)),
+        Ok(None) => Ok(Ok((version, held))),
     }
 }
 
@@ -528,6 +536,7 @@ async fn report(
     runtime: &dyn NodeRuntime,
     listed: &[KubeNode],
     spec: &NodeSpec,
+    held: Option<String>,
 ) -> Result<Action, Error> {
     let hash = spec.hash();
     let infos: Vec<NodeInfo> = runtime
@@ -550,6 +559,14 @@ async fn report(
     }
     for c in r.conditions {
         pass.set(c);
+    }
+    if let Some(why) = held {
+        pass.set(conditions::new(
+            types::UPDATING_VERSION,
+            false,
+            "WaitingForControlPlane",
+            why,
+        ));
     }
     let before = pass.pool.status.as_ref().map(|s| &s.conditions[..]);
     let was_ready = conditions::is_true(before.unwrap_or_default(), types::READY);
