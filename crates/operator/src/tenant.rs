@@ -675,12 +675,16 @@ impl Tenant {
 
     /// The version `c` was last rendered at: its [`names::RENDERED_VERSION_ANNOTATION`],
     /// else the version it runs. What a refused change keeps.
+    /// The annotation is a namespace user's to edit: it is believed only where it names a
+    /// version the running one may step to (so it can never carry a refused move).
     pub fn rendered_version(&self, c: Component) -> Option<nestplane_render::KubeVersion> {
+        let running = self.running_version(c)?;
         self.meta_of(c)
             .and_then(|m| m.annotations.as_ref())
             .and_then(|a| a.get(names::RENDERED_VERSION_ANNOTATION))
             .and_then(|v| nestplane_render::KubeVersion::parse(v).ok())
-            .or_else(|| self.running_version(c))
+            .filter(|r| version_step_refused(c, running, *r).is_none())
+            .or(Some(running))
     }
 
     /// The control plane's version change, judged as a whole before any component moves
@@ -712,7 +716,10 @@ impl Tenant {
                 }
                 Err(_) => continue,
             };
-            wants.push((c, want));
+            // A new component beside others that run is judged when it runs.
+            if running.is_some() || nothing_runs {
+                wants.push((c, want));
+            }
             if let Some(from) = running.filter(|r| *r != want) {
                 if let Some(refused) = version_step_refused(c, from, want) {
                     return refused;
@@ -1066,6 +1073,21 @@ mod tests {
             VersionChange::Moving(m) => assert_eq!(m.len(), 3, "{m:?}"),
             other => panic!("{other:?}"),
         }
+        // An annotation naming a move the rules refuse is not believed.
+        let mut t = running("v1.22.0", at("v1.20.2"));
+        if let Lookup::Found(a) = &mut t.apiserver {
+            a.metadata.annotations = Some(
+                [(
+                    names::RENDERED_VERSION_ANNOTATION.to_string(),
+                    "v1.34.0".to_string(),
+                )]
+                .into(),
+            );
+        }
+        assert_eq!(
+            t.rendered_version(Component::ApiServer),
+            Some(nestplane_render::KubeVersion::new(1, 20, 2))
+        );
         // What a refused change keeps is what was last rendered, which may be ahead of the
         // version that last became Ready.
         let mut t = running("v1.22.0", at("v1.20.2"));

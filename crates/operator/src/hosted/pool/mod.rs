@@ -247,14 +247,22 @@ async fn admit(
         "AsExpected",
         "",
     ));
-    // The control plane first: nodes are made at the version it has reached until it has
-    // reached the pool's (scaling and replacing unhealthy nodes go on meanwhile).
+    // The control plane first: until it has reached the pool's version, nodes are made at the
+    // version the pool reached last (else the control plane's), so nothing is replaced twice;
+    // scaling and replacing unhealthy nodes go on meanwhile.
     let reached = super::plan::reached_version(hc);
     let (version, held) = match (
         super::plan::nodes_may_move(&version, reached.as_deref()),
         reached,
     ) {
-        (Err(msg), Some(reached)) => (reached, Some(msg)),
+        (Err(msg), Some(reached)) => {
+            let nodes_at = pool
+                .status
+                .as_ref()
+                .and_then(|s| s.version.clone())
+                .filter(|v| super::plan::nodes_may_move(v, Some(&reached)).is_ok());
+            (nodes_at.unwrap_or(reached), Some(msg))
+        }
         _ => (version, None),
     };
     let level = pool.spec.pod_security.unwrap_or_default();
