@@ -404,22 +404,27 @@ async fn bad_input_gets_conditions_and_events_and_others_keep_working() {
     let before = pids(&env);
     assert!(before.iter().all(Option::is_some), "{before:?}");
     let good_kc = env.tenant_kubeconfig("default", "good").await;
+    let set_version = |version: &str| {
+        let patch = format!("{{\"spec\":{{\"version\":\"{version}\"}}}}");
+        kubectl_ok(&kc, &["patch", "ncp", "good", "--type=merge", "-p", &patch]);
+    };
+    // The attack: the namespace user writes the rendered-version annotation, naming a version
+    // two minors ahead, to carry the refused changes below through the gate.
+    kubectl_ok(
+        &kc,
+        &[
+            "annotate",
+            "nestedapiserver",
+            "good-apiserver",
+            "nestplane.io/rendered-version=v1.22.0",
+        ],
+    );
     for (version, reason, says) in [
         ("v1.22.0", "MinorSkipRefused", "set a 1.21 version first"),
         ("v1.20.9", "VersionUnavailable", "v1.20.9"),
         ("v1.19.0", "VersionUnavailable", "v1.19.0"),
     ] {
-        kubectl_ok(
-            &kc,
-            &[
-                "patch",
-                "ncp",
-                "good",
-                "--type=merge",
-                "-p",
-                &format!("{{\"spec\":{{\"version\":\"{version}\"}}}}"),
-            ],
-        );
+        set_version(version);
         let got = eventually(
             &format!("good refuses {version}"),
             Duration::from_secs(30),
@@ -477,17 +482,7 @@ async fn bad_input_gets_conditions_and_events_and_others_keep_working() {
         assert_eq!(available, "True", "good with {version} asked for");
     }
     // Asked for what runs again: nothing pending, nothing moved.
-    kubectl_ok(
-        &kc,
-        &[
-            "patch",
-            "ncp",
-            "good",
-            "--type=merge",
-            "-p",
-            r#"{"spec":{"version":"v1.20.2"}}"#,
-        ],
-    );
+    set_version("v1.20.2");
     eventually("Upgrading is gone", Duration::from_secs(30), || {
         condition("ncp", "good", "Upgrading").eq("|").then_some(())
     });

@@ -1073,33 +1073,27 @@ mod tests {
             VersionChange::Moving(m) => assert_eq!(m.len(), 3, "{m:?}"),
             other => panic!("{other:?}"),
         }
+        let annotated = |rendered: &str| {
+            let mut t = running("v1.22.0", at("v1.20.2"));
+            if let Lookup::Found(a) = &mut t.apiserver {
+                a.metadata.annotations = Some(
+                    [(
+                        names::RENDERED_VERSION_ANNOTATION.to_string(),
+                        rendered.to_string(),
+                    )]
+                    .into(),
+                );
+            }
+            t
+        };
         // An annotation naming a move the rules refuse is not believed.
-        let mut t = running("v1.22.0", at("v1.20.2"));
-        if let Lookup::Found(a) = &mut t.apiserver {
-            a.metadata.annotations = Some(
-                [(
-                    names::RENDERED_VERSION_ANNOTATION.to_string(),
-                    "v1.34.0".to_string(),
-                )]
-                .into(),
-            );
-        }
         assert_eq!(
-            t.rendered_version(Component::ApiServer),
+            annotated("v1.34.0").rendered_version(Component::ApiServer),
             Some(nestplane_render::KubeVersion::new(1, 20, 2))
         );
         // What a refused change keeps is what was last rendered, which may be ahead of the
         // version that last became Ready.
-        let mut t = running("v1.22.0", at("v1.20.2"));
-        if let Lookup::Found(a) = &mut t.apiserver {
-            a.metadata.annotations = Some(
-                [(
-                    names::RENDERED_VERSION_ANNOTATION.to_string(),
-                    "v1.21.0".to_string(),
-                )]
-                .into(),
-            );
-        }
+        let t = annotated("v1.21.0");
         assert_eq!(
             t.rendered_version(Component::ApiServer),
             Some(nestplane_render::KubeVersion::new(1, 21, 0))
