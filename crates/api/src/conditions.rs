@@ -45,6 +45,10 @@ pub mod reasons {
     pub const UNSUPPORTED_SKEW: &str = "UnsupportedSkew";
     /// A control plane's components are moving to a new version.
     pub const UPGRADING: &str = "Upgrading";
+    /// A version change's step was reached by every part (an Event's reason).
+    pub const UPGRADE_STEP_REACHED: &str = "UpgradeStepReached";
+    /// Every part of a control plane runs the version asked for (an Event's reason).
+    pub const UPGRADE_COMPLETED: &str = "UpgradeCompleted";
     /// A referenced object does not exist.
     pub const REFERENCE_NOT_FOUND: &str = "ReferenceNotFound";
     /// Paused by annotation or by the Cluster.

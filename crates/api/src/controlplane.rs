@@ -474,4 +474,30 @@ pub struct NestedControlPlaneStatus {
     /// edit of the `nestplane.io/cluster-name` annotation is refused (`InvalidSpec`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cluster_name: Option<String>,
+    /// The last version change of the control plane: the one in progress, refused, or done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upgrade: Option<UpgradeStatus>,
+}
+
+/// `status.upgrade`: a version change as a plan of steps (one per minor), carried out in
+/// order: etcd, then the API servers one replica at a time, then the controller manager and
+/// the scheduler.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct UpgradeStatus {
+    /// The version the control plane ran when the change began (its oldest part's).
+    pub from: String,
+    /// The version asked for.
+    pub to: String,
+    /// The versions gone through, one per minor, the last being `to`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<String>,
+    /// The step being carried out (absent once completed or refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_step: Option<String>,
+    /// `Progressing`, `Completed`, or `Refused` (what runs keeps its version).
+    pub phase: String,
+    /// What happens now, or why the change was refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
 }

@@ -579,3 +579,140 @@ async fn operator_killed_mid_creation_converges_with_the_same_ca() {
     );
     op.kill();
 }
+
+/// Register `version` as a second patch of Kubernetes backed by this machine's 1.20.2
+/// binaries (only 1.20.2 is built here): a bin directory with everything of
+/// `$NESTPLANE_BIN_DIR` and a `version/` directory of the three server binaries, made this
+/// process's `NESTPLANE_BIN_DIR`. Called first thing in a test (nextest runs each test in its
+/// own process), before anything reads the environment.
+fn register_patch(version: &str) -> tempfile::TempDir {
+    use std::os::unix::fs::{PermissionsExt, symlink};
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let real = std::env::var_os("NESTPLANE_BIN_DIR")
+        .map(std::path::PathBuf::from)
+        .expect("NESTPLANE_BIN_DIR (run scripts/install-deps.sh; scripts/test.sh sets it)");
+    for entry in std::fs::read_dir(&real).unwrap().flatten() {
+        symlink(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    let versioned = dir.path().join(version);
+    std::fs::create_dir(&versioned).unwrap();
+    for name in [
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+    ] {
+        let binary = nestplane_runtime::binaries::kubernetes(name, "v1.20.2")
+            .unwrap_or_else(|e| panic!("{e}"));
+        symlink(binary, versioned.join(name)).unwrap();
+    }
+    // SAFETY: the test has not started anything that reads the environment yet.
+    #[allow(unsafe_code)]
+    unsafe {
+        std::env::set_var("NESTPLANE_BIN_DIR", dir.path());
+    }
+    dir
+}
+
+/// When process `pid` started, in clock ticks since boot (`/proc/PID/stat`'s 22nd field).
+fn started(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+    after_name.split(' ').nth(19).unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_moves_the_parts_in_order_and_reports_its_steps() {
+    let _bin = register_patch("v1.20.3");
+    let env = Env::start(true).await;
+    env.apply("apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata:\n  name: up\n  namespace: default\nspec:\n  version: v1.20.2\n  replicas: 2\n");
+    env.wait_ready("default", "up", READY).await;
+    let kc = env.kubeconfig().to_path_buf();
+    let upgrading = || {
+        jsonpath(
+            &kc,
+            &["ncp", "up"],
+            "{.status.conditions[?(@.type==\"Upgrading\")].status}|{.status.conditions[?(@.type==\"Upgrading\")].reason}|{.status.conditions[?(@.type==\"Upgrading\")].message}",
+        )
+    };
+    let pid = |part: &str, i: usize| env.pid("default", "up", part, i).expect(part);
+    let parts = [
+        ("etcd", 0),
+        ("apiserver", 0),
+        ("apiserver", 1),
+        ("controller-manager", 0),
+        ("scheduler", 0),
+    ];
+    let before: Vec<u32> = parts.iter().map(|(p, i)| pid(p, *i)).collect();
+
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "ncp",
+            "up",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"version":"v1.20.3"}}"#,
+        ],
+    );
+    // While it moves, the control plane says so, and what waits says for what.
+    let moving = eventually("Upgrading=True", Duration::from_secs(30), || {
+        let c = upgrading();
+        c.starts_with("True|Upgrading|").then_some(c)
+    });
+    assert!(moving.contains("step 1 of 1 (v1.20.3)"), "{moving}");
+    let done = eventually("the upgrade completes", Duration::from_secs(180), || {
+        let got = jsonpath(
+            &kc,
+            &["ncp", "up"],
+            "{.status.upgrade.phase}|{.status.upgrade.from}|{.status.upgrade.to}|{.status.upgrade.steps}",
+        );
+        got.starts_with("Completed|").then_some(got)
+    });
+    assert_eq!(done, r#"Completed|v1.20.2|v1.20.3|["v1.20.3"]"#);
+    for (kind, part) in [
+        ("nestedetcd", "etcd"),
+        ("nestedapiserver", "apiserver"),
+        ("nestedcontrollermanager", "controller-manager"),
+        ("nestedscheduler", "scheduler"),
+    ] {
+        let got = jsonpath(
+            &kc,
+            &[kind, &format!("up-{part}")],
+            "{.status.ready}/{.status.version}",
+        );
+        assert_eq!(got, "true/v1.20.3", "{kind}");
+    }
+    assert_eq!(upgrading(), "||", "Upgrading is gone once done");
+    assert_eq!(
+        jsonpath(&kc, &["ncp", "up"], "{.status.version}"),
+        "v1.20.3"
+    );
+    eventually("an UpgradeCompleted Event", Duration::from_secs(30), || {
+        events_for(&kc, "default", "up")
+            .contains("Normal UpgradeCompleted")
+            .then_some(())
+    });
+
+    // The order, from the processes themselves. etcd's pairing is the same for a patch, so
+    // it keeps running; each API server replica is replaced in turn; the controller manager
+    // and the scheduler start only after the last API server replica did.
+    let after: Vec<u32> = parts.iter().map(|(p, i)| pid(p, *i)).collect();
+    assert_eq!(
+        after[0], before[0],
+        "etcd restarted for a patch of Kubernetes"
+    );
+    for (i, (part, n)) in parts.iter().enumerate().skip(1) {
+        assert_ne!(after[i], before[i], "{part}-{n} was not replaced");
+    }
+    let t: Vec<u64> = after.iter().map(|p| started(*p)).collect();
+    assert!(t[1] < t[2], "API server replica 0 first: {t:?}");
+    assert!(
+        t[3] > t[2] && t[4] > t[2],
+        "the controller manager and scheduler after every API server: {t:?}"
+    );
+    // The tenant answers.
+    let tkc = env.tenant_kubeconfig("default", "up").await;
+    kubectl_ok(&tkc, &["get", "ns", "default"]);
+}

@@ -393,13 +393,17 @@ pub(crate) fn version_change(ctx: &Context, t: &Tenant) -> crate::tenant::Versio
         .filter(|&d| d != Component::Etcd || t.ncp.spec.datastore_ref.is_none())
         .filter(|&d| t.meta_of(d).is_some())
         .collect();
-    t.version_change(&parts, |d, v| {
-        if ctx.runs_here(t, d) {
-            ctx.runtime.can_run(d, v).map_err(|e| e.to_string())
-        } else {
-            Ok(())
-        }
-    })
+    t.version_change(
+        &parts,
+        |d, v| {
+            if ctx.runs_here(t, d) {
+                ctx.runtime.can_run(d, v).map_err(|e| e.to_string())
+            } else {
+                Ok(())
+            }
+        },
+        |minor| ctx.runtime.newest_patch(minor),
+    )
 }
 
 /// How soon a component that a refused version change keeps from starting is looked at again
@@ -465,7 +469,25 @@ fn gate(ctx: &Context, t: &Tenant, c: Component, key: &str) -> Result<Gate, Erro
                 return stop(reason, msg, Some(REFUSED_RECHECK), Some(EventType::Warning));
             }
         },
-        _ => version,
+        // Accepted: the parts move in order, each to its version of the step under way once
+        // what it depends on runs its own, Ready (etcd, then the API servers, then the
+        // controller manager and the scheduler); until then it keeps what it was rendered at.
+        crate::tenant::VersionChange::Moving(plan) => match plan.step_version(c) {
+            Some(step) => match (t.held_by(&plan, c), t.rendered_version(c)) {
+                (None, _) => step,
+                (Some(_), Some(rendered)) => rendered,
+                (Some((d, v)), None) => {
+                    return stop(
+                        reasons::WAITING_FOR_DEPENDENCIES,
+                        format!("waiting for {} to run {v}, Ready", tenant::kind_of(d)),
+                        Some(ctx.pacing.waiting(key)),
+                        None,
+                    );
+                }
+            },
+            None => version,
+        },
+        crate::tenant::VersionChange::None => version,
     };
     // Say at once when this version cannot run here, rather than after the dependencies.
     ctx.runtime.can_run(c, &version)?;

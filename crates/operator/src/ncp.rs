@@ -257,12 +257,14 @@ async fn next_status(
         Some(crate::datastore::Binding::Bound(b)) => Some(b.clone()),
         _ => ncp.status.as_ref().and_then(|s| s.datastore.clone()),
     };
-    match upgrading_condition(ctx, tenant) {
+    let (upgrading, upgrade) = upgrade_state(ctx, tenant, new_status.upgrade.as_ref());
+    match upgrading {
         Some(c) => conditions::set(&mut new_status.conditions, c, ncp.metadata.generation, now),
         None => new_status
             .conditions
             .retain(|c| c.type_ != types::UPGRADING),
     }
+    new_status.upgrade = upgrade;
     match crate::datastore::quota_condition(ctx, ncp).await? {
         Some(c) => conditions::set(&mut new_status.conditions, c, ncp.metadata.generation, now),
         None => new_status
@@ -272,40 +274,128 @@ async fn next_status(
     Ok(new_status)
 }
 
-/// `Upgrading`: True while components move to the version asked for, False when the change
-/// is refused as a whole (what runs keeps its version), absent when no change is pending.
-fn upgrading_condition(
+/// `Upgrading` and `status.upgrade`, from the version change as judged now
+/// ([`crate::component::version_change`]) and the last `status.upgrade`.
+fn upgrade_state(
     ctx: &Context,
     tenant: &Tenant,
-) -> Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    previous: Option<&nestplane_api::UpgradeStatus>,
+) -> (
+    Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
+    Option<nestplane_api::UpgradeStatus>,
+) {
+    let change = crate::component::version_change(ctx, tenant);
+    upgrade_of(tenant, &change, previous)
+}
+
+/// [`upgrade_state`]'s pure part.
+/// - Condition `Upgrading`: True while parts move (each `Kind from → to`, and what a part
+///   that has not moved yet waits for), False when the change is refused as a whole (what
+///   runs keeps its version), absent when no change is pending.
+/// - `status.upgrade`: the change's from, to and steps, kept while it progresses; `Completed`
+///   once the API server runs `to`; a refused change is recorded until it is withdrawn.
+pub(crate) fn upgrade_of(
+    tenant: &Tenant,
+    change: &crate::tenant::VersionChange,
+    previous: Option<&nestplane_api::UpgradeStatus>,
+) -> (
+    Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
+    Option<nestplane_api::UpgradeStatus>,
+) {
     use crate::tenant::VersionChange;
-    match crate::component::version_change(ctx, tenant) {
-        VersionChange::None => None,
-        // Nothing runs yet: the components themselves say why they do not start.
-        VersionChange::Refused(..)
-            if Component::ALL
-                .iter()
-                .all(|&c| tenant.running_version(c).is_none()) =>
-        {
-            None
+    use nestplane_api::UpgradeStatus;
+    let oldest = Component::ALL
+        .iter()
+        .filter_map(|&c| tenant.running_version(c))
+        .min();
+    match change {
+        VersionChange::None => {
+            // A change in progress that is no longer pending has completed, if the API server
+            // runs where it went; otherwise it was withdrawn, as is a refused one.
+            let done = previous.filter(|p| {
+                p.phase == "Progressing"
+                    && tenant
+                        .running_version(Component::ApiServer)
+                        .is_some_and(|v| v.to_string() == p.to)
+            });
+            let done = done.or(previous.filter(|p| p.phase == "Completed"));
+            (
+                None,
+                done.map(|p| UpgradeStatus {
+                    phase: "Completed".into(),
+                    current_step: None,
+                    message: None,
+                    ..p.clone()
+                }),
+            )
         }
-        VersionChange::Refused(reason, msg) => Some(conditions::new(
-            types::UPGRADING,
-            false,
-            reason,
-            format!("{msg}; every component keeps the version it runs"),
-        )),
-        VersionChange::Moving(moves) => {
-            let parts: Vec<String> = moves
-                .iter()
-                .map(|(c, from, to)| format!("{} {from} → {to}", tenant::kind_of(*c)))
+        // Nothing runs yet: the components themselves say why they do not start.
+        VersionChange::Refused(..) if oldest.is_none() => (None, None),
+        VersionChange::Refused(reason, msg) => {
+            let message = format!("{msg}; every component keeps the version it runs");
+            let to = tenant
+                .version(Component::ApiServer)
+                .map(|v| v.to_string())
+                .unwrap_or_default();
+            (
+                Some(conditions::new(
+                    types::UPGRADING,
+                    false,
+                    reason,
+                    message.clone(),
+                )),
+                Some(UpgradeStatus {
+                    from: oldest.map(|v| v.to_string()).unwrap_or_default(),
+                    to,
+                    steps: vec![],
+                    current_step: None,
+                    phase: "Refused".into(),
+                    message: Some(format!("{reason}: {message}")),
+                }),
+            )
+        }
+        VersionChange::Moving(plan) => {
+            let parts: Vec<String> = plan
+                .moves()
+                .map(|(c, from, to)| match tenant.held_by(plan, c) {
+                    Some((d, _)) if tenant.rendered_version(c) != Some(to) => format!(
+                        "{} {from} → {to} (after {})",
+                        tenant::kind_of(c),
+                        tenant::kind_of(d)
+                    ),
+                    _ => format!("{} {from} → {to}", tenant::kind_of(c)),
+                })
                 .collect();
-            Some(conditions::new(
-                types::UPGRADING,
-                true,
-                reasons::UPGRADING,
-                parts.join(", "),
-            ))
+            let to = plan.to.to_string();
+            let kept = previous.filter(|p| p.phase == "Progressing" && p.to == to);
+            let step = plan.steps.first().copied().unwrap_or(plan.to);
+            let steps = kept
+                .map(|p| p.steps.clone())
+                .unwrap_or_else(|| plan.steps.iter().map(ToString::to_string).collect());
+            let position = steps
+                .iter()
+                .position(|s| *s == step.to_string())
+                .map(|i| format!("step {} of {}", i + 1, steps.len()))
+                .unwrap_or_else(|| "step".into());
+            let message = format!("{position} ({step}): {}", parts.join(", "));
+            (
+                Some(conditions::new(
+                    types::UPGRADING,
+                    true,
+                    reasons::UPGRADING,
+                    message.clone(),
+                )),
+                Some(UpgradeStatus {
+                    from: kept
+                        .map(|p| p.from.clone())
+                        .unwrap_or_else(|| plan.from.to_string()),
+                    to,
+                    steps,
+                    current_step: Some(step.to_string()),
+                    phase: "Progressing".into(),
+                    message: Some(message),
+                }),
+            )
         }
     }
 }
@@ -329,7 +419,7 @@ async fn write_status(
         .map(|c| (c.status.clone(), c.reason.clone()));
     let after = conditions::get(&new_status.conditions, types::AVAILABLE).cloned();
     let mut body = serde_json::to_value(&new_status).map_err(|e| Error::Internal(e.to_string()))?;
-    for field in ["failureReason", "failureMessage"] {
+    for field in ["failureReason", "failureMessage", "upgrade"] {
         if body.get(field).is_none() {
             body[field] = serde_json::Value::Null;
         }
@@ -357,6 +447,33 @@ async fn write_status(
             EventType::Warning
         };
         ctx.event(ncp.object_ref(&()), type_, &reason, &message)
+            .await;
+    }
+    // A step every part reached, and the change's end: one Event each.
+    let upgrade =
+        |st: Option<&nestplane_api::NestedControlPlaneStatus>| st.and_then(|s| s.upgrade.clone());
+    if let (Some(was), Some(now)) = (upgrade(ncp.status.as_ref()), upgrade(Some(&new_status)))
+        && was.phase == "Progressing"
+        && was.to == now.to
+        && was.current_step != now.current_step
+        && let Some(reached) = &was.current_step
+    {
+        let (reason, note) = if now.phase == "Completed" {
+            (
+                reasons::UPGRADE_COMPLETED,
+                format!("every part runs {} (from {})", now.to, now.from),
+            )
+        } else {
+            (
+                reasons::UPGRADE_STEP_REACHED,
+                format!(
+                    "every part runs {reached}; next: {} (to {})",
+                    now.current_step.as_deref().unwrap_or_default(),
+                    now.to
+                ),
+            )
+        };
+        ctx.event(ncp.object_ref(&()), EventType::Normal, reason, &note)
             .await;
     }
     let first_wait = before.is_none() && !problem;
@@ -618,5 +735,98 @@ fn gone<T>(result: Result<T, kube::Error>, name: &str) {
         Err(e) => {
             tracing::warn!(%name, error = %e, "delete failed; the garbage collector removes it with its control plane")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::expect_used)]
+    use super::*;
+    use crate::tenant::tests::running;
+
+    fn judged(t: &Tenant, newest: impl Fn(u32) -> Option<u32>) -> crate::tenant::VersionChange {
+        t.version_change(&Component::ALL, |_, _| Ok(()), newest)
+    }
+
+    #[test]
+    fn status_upgrade_tells_the_story_of_a_change() {
+        let newest = |minor: u32| (minor == 21).then_some(4);
+        // Begun: from, to and the steps; the parts that wait say for what.
+        let t = running("v1.22.1", [Some("v1.20.2"); 4]);
+        let (cond, up) = upgrade_of(&t, &judged(&t, newest), None);
+        let cond = cond.expect("Upgrading");
+        assert_eq!(
+            (cond.status.as_str(), cond.reason.as_str()),
+            ("True", "Upgrading")
+        );
+        assert!(
+            cond.message
+                .starts_with("step 1 of 2 (v1.21.4): NestedEtcd v1.20.2 → v1.21.4, ")
+                && cond
+                    .message
+                    .contains("NestedAPIServer v1.20.2 → v1.21.4 (after NestedEtcd)"),
+            "{}",
+            cond.message
+        );
+        let up = up.expect("status.upgrade");
+        assert_eq!(
+            (up.from.as_str(), up.to.as_str(), up.phase.as_str()),
+            ("v1.20.2", "v1.22.1", "Progressing")
+        );
+        assert_eq!(up.steps, ["v1.21.4", "v1.22.1"]);
+        assert_eq!(up.current_step.as_deref(), Some("v1.21.4"));
+        // The second step keeps where the change began and its steps.
+        let t = running("v1.22.1", [Some("v1.21.4"); 4]);
+        let (cond, next) = upgrade_of(&t, &judged(&t, newest), Some(&up));
+        let next = next.expect("status.upgrade");
+        assert_eq!(next.from, "v1.20.2");
+        assert_eq!(next.steps, ["v1.21.4", "v1.22.1"]);
+        assert_eq!(next.current_step.as_deref(), Some("v1.22.1"));
+        assert!(cond.expect("Upgrading").message.starts_with("step 2 of 2"));
+        // Done: the condition goes, the record stays, Completed.
+        let t = running("v1.22.1", [Some("v1.22.1"); 4]);
+        let (cond, done) = upgrade_of(&t, &judged(&t, newest), Some(&next));
+        assert!(cond.is_none());
+        let done = done.expect("kept");
+        assert_eq!(
+            (done.phase.as_str(), done.current_step.as_deref()),
+            ("Completed", None)
+        );
+        assert_eq!(done.from, "v1.20.2");
+        // ...and stays so on later passes.
+        let (_, again) = upgrade_of(&t, &judged(&t, newest), Some(&done));
+        assert_eq!(again.as_ref(), Some(&done));
+
+        // Refused: False with the reason; recorded, and gone once withdrawn.
+        let t = running("v1.23.0", [Some("v1.22.1"); 4]);
+        let t = {
+            let mut t = t;
+            t.ncp.spec.version = Some("v1.20.2".into());
+            t
+        };
+        let (cond, refused) = upgrade_of(&t, &judged(&t, newest), Some(&done));
+        let cond = cond.expect("Upgrading");
+        assert_eq!(
+            (cond.status.as_str(), cond.reason.as_str()),
+            ("False", "DowngradeRefused")
+        );
+        let refused = refused.expect("recorded");
+        assert_eq!(
+            (
+                refused.from.as_str(),
+                refused.to.as_str(),
+                refused.phase.as_str()
+            ),
+            ("v1.22.1", "v1.20.2", "Refused")
+        );
+        let t = running("v1.22.1", [Some("v1.22.1"); 4]);
+        assert_eq!(
+            upgrade_of(&t, &judged(&t, newest), Some(&refused)),
+            (None, None)
+        );
+        // A change withdrawn half way (asked for what the API server still runs) is not
+        // reported as completed.
+        let t = running("v1.20.2", [Some("v1.20.2"); 4]);
+        assert_eq!(upgrade_of(&t, &judged(&t, newest), Some(&up)), (None, None));
     }
 }

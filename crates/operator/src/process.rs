@@ -70,6 +70,10 @@ impl Runtime for Processes {
         Ok(())
     }
 
+    fn newest_patch(&self, minor: u32) -> Option<u32> {
+        nestplane_runtime::binaries::newest_patch(minor)
+    }
+
     fn run<'a>(&'a self, pass: Pass<'a>) -> BoxFuture<'a, Result<Observation, Error>> {
         self.run_pass(pass).boxed()
     }

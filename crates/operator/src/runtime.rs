@@ -116,6 +116,12 @@ pub trait Runtime: Send + Sync {
     /// Fail at once when `version` of `c` cannot run here (a missing binary).
     fn can_run(&self, c: Component, version: &KubeVersion) -> Result<(), Error>;
 
+    /// The newest patch of 1.`minor` that can run here, if this runtime knows (the step an
+    /// upgrade through that minor takes); `None` refuses a jump through it.
+    fn newest_patch(&self, _minor: u32) -> Option<u32> {
+        None
+    }
+
     /// Issue certificates, render, patch, apply or start, and observe.
     fn run<'a>(&'a self, pass: Pass<'a>) -> BoxFuture<'a, Result<Observation, Error>>;
 

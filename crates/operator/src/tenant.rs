@@ -688,23 +688,28 @@ impl Tenant {
     }
 
     /// The control plane's version change, judged as a whole before any component moves
-    /// ([`VersionChange`]). `parts` are the components this operator runs for the tenant;
-    /// `can_run` says why a component cannot run a version here.
+    /// ([`VersionChange`]), and planned: a jump of several minors is one step per minor (the
+    /// newest patch `newest_patch` names for each intermediate minor), and the step under way
+    /// is the first one after the oldest version a part runs, so that every part reaches a
+    /// step before any goes on to the next. `parts` are the tenant's component objects;
+    /// `can_run` says why a component cannot run a version here (asked for every step before
+    /// the first starts).
     pub fn version_change(
         &self,
         parts: &[Component],
         can_run: impl Fn(Component, &nestplane_render::KubeVersion) -> Result<(), String>,
+        newest_patch: impl Fn(u32) -> Option<u32>,
     ) -> VersionChange {
         use nestplane_api::conditions::reasons;
-        use nestplane_render::upgrade::{Part, skew};
+        use nestplane_render::KubeVersion;
+        use nestplane_render::upgrade::{self, Part, skew};
         let nothing_runs = parts.iter().all(|&c| self.running_version(c).is_none());
-        let mut moves = Vec::new();
-        let mut wants = Vec::new();
-        let mut unavailable = None;
+        // (component, running, asked for)
+        let mut finals: Vec<(Component, Option<KubeVersion>, KubeVersion)> = Vec::new();
         for &c in parts {
             let running = self.running_version(c);
-            let want = match self.version(c) {
-                Ok(v) => v,
+            match self.version(c) {
+                Ok(v) => finals.push((c, running, v)),
                 // What runs keeps running its version; a new component reports it itself.
                 Err((reason, msg)) if running.is_some() => {
                     let reason = if reason == reasons::INVALID_SPEC {
@@ -714,54 +719,136 @@ impl Tenant {
                     };
                     return VersionChange::Refused(reason, msg);
                 }
-                Err(_) => continue,
-            };
-            // A new component beside others that run is judged when it runs.
-            if running.is_some() || nothing_runs {
-                wants.push((c, want));
+                Err(_) => {}
             }
-            if let Some(from) = running.filter(|r| *r != want) {
-                if let Some(refused) = version_step_refused(c, from, want) {
-                    return refused;
+        }
+        let Some(to) = finals
+            .iter()
+            .find(|(c, _, _)| *c == Component::ApiServer)
+            .or_else(|| finals.iter().max_by_key(|(_, _, v)| *v))
+            .map(|(_, _, v)| *v)
+        else {
+            return VersionChange::None;
+        };
+        // The plane is where its oldest part is; the steps go from there.
+        let from = finals.iter().filter_map(|(_, r, _)| *r).min();
+        let steps = match from {
+            None => vec![],
+            Some(from) => match upgrade::steps(from, to, &newest_patch) {
+                Ok(steps) => steps,
+                Err(r @ upgrade::Refusal::MinorDowngrade { .. }) => {
+                    return VersionChange::Refused(
+                        reasons::DOWNGRADE_REFUSED,
+                        format!("{}: {r}", kind_of(Component::ApiServer)),
+                    );
                 }
-                moves.push((c, from, want));
+                Err(upgrade::Refusal::NoStepVersion { minor, .. }) => {
+                    let between: Vec<String> = (from.minor + 1..=to.minor)
+                        .map(|m| format!("1.{m}"))
+                        .collect();
+                    return VersionChange::Refused(
+                        reasons::MINOR_SKIP_REFUSED,
+                        format!(
+                            "{} runs {from}; {to} is {} minor steps away ({}) and no 1.{minor} version can run here to step through: set a 1.{} version first",
+                            kind_of(Component::ApiServer),
+                            between.len(),
+                            between.join(", "),
+                            from.minor + 1
+                        ),
+                    );
+                }
+            },
+        };
+        // A part goes to the step's version, or to its own if that is older.
+        let capped = |want: KubeVersion, step: KubeVersion| {
+            if (want.major, want.minor) > (step.major, step.minor) {
+                step
+            } else {
+                want
+            }
+        };
+        let step = steps.first().copied().unwrap_or(to);
+        let mut planned = Vec::new();
+        let mut unavailable = None;
+        for &(c, running, want) in &finals {
+            let at_step = capped(want, step);
+            planned.push((c, running, at_step));
+            if let Some(from) = running.filter(|r| *r != at_step)
+                && let Some(refused) = version_step_refused(c, from, at_step)
+            {
+                return refused;
             }
             // A component that never ran, beside others that run, says so itself and holds
             // nobody else's change; before anything runs, nothing starts unless all can.
-            if unavailable.is_none()
-                && (running.is_some() || nothing_runs)
-                && let Err(e) = can_run(c, &want)
-            {
-                unavailable = Some(e);
+            if running.is_none() && !nothing_runs {
+                continue;
+            }
+            let every_step = steps.iter().map(|s| capped(want, *s));
+            for v in std::iter::once(at_step).chain(every_step) {
+                if unavailable.is_none()
+                    && let Err(e) = can_run(c, &v)
+                {
+                    unavailable = Some(e);
+                }
             }
         }
         // The controller manager and the scheduler never pass the API server, nor lag it by
-        // more than a minor (measured against where the API server is going).
-        let apiserver = wants
-            .iter()
-            .find(|(c, _)| *c == Component::ApiServer)
-            .map(|(_, v)| *v)
-            .or_else(|| self.running_version(Component::ApiServer));
-        if let Some(api) = apiserver {
-            for (c, want) in &wants {
+        // more than a minor: at this step, and where the change ends.
+        for list in [&planned, &finals] {
+            let Some(api) = list
+                .iter()
+                .find(|p| p.0 == Component::ApiServer)
+                .map(|p| p.2)
+                .or_else(|| self.running_version(Component::ApiServer))
+            else {
+                continue;
+            };
+            for &(c, running, want) in list.iter() {
                 let part = match c {
                     Component::ControllerManager => Part::ControllerManager,
                     Component::Scheduler => Part::Scheduler,
                     _ => continue,
                 };
-                if let Err(e) = skew(part, *want, api) {
+                // A new component beside others that run is judged when it runs.
+                if running.is_none() && !nothing_runs {
+                    continue;
+                }
+                if let Err(e) = skew(part, want, api) {
                     return VersionChange::Refused(
                         reasons::UNSUPPORTED_SKEW,
-                        format!("{}: {e}", kind_of(*c)),
+                        format!("{}: {e}", kind_of(c)),
                     );
                 }
             }
         }
-        match (unavailable, moves.is_empty()) {
-            (Some(e), _) => VersionChange::Refused(reasons::VERSION_UNAVAILABLE, e),
-            (None, true) => VersionChange::None,
-            (None, false) => VersionChange::Moving(moves),
+        if let Some(e) = unavailable {
+            return VersionChange::Refused(reasons::VERSION_UNAVAILABLE, e);
         }
+        let plan = Plan {
+            from: from.unwrap_or(to),
+            to,
+            steps,
+            parts: planned,
+        };
+        if plan.moves().next().is_none() {
+            VersionChange::None
+        } else {
+            VersionChange::Moving(plan)
+        }
+    }
+
+    /// What keeps `c` from moving to its version of the plan's step: the first part it
+    /// depends on (etcd for the API server, the API server for the others) that does not yet
+    /// run its own version of the step, Ready. `None`: `c` may move.
+    pub fn held_by(
+        &self,
+        plan: &Plan,
+        c: Component,
+    ) -> Option<(Component, nestplane_render::KubeVersion)> {
+        c.dependencies().iter().find_map(|&d| {
+            let step = plan.step_version(d)?;
+            (self.running_version(d) != Some(step) || !self.ready(d)).then_some((d, step))
+        })
     }
 
     /// Validate the cluster name (see [`name_problem`]).
@@ -862,25 +949,60 @@ fn version_step_refused(
     }
 }
 
+/// A version change under way, as planned by [`Tenant::version_change`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// The oldest version a part of the control plane runs.
+    pub from: nestplane_render::KubeVersion,
+    /// Where the control plane goes (its API server's version).
+    pub to: nestplane_render::KubeVersion,
+    /// The versions still to go through from `from`, one per minor, the last being `to`; the
+    /// first is the step under way.
+    pub steps: Vec<nestplane_render::KubeVersion>,
+    /// Each part: (component, the version it runs, its version at this step).
+    pub parts: Vec<(
+        Component,
+        Option<nestplane_render::KubeVersion>,
+        nestplane_render::KubeVersion,
+    )>,
+}
+
+impl Plan {
+    /// The parts that run one version and move to another at this step: (component, from,
+    /// to), in the order they move.
+    pub fn moves(
+        &self,
+    ) -> impl Iterator<
+        Item = (
+            Component,
+            nestplane_render::KubeVersion,
+            nestplane_render::KubeVersion,
+        ),
+    > + '_ {
+        self.parts
+            .iter()
+            .filter_map(|&(c, running, step)| running.filter(|r| *r != step).map(|r| (c, r, step)))
+    }
+
+    /// Component `c`'s version at the step under way, if it is a part of the plan.
+    pub fn step_version(&self, c: Component) -> Option<nestplane_render::KubeVersion> {
+        self.parts.iter().find(|p| p.0 == c).map(|p| p.2)
+    }
+}
+
 /// A control plane's version change, judged as a whole ([`Tenant::version_change`]).
 #[derive(Clone, Debug, PartialEq)]
 pub enum VersionChange {
     /// Every component runs (or will first run) the version asked for.
     None,
-    /// Components that run one version and are asked for another: (component, from, to).
-    Moving(
-        Vec<(
-            Component,
-            nestplane_render::KubeVersion,
-            nestplane_render::KubeVersion,
-        )>,
-    ),
+    /// Components that run one version and are asked for another: the plan.
+    Moving(Plan),
     /// Refused: (reason, message). Components that run keep their version; none starts.
     Refused(&'static str, String),
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     #![allow(clippy::expect_used)]
     use super::*;
 
@@ -947,7 +1069,7 @@ mod tests {
         assert_eq!(name_problem(&fine), None);
     }
     /// A tenant asking for `asked` whose components run `running` (none: not started).
-    fn running(asked: &str, running: [Option<&str>; 4]) -> Tenant {
+    pub(crate) fn running(asked: &str, running: [Option<&str>; 4]) -> Tenant {
         let mut n = ncp(serde_json::json!({"name": "t", "namespace": "default"}));
         n.spec.version = Some(asked.into());
         fn part<K: serde::de::DeserializeOwned>(kind: &str, v: Option<&str>) -> Lookup<K> {
@@ -983,23 +1105,139 @@ mod tests {
             .ok_or(format!("no {} binary for {v}", c.binary()))
     }
 
+    /// No intermediate minor can run here.
+    fn no_steps(_: u32) -> Option<u32> {
+        None
+    }
+
+    fn v(s: &str) -> nestplane_render::KubeVersion {
+        nestplane_render::KubeVersion::parse(s).expect("version")
+    }
+
+    #[test]
+    fn a_jump_of_minors_goes_step_by_step_in_order() {
+        let all = Component::ALL;
+        let any = |_: Component, _: &nestplane_render::KubeVersion| Ok(());
+        let newest = |minor: u32| (minor == 21).then_some(4);
+        let plan = |t: &Tenant| match t.version_change(&all, any, newest) {
+            VersionChange::Moving(p) => p,
+            other => panic!("{other:?}"),
+        };
+        // The first step: every part to 1.21.4; etcd first, the others after what they need.
+        let t = running("v1.22.1", [Some("v1.20.2"); 4]);
+        let p = plan(&t);
+        assert_eq!(p.steps, vec![v("v1.21.4"), v("v1.22.1")]);
+        assert_eq!(p.from, v("v1.20.2"));
+        assert_eq!(p.to, v("v1.22.1"));
+        for c in all {
+            assert_eq!(p.step_version(c), Some(v("v1.21.4")), "{c:?}");
+        }
+        assert_eq!(t.held_by(&p, Component::Etcd), None);
+        assert_eq!(
+            t.held_by(&p, Component::ApiServer),
+            Some((Component::Etcd, v("v1.21.4")))
+        );
+        assert_eq!(
+            t.held_by(&p, Component::Scheduler),
+            Some((Component::ApiServer, v("v1.21.4")))
+        );
+        // etcd reached the step: the API servers go; nobody goes on to 1.22 yet.
+        let t = running(
+            "v1.22.1",
+            [
+                Some("v1.21.4"),
+                Some("v1.20.2"),
+                Some("v1.20.2"),
+                Some("v1.20.2"),
+            ],
+        );
+        let p = plan(&t);
+        assert_eq!(p.step_version(Component::Etcd), Some(v("v1.21.4")));
+        assert_eq!(p.moves().count(), 3);
+        assert_eq!(t.held_by(&p, Component::ApiServer), None);
+        assert!(t.held_by(&p, Component::ControllerManager).is_some());
+        // The API server reached it: the controller manager and scheduler go.
+        let t = running(
+            "v1.22.1",
+            [
+                Some("v1.21.4"),
+                Some("v1.21.4"),
+                Some("v1.20.2"),
+                Some("v1.20.2"),
+            ],
+        );
+        let p = plan(&t);
+        assert_eq!(t.held_by(&p, Component::ControllerManager), None);
+        assert_eq!(p.steps.len(), 2, "still the first step");
+        // Every part at the first step: the second begins, with etcd.
+        let t = running("v1.22.1", [Some("v1.21.4"); 4]);
+        let p = plan(&t);
+        assert_eq!(p.steps, vec![v("v1.22.1")]);
+        assert_eq!(p.from, v("v1.21.4"));
+        assert_eq!(t.held_by(&p, Component::Etcd), None);
+        assert!(t.held_by(&p, Component::ApiServer).is_some());
+        // A part that is not Ready at its step holds what depends on it.
+        let mut t = running(
+            "v1.22.1",
+            [
+                Some("v1.21.4"),
+                Some("v1.20.2"),
+                Some("v1.20.2"),
+                Some("v1.20.2"),
+            ],
+        );
+        if let Lookup::Found(e) = &mut t.etcd {
+            e.status.as_mut().expect("status").common.ready = false;
+        }
+        let p = plan(&t);
+        assert!(t.held_by(&p, Component::ApiServer).is_some());
+
+        // A step that some part cannot run is refused before anything starts.
+        let no_121_scheduler = |c: Component, v: &nestplane_render::KubeVersion| {
+            if c == Component::Scheduler && v.minor == 21 {
+                Err("no kube-scheduler for v1.21.4".to_string())
+            } else {
+                Ok(())
+            }
+        };
+        assert!(matches!(
+            running("v1.22.1", [Some("v1.20.2"); 4]).version_change(&all, no_121_scheduler, newest),
+            VersionChange::Refused("VersionUnavailable", m) if m.contains("v1.21.4")
+        ));
+        // A part pinned where the change would leave it too far behind: refused up front,
+        // although the first step alone would be fine.
+        let mut t = running("v1.22.1", [Some("v1.20.2"); 4]);
+        if let Lookup::Found(cm) = &mut t.controller_manager {
+            cm.spec.component.version = Some("v1.20.2".into());
+        }
+        assert!(matches!(
+            t.version_change(&all, any, newest),
+            VersionChange::Refused("UnsupportedSkew", m) if m.contains("NestedControllerManager")
+        ));
+        // With nothing to step through, the jump is refused, naming the missing minor.
+        assert!(matches!(
+            running("v1.23.0", [Some("v1.20.2"); 4]).version_change(&all, any, newest),
+            VersionChange::Refused("MinorSkipRefused", m) if m.contains("no 1.22 version")
+        ));
+    }
+
     #[test]
     fn a_version_change_moves_all_or_nothing() {
         let all = Component::ALL;
         let at = |v| [Some(v); 4];
         // Nothing to change.
         assert_eq!(
-            running("v1.20.2", at("v1.20.2")).version_change(&all, here),
+            running("v1.20.2", at("v1.20.2")).version_change(&all, here, no_steps),
             VersionChange::None
         );
         // A patch up, available for every component: they move.
-        match running("v1.20.5", at("v1.20.2")).version_change(&all, here) {
-            VersionChange::Moving(m) => assert_eq!(m.len(), 4, "{m:?}"),
+        match running("v1.20.5", at("v1.20.2")).version_change(&all, here, no_steps) {
+            VersionChange::Moving(p) => assert_eq!(p.moves().count(), 4, "{p:?}"),
             other => panic!("{other:?}"),
         }
         // A patch with no binaries: refused as a whole, naming what is missing.
         let VersionChange::Refused(reason, msg) =
-            running("v1.20.9", at("v1.20.2")).version_change(&all, here)
+            running("v1.20.9", at("v1.20.2")).version_change(&all, here, no_steps)
         else {
             panic!("unavailable accepted")
         };
@@ -1007,7 +1245,7 @@ mod tests {
         assert!(msg.contains("etcd") && msg.contains("v1.20.9"), "{msg}");
         // A minor down: refused, whatever is available.
         let VersionChange::Refused(reason, msg) =
-            running("v1.20.2", at("v1.21.0")).version_change(&all, here)
+            running("v1.20.2", at("v1.21.0")).version_change(&all, here, no_steps)
         else {
             panic!("downgrade accepted")
         };
@@ -1015,7 +1253,7 @@ mod tests {
         assert!(msg.contains("never goes down"), "{msg}");
         // Two minors up at once: refused, naming the step to take first.
         let VersionChange::Refused(reason, msg) =
-            running("v1.22.0", at("v1.20.2")).version_change(&all, here)
+            running("v1.22.0", at("v1.20.2")).version_change(&all, here, no_steps)
         else {
             panic!("skip accepted")
         };
@@ -1026,7 +1264,7 @@ mod tests {
         );
         // A new tenant whose version cannot run: refused before anything starts.
         assert!(matches!(
-            running("v1.33.0", [None; 4]).version_change(&all, here),
+            running("v1.33.0", [None; 4]).version_change(&all, here, no_steps),
             VersionChange::Refused("VersionUnavailable", _)
         ));
         // etcd reported the paired version of a change the API server never reached (its
@@ -1040,15 +1278,15 @@ mod tests {
                 Some("v1.20.2"),
             ],
         )
-        .version_change(&all, |_, _| Ok(()))
+        .version_change(&all, |_, _| Ok(()), no_steps)
         {
-            VersionChange::Moving(m) => assert_eq!(m.len(), 1, "{m:?}"),
+            VersionChange::Moving(p) => assert_eq!(p.moves().count(), 1, "{p:?}"),
             other => panic!("{other:?}"),
         }
         // etcd 3.5 (paired with 1.22) does not go back to 3.4.
         assert!(matches!(
             running("v1.21.0", [Some("v1.22.0"), Some("v1.21.0"), Some("v1.21.0"), Some("v1.21.0")])
-                .version_change(&all, |_, _| Ok(())),
+                .version_change(&all, |_, _| Ok(()), no_steps),
             VersionChange::Refused("DowngradeRefused", m) if m.contains("etcd 3.5.0-0")
         ));
         // The controller manager never passes the API server.
@@ -1057,7 +1295,7 @@ mod tests {
             cm.spec.component.version = Some("v1.21.0".into());
         }
         assert!(matches!(
-            t.version_change(&all, |_, _| Ok(())),
+            t.version_change(&all, |_, _| Ok(()), no_steps),
             VersionChange::Refused("UnsupportedSkew", m) if m.contains("newer than the API server")
         ));
         // A new component that cannot run (beside ones that run) says so itself and holds
@@ -1069,8 +1307,8 @@ mod tests {
         if let Lookup::Found(s) = &mut t.scheduler {
             s.spec.component.version = Some("v1.20.9".into());
         }
-        match t.version_change(&all, here) {
-            VersionChange::Moving(m) => assert_eq!(m.len(), 3, "{m:?}"),
+        match t.version_change(&all, here, no_steps) {
+            VersionChange::Moving(p) => assert_eq!(p.moves().count(), 3, "{p:?}"),
             other => panic!("{other:?}"),
         }
         let annotated = |rendered: &str| {
@@ -1113,7 +1351,7 @@ mod tests {
                     Some("v1.20.2")
                 ]
             )
-            .version_change(&all[1..], here),
+            .version_change(&all[1..], here, no_steps),
             VersionChange::None
         );
     }

@@ -114,6 +114,35 @@ pub fn kubernetes(name: &str, version: &str) -> Result<PathBuf, MissingBinary> {
     })
 }
 
+/// The newest patch of Kubernetes 1.`minor` whose `kube-apiserver` is in a version directory
+/// here (`$NESTPLANE_BIN_DIR/v1.MINOR.PATCH/` or the cache's `kubernetes/v1.MINOR.PATCH/bin/`):
+/// the step an upgrade through that minor takes. Loose binaries are not offered as steps.
+pub fn newest_patch(minor: u32) -> Option<u32> {
+    let mut dirs: Vec<(PathBuf, &str)> = Vec::new();
+    if let Some(dir) = std::env::var_os("NESTPLANE_BIN_DIR") {
+        dirs.push((PathBuf::from(dir), ""));
+    }
+    dirs.push((cache_dir().join("kubernetes"), "bin"));
+    newest_patch_in(&dirs, minor)
+}
+
+/// [`newest_patch`] over `dirs`: (directory of version directories, the binaries' directory
+/// within each).
+fn newest_patch_in(dirs: &[(PathBuf, &str)], minor: u32) -> Option<u32> {
+    let prefix = format!("v1.{minor}.");
+    let prefix = prefix.as_str();
+    dirs.iter()
+        .filter_map(|(dir, sub)| std::fs::read_dir(dir).ok().map(|r| (r, *sub)))
+        .flat_map(|(entries, sub)| {
+            entries.flatten().filter_map(move |e| {
+                let name = e.file_name().into_string().ok()?;
+                let patch: u32 = name.strip_prefix(prefix)?.parse().ok()?;
+                is_executable(&e.path().join(sub).join("kube-apiserver")).then_some(patch)
+            })
+        })
+        .max()
+}
+
 /// The directory the install script unpacks etcd, etcdctl and etcdutl into (3.5.30 or
 /// newer, from Debian's newer suites): `<cache>/etcd/bin`.
 pub fn etcd_dir() -> PathBuf {
@@ -148,5 +177,40 @@ fn find(name: &str, cache: Option<PathBuf>) -> Result<PathBuf, MissingBinary> {
             version: String::new(),
             searched,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn a_step_is_the_newest_patch_with_an_api_server() {
+        use std::os::unix::fs::PermissionsExt;
+        let loose = tempfile::tempdir().unwrap();
+        let cache = tempfile::tempdir().unwrap();
+        let put = |dir: &Path, exec: bool| {
+            std::fs::create_dir_all(dir).unwrap();
+            let f = dir.join("kube-apiserver");
+            std::fs::write(&f, "").unwrap();
+            let mode = if exec { 0o755 } else { 0o644 };
+            std::fs::set_permissions(&f, std::fs::Permissions::from_mode(mode)).unwrap();
+        };
+        put(&loose.path().join("v1.21.3"), true);
+        put(&loose.path().join("v1.21.10"), true);
+        put(&loose.path().join("v1.21.12"), false);
+        put(&cache.path().join("v1.21.11").join("bin"), true);
+        put(&cache.path().join("v1.22.1"), true);
+        std::fs::create_dir_all(loose.path().join("v1.23.0")).unwrap();
+        let dirs = [
+            (loose.path().to_path_buf(), ""),
+            (cache.path().to_path_buf(), "bin"),
+        ];
+        assert_eq!(newest_patch_in(&dirs, 21), Some(11));
+        // A binary outside the layout, an empty directory, a minor with nothing: no step.
+        assert_eq!(newest_patch_in(&dirs, 22), None);
+        assert_eq!(newest_patch_in(&dirs, 23), None);
+        assert_eq!(newest_patch_in(&dirs, 24), None);
     }
 }
