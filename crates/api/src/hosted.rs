@@ -48,6 +48,9 @@ pub mod types {
     pub const UPDATING_CONFIG: &str = "UpdatingConfig";
     /// A pool's version is supported with its control plane's.
     pub const SUPPORTED_VERSION_SKEW: &str = "SupportedVersionSkew";
+    /// A HostedCluster's version change can be made: False while a node pool would be left
+    /// outside the kubelet skew policy by it (the control plane keeps its version).
+    pub const CLUSTER_VERSION_UPGRADEABLE: &str = "ClusterVersionUpgradeable";
 }
 
 /// The Kubernetes version of a cluster or pool.

@@ -605,10 +605,68 @@ async fn bad_hosted_input_gets_a_reason_and_an_event_and_touches_nothing() {
         jsonpath(&kc, &["nodepool", "newer"], "{.status.replicas}"),
         "0"
     );
-    // Deleting both pools and the clusters works though nothing was made.
+    // A version that would leave a pool's kubelets three minors behind is held before the
+    // control plane takes a step of it, naming the pool; asked back, it is released.
+    env.apply("apiVersion: nestplane.io/v1alpha1\nkind: NodePool\nmetadata: {name: old, namespace: default}\nspec: {clusterName: ok, replicas: 0, release: {version: 1.20.2}}\n");
+    eventually("the control plane exists", Duration::from_secs(30), || {
+        (jsonpath(&kc, &["ncp", "ok", "-n", "default-ok"], "{.spec.version}") == "v1.20.2")
+            .then_some(())
+    });
     kubectl_ok(
         &kc,
-        &["delete", "nodepool", "orphan", "newer", "--timeout=60s"],
+        &[
+            "patch",
+            "hostedcluster",
+            "ok",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"release":{"version":"1.23.0"}}}"#,
+        ],
+    );
+    let held = eventually("the pool holds the change", Duration::from_secs(30), || {
+        let c = jsonpath(
+            &kc,
+            &["hostedcluster", "ok"],
+            "{.status.conditions[?(@.type==\"ClusterVersionUpgradeable\")].status}|{.status.conditions[?(@.type==\"ClusterVersionUpgradeable\")].message}|{.status.conditions[?(@.type==\"Progressing\")].status}|{.status.conditions[?(@.type==\"Progressing\")].reason}",
+        );
+        c.starts_with("False|").then_some(c)
+    });
+    assert!(
+        held.contains("NodePool old runs v1.20.2") && held.ends_with("|False|NodePoolVersionSkew"),
+        "{held}"
+    );
+    assert!(events_for(&kc, "default", "ok").contains("Warning NodePoolVersionSkew"));
+    assert_eq!(
+        jsonpath(&kc, &["ncp", "ok", "-n", "default-ok"], "{.spec.version}"),
+        "v1.20.2",
+        "the control plane was given the held version"
+    );
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "hostedcluster",
+            "ok",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"release":{"version":"1.20.2"}}}"#,
+        ],
+    );
+    eventually("released", Duration::from_secs(30), || {
+        (condition(&kc, &["hostedcluster", "ok"], "ClusterVersionUpgradeable") == "True")
+            .then_some(())
+    });
+    // Deleting the pools and the clusters works though nothing was made.
+    kubectl_ok(
+        &kc,
+        &[
+            "delete",
+            "nodepool",
+            "orphan",
+            "newer",
+            "old",
+            "--timeout=60s",
+        ],
     );
     kubectl_ok(
         &kc,

@@ -177,7 +177,10 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<HostedContext>) -> Resul
     if claimed.namespace.is_none() {
         create_namespace(&pass).await.at("namespace")?;
     }
-    let version = plan::version(&hc.spec.release.version);
+    let asked = plan::version(&hc.spec.release.version);
+    let (version, held) = version_to_pass(&pass, claimed.ncp.as_ref(), &asked)
+        .await
+        .at("node pools")?;
     let ncp = control_plane(&pass, claimed.ncp, &networking, &version)
         .await
         .at("control plane")?;
@@ -206,9 +209,8 @@ pub async fn reconcile(hc: Arc<HostedCluster>, ctx: Arc<HostedContext>) -> Resul
     )
     .await;
     pass.status.control_plane_endpoint = endpoint;
-    report(pass, &ncp, &version, dns_available)
-        .await
-        .at("status")
+    upgradeable(&mut pass, held).await;
+    report(pass, &ncp, &asked, dns_available).await.at("status")
 }
 
 /// The configuration is valid and networking unchanged since creation; returns the pause.
@@ -337,6 +339,72 @@ async fn create_namespace(pass: &Pass<'_>) -> Result<(), Error> {
         ..Default::default()
     };
     create(&Api::all(pass.ctx.client.clone()), &n).await
+}
+
+/// The version the control plane is given: the one asked for, unless a node pool would be
+/// left outside the kubelet skew policy by it ([`plan::pool_blocking`]); then the control
+/// plane keeps its version and the reason is returned. Pools are read only while the asked
+/// version is not the control plane's yet.
+async fn version_to_pass(
+    pass: &Pass<'_>,
+    ncp: Option<&NestedControlPlane>,
+    asked: &str,
+) -> Result<(String, Option<String>), Error> {
+    let Some(current) = ncp.and_then(|n| n.spec.version.clone()) else {
+        return Ok((asked.to_string(), None));
+    };
+    if current == asked {
+        return Ok((current, None));
+    }
+    let pools: Vec<(String, Option<String>)> = pass
+        .ctx
+        .pools_of(&pass.hc.namespace().unwrap_or_default(), &pass.name)
+        .await?
+        .into_iter()
+        .map(|p| {
+            let running = p
+                .status
+                .as_ref()
+                .and_then(|s| s.version.clone())
+                .or_else(|| p.spec.release.as_ref().map(|r| r.version.clone()));
+            (p.name_any(), running)
+        })
+        .collect();
+    Ok(match plan::pool_blocking(asked, &pools) {
+        Some(why) => (current, Some(why)),
+        None => (asked.to_string(), None),
+    })
+}
+
+/// `ClusterVersionUpgradeable`: False while a node pool holds the version asked for (with a
+/// Warning Event when it starts to), True otherwise.
+async fn upgradeable(pass: &mut Pass<'_>, held: Option<String>) {
+    let was_held = pass
+        .hc
+        .status
+        .as_ref()
+        .and_then(|s| conditions::get(&s.conditions, types::CLUSTER_VERSION_UPGRADEABLE))
+        .is_some_and(|c| c.status == "False");
+    match held {
+        Some(why) => {
+            if !was_held {
+                pass.event(EventType::Warning, "NodePoolVersionSkew", &why)
+                    .await;
+            }
+            pass.set(conditions::new(
+                types::CLUSTER_VERSION_UPGRADEABLE,
+                false,
+                "NodePoolVersionSkew",
+                why,
+            ));
+        }
+        None => pass.set(conditions::new(
+            types::CLUSTER_VERSION_UPGRADEABLE,
+            true,
+            "AsExpected",
+            "",
+        )),
+    }
 }
 
 /// The control plane (HyperShift's `HostedControlPlane`): made once, its version kept.
@@ -654,21 +722,39 @@ pub fn mirror(
         None => conditions::new(types::DEGRADED, false, "AsExpected", ""),
     });
     let reached = ncp.version.as_deref() == Some(version) && ncp.ready;
-    set(if reached {
-        conditions::new(
+    // Not moving towards the version asked for is not Progressing: a node pool holds the
+    // change (set before this), or the control plane refused it; a change under way says
+    // where it is.
+    let held = conditions::get(&status.conditions, types::CLUSTER_VERSION_UPGRADEABLE)
+        .filter(|c| c.status == "False")
+        .cloned();
+    let upgrading = from(nestplane_api::conditions::types::UPGRADING);
+    let progressing = match (reached, held, upgrading) {
+        (true, _, _) => conditions::new(
             types::PROGRESSING,
             false,
             "AsExpected",
             format!("at {version}"),
-        )
-    } else {
-        conditions::new(
+        ),
+        (false, Some(h), _) => conditions::new(types::PROGRESSING, false, &h.reason, &h.message),
+        (false, None, Some(u)) if u.status == "False" => {
+            conditions::new(types::PROGRESSING, false, &u.reason, &u.message)
+        }
+        (false, None, Some(u)) => conditions::new(
+            types::PROGRESSING,
+            true,
+            "Progressing",
+            format!("on the way to {version}: {}", u.message),
+        ),
+        (false, None, None) => conditions::new(
             types::PROGRESSING,
             true,
             "Progressing",
             format!("on the way to {version}"),
-        )
-    });
+        ),
+    };
+    let mut set = |c: Condition| conditions::set(&mut status.conditions, c, generation, now);
+    set(progressing);
     status.version = Some(version_status(
         status.version.take(),
         version,
@@ -1029,5 +1115,72 @@ mod tests {
         assert_eq!(v.desired.version, "v1.21.0");
         assert_eq!(v.history[0].state, "Partial");
         assert_eq!(v.history[1].version, "v1.20.2");
+    }
+
+    #[test]
+    fn progressing_tells_a_change_under_way_from_a_refused_or_held_one() {
+        let now = Timestamp::now();
+        let at = |upgrading: Option<Condition>| NestedControlPlaneStatus {
+            ready: true,
+            version: Some("v1.20.2".into()),
+            conditions: upgrading.into_iter().collect(),
+            ..Default::default()
+        };
+        let progressing = |status: &HostedClusterStatus| {
+            let c = conditions::get(&status.conditions, types::PROGRESSING).unwrap();
+            (c.status.clone(), c.reason.clone(), c.message.clone())
+        };
+        let mut status = HostedClusterStatus::default();
+        let moving = conditions::new(
+            "Upgrading",
+            true,
+            "Upgrading",
+            "step 1 of 1 (v1.20.5): NestedEtcd v1.20.2 → v1.20.5",
+        );
+        mirror(&mut status, &at(Some(moving)), "v1.20.5", Some(1), now);
+        assert_eq!(
+            progressing(&status),
+            (
+                "True".into(),
+                "Progressing".into(),
+                "on the way to v1.20.5: step 1 of 1 (v1.20.5): NestedEtcd v1.20.2 → v1.20.5".into()
+            )
+        );
+        let refused = conditions::new(
+            "Upgrading",
+            false,
+            "MinorSkipRefused",
+            "set a 1.21 version first",
+        );
+        mirror(&mut status, &at(Some(refused)), "v1.22.0", Some(2), now);
+        assert_eq!(
+            progressing(&status),
+            (
+                "False".into(),
+                "MinorSkipRefused".into(),
+                "set a 1.21 version first".into()
+            )
+        );
+        let mut status = HostedClusterStatus::default();
+        conditions::set(
+            &mut status.conditions,
+            conditions::new(
+                types::CLUSTER_VERSION_UPGRADEABLE,
+                false,
+                "NodePoolVersionSkew",
+                "NodePool old runs v1.20.2",
+            ),
+            Some(3),
+            now,
+        );
+        mirror(&mut status, &at(None), "v1.23.0", Some(3), now);
+        assert_eq!(
+            progressing(&status),
+            (
+                "False".into(),
+                "NodePoolVersionSkew".into(),
+                "NodePool old runs v1.20.2".into()
+            )
+        );
     }
 }

@@ -204,6 +204,23 @@ pub fn version_skew(pool: &str, control_plane: &str) -> Result<(), String> {
         .map_err(|e| format!("the pool's version does not fit its control plane's: {e}"))
 }
 
+/// The first pool that a control plane at `asked` would leave outside the kubelet skew
+/// policy, said for a person: its nodes run `(name, version)`, the version its last rollout
+/// reached (else the one it is pinned to; a pool with neither has no nodes to break).
+/// Such a change is held before the control plane takes a step of it.
+pub fn pool_blocking(asked: &str, pools: &[(String, Option<String>)]) -> Option<String> {
+    pools.iter().find_map(|(name, running)| {
+        let running = running.as_deref()?;
+        version_skew(running, asked).err().map(|why| {
+            format!(
+                "NodePool {name} runs {}, and a control plane at {} would leave it behind ({why}): upgrade the pool first, or ask for a version it fits",
+                version(running),
+                version(asked)
+            )
+        })
+    })
+}
+
 /// The newest version the control plane has reached (its newest `Completed` history entry).
 pub fn reached_version(hc: &HostedCluster) -> Option<String> {
     hc.status

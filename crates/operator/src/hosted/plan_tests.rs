@@ -293,3 +293,27 @@ fn nodes_wait_for_the_control_plane_to_reach_their_version() {
     assert_eq!(reached_version(&hc(&[("1.20.5", "Partial")])), None);
     assert_eq!(nodes_may_move("v1.20.5", None), Ok(()));
 }
+
+#[test]
+fn a_pool_left_outside_the_skew_holds_the_change_and_is_named() {
+    let pools = [
+        ("fresh".to_string(), Some("v1.22.0".to_string())),
+        ("empty".to_string(), None),
+        ("old".to_string(), Some("v1.20.2".to_string())),
+    ];
+    // Two minors ahead of a 1.20 kubelet: allowed; three: held, naming the pool.
+    assert_eq!(pool_blocking("v1.22.3", &pools), None);
+    let why = pool_blocking("1.23.0", &pools).expect("held");
+    assert!(
+        why.starts_with("NodePool old runs v1.20.2, and a control plane at v1.23.0")
+            && why.contains("upgrade the pool first"),
+        "{why}"
+    );
+    // A control plane older than a pool's kubelets would make them newer: held too.
+    let why = pool_blocking("v1.21.9", &pools).expect("held");
+    assert!(why.starts_with("NodePool fresh"), "{why}");
+    // From 1.25, three minors.
+    let pools = [("p".to_string(), Some("v1.25.0".to_string()))];
+    assert_eq!(pool_blocking("v1.28.0", &pools), None);
+    assert!(pool_blocking("v1.29.0", &pools).is_some());
+}

@@ -147,6 +147,18 @@ async fn secret_value(
     }))
 }
 
+/// A client from the admin kubeconfig in Secret `ns/secret` (`None` while there is none).
+pub(crate) async fn admin_client(
+    ctx: &Context,
+    ns: &str,
+    secret: &str,
+) -> Result<Option<kube::Client>, Error> {
+    match secret_value(ctx, ns, secret, names::KUBECONFIG_KEY).await? {
+        Some(kubeconfig) => client_of(&kubeconfig, secret).await.map(Some),
+        None => Ok(None),
+    }
+}
+
 /// A client from the admin kubeconfig (inline credentials only; errors say where, not what).
 async fn client_of(kubeconfig: &str, secret: &str) -> Result<kube::Client, Error> {
     let invalid = |reason: String| crate::secrets::SecretError::Invalid {
