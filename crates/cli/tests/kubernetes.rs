@@ -17,6 +17,7 @@ use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Secret, Service};
 use kube::api::{Api, ListParams};
 use kube::{Resource, ResourceExt};
+use nestplane_api::conditions;
 use nestplane_api::{NestedAPIServer, NestedControlPlane, NestedEtcd, NestedScheduler};
 use nestplane_localplane::{LocalPlane, NodeOptions, Options};
 
@@ -348,9 +349,11 @@ async fn kubernetes_runtime_with_real_pods_and_the_operator_installed_by_kustomi
         tokio::time::sleep(poll_pause(started)).await;
     }
 
-    // A new version updates every workload's image (etcd's chosen for that version). This
-    // machine has no v1.21.4 images and pulls nothing, so the new pods cannot start: the old
-    // ones keep serving, and the status does not claim the new version.
+    // A new version moves the parts in order: etcd (whose image for 1.21 is the same), then
+    // the API server's Deployment. This machine has no v1.21.4 images and pulls nothing, so
+    // the new API server pods cannot start: the old ones keep serving, the controller
+    // manager and the scheduler wait for the API server (their images stay), and the status
+    // does not claim the new version.
     kubectl_ok(
         &kc,
         &[
@@ -364,23 +367,37 @@ async fn kubernetes_runtime_with_real_pods_and_the_operator_installed_by_kustomi
             r#"{"spec":{"version":"v1.21.4"}}"#,
         ],
     );
-    eventually_async("images of v1.21.4", Duration::from_secs(60), || {
+    let image_of = |n: &'static str| {
         let deploys = deploys.clone();
-        async move {
-            for n in [
-                "demo-apiserver",
-                "demo-controller-manager",
-                "demo-scheduler",
-            ] {
-                let image = container_of(&deploys.get(n).await.unwrap()).image.unwrap();
-                if !image.ends_with(":v1.21.4") {
-                    return None;
-                }
-            }
-            Some(())
-        }
+        async move { container_of(&deploys.get(n).await.unwrap()).image.unwrap() }
+    };
+    eventually_async(
+        "the API server's image of v1.21.4",
+        Duration::from_secs(60),
+        || async {
+            image_of("demo-apiserver")
+                .await
+                .ends_with(":v1.21.4")
+                .then_some(())
+        },
+    )
+    .await;
+    let upgrading = eventually_async("the rest waits", Duration::from_secs(30), || async {
+        let s = ncps.get("demo").await.unwrap().status.unwrap();
+        conditions::get(&s.conditions, "Upgrading")
+            .map(|c| c.message.clone())
+            .filter(|m| {
+                m.contains("NestedControllerManager v1.20.2 → v1.21.4 (after NestedAPIServer)")
+            })
     })
     .await;
+    assert!(
+        upgrading.contains("NestedScheduler v1.20.2 → v1.21.4 (after NestedAPIServer)"),
+        "{upgrading}"
+    );
+    for n in ["demo-controller-manager", "demo-scheduler"] {
+        assert!(image_of(n).await.ends_with(":v1.20.2"), "{n} moved first");
+    }
     tokio::time::sleep(Duration::from_secs(5)).await;
     let s = ncps.get("demo").await.unwrap().status.unwrap();
     assert_eq!(s.version.as_deref(), Some("v1.20.2"), "not rolled out yet");

@@ -430,7 +430,8 @@ async fn bad_input_gets_conditions_and_events_and_others_keep_working() {
             Duration::from_secs(30),
             || {
                 let c = condition("ncp", "good", "Upgrading");
-                c.starts_with(&format!("{reason}|")).then_some(c)
+                // (the message too: the change before may have had the same reason)
+                (c.starts_with(&format!("{reason}|")) && c.contains(says)).then_some(c)
             },
         );
         assert!(
@@ -450,6 +451,17 @@ async fn bad_input_gets_conditions_and_events_and_others_keep_working() {
             assert_eq!(pids(&env), before, "a process was restarted for {version}");
             std::thread::sleep(Duration::from_millis(500));
         }
+        let recorded = kubectl_ok(
+            &kc,
+            &[
+                "get",
+                "ncp",
+                "good",
+                "-o",
+                "jsonpath={.status.upgrade.phase}|{.status.upgrade.to}",
+            ],
+        );
+        assert_eq!(recorded, format!("Refused|{version}"));
         kubectl_ok(&good_kc, &["get", "--raw", "/version"]);
         for (kind, part) in [
             ("nestedetcd", "etcd"),
@@ -580,12 +592,12 @@ async fn operator_killed_mid_creation_converges_with_the_same_ca() {
     op.kill();
 }
 
-/// Register `version` as a second patch of Kubernetes backed by this machine's 1.20.2
-/// binaries (only 1.20.2 is built here): a bin directory with everything of
-/// `$NESTPLANE_BIN_DIR` and a `version/` directory of the three server binaries, made this
-/// process's `NESTPLANE_BIN_DIR`. Called first thing in a test (nextest runs each test in its
-/// own process), before anything reads the environment.
-fn register_patch(version: &str) -> tempfile::TempDir {
+/// Register `versions` as versions of Kubernetes backed by this machine's 1.20.2 binaries
+/// (only 1.20.2 is built here): a bin directory with everything of `$NESTPLANE_BIN_DIR` and a
+/// `vX.Y.Z/` directory of the three server binaries per version, made this process's
+/// `NESTPLANE_BIN_DIR`. Called first thing in a test (nextest runs each test in its own
+/// process), before anything reads the environment.
+fn register_versions(versions: &[&str]) -> tempfile::TempDir {
     use std::os::unix::fs::{PermissionsExt, symlink};
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -595,16 +607,18 @@ fn register_patch(version: &str) -> tempfile::TempDir {
     for entry in std::fs::read_dir(&real).unwrap().flatten() {
         symlink(entry.path(), dir.path().join(entry.file_name())).unwrap();
     }
-    let versioned = dir.path().join(version);
-    std::fs::create_dir(&versioned).unwrap();
-    for name in [
-        "kube-apiserver",
-        "kube-controller-manager",
-        "kube-scheduler",
-    ] {
-        let binary = nestplane_runtime::binaries::kubernetes(name, "v1.20.2")
-            .unwrap_or_else(|e| panic!("{e}"));
-        symlink(binary, versioned.join(name)).unwrap();
+    for version in versions {
+        let versioned = dir.path().join(version);
+        std::fs::create_dir(&versioned).unwrap();
+        for name in [
+            "kube-apiserver",
+            "kube-controller-manager",
+            "kube-scheduler",
+        ] {
+            let binary = nestplane_runtime::binaries::kubernetes(name, "v1.20.2")
+                .unwrap_or_else(|e| panic!("{e}"));
+            symlink(binary, versioned.join(name)).unwrap();
+        }
     }
     // SAFETY: the test has not started anything that reads the environment yet.
     #[allow(unsafe_code)]
@@ -623,7 +637,9 @@ fn started(pid: u32) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_moves_the_parts_in_order_and_reports_its_steps() {
-    let _bin = register_patch("v1.20.3");
+    // v1.21.0 and v1.22.0 are offered as steps but never run here: the change to them is
+    // refused before anything moves.
+    let _bin = register_versions(&["v1.20.3", "v1.21.0", "v1.22.0"]);
     let env = Env::start(true).await;
     env.apply("apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata:\n  name: up\n  namespace: default\nspec:\n  version: v1.20.2\n  replicas: 2\n");
     env.wait_ready("default", "up", READY).await;
@@ -644,18 +660,42 @@ async fn an_upgrade_moves_the_parts_in_order_and_reports_its_steps() {
         ("scheduler", 0),
     ];
     let before: Vec<u32> = parts.iter().map(|(p, i)| pid(p, *i)).collect();
+    let set_version = |v: &str| {
+        let patch = format!("{{\"spec\":{{\"version\":\"{v}\"}}}}");
+        kubectl_ok(&kc, &["patch", "ncp", "up", "--type=merge", "-p", &patch]);
+    };
 
+    // A client uses an API that 1.22 removes: a change to 1.22 (through 1.21) is refused
+    // before any step, naming it, as the tenant's API server counted it.
+    let tkc = env.tenant_kubeconfig("default", "up").await;
     kubectl_ok(
-        &kc,
-        &[
-            "patch",
-            "ncp",
-            "up",
-            "--type=merge",
-            "-p",
-            r#"{"spec":{"version":"v1.20.3"}}"#,
-        ],
+        &tkc,
+        &["get", "--raw", "/apis/extensions/v1beta1/ingresses"],
     );
+    set_version("v1.22.0");
+    let refused = eventually("RemovedAPIsInUse", Duration::from_secs(60), || {
+        let c = upgrading();
+        c.starts_with("False|RemovedAPIsInUse|").then_some(c)
+    });
+    assert!(
+        refused.contains("extensions/v1beta1 ingresses (removed in 1.22)")
+            && refused.contains("nestplane.io/upgrade-despite-removed-apis=v1.22.0"),
+        "{refused}"
+    );
+    assert_eq!(
+        jsonpath(
+            &kc,
+            &["ncp", "up"],
+            "{.status.upgrade.phase}|{.status.upgrade.to}"
+        ),
+        "Refused|v1.22.0"
+    );
+    let now: Vec<u32> = parts.iter().map(|(p, i)| pid(p, *i)).collect();
+    assert_eq!(now, before, "a refused change moved a process");
+
+    // A patch takes no minor step: nothing to check.
+    let asked = std::time::Instant::now();
+    set_version("v1.20.3");
     // While it moves, the control plane says so, and what waits says for what.
     let moving = eventually("Upgrading=True", Duration::from_secs(30), || {
         let c = upgrading();
@@ -671,6 +711,8 @@ async fn an_upgrade_moves_the_parts_in_order_and_reports_its_steps() {
         got.starts_with("Completed|").then_some(got)
     });
     assert_eq!(done, r#"Completed|v1.20.2|v1.20.3|["v1.20.3"]"#);
+    // (a figure for docs/operations.md, not an assertion)
+    eprintln!("upgrade: patched → Completed in {:?}", asked.elapsed());
     for (kind, part) in [
         ("nestedetcd", "etcd"),
         ("nestedapiserver", "apiserver"),
@@ -707,12 +749,12 @@ async fn an_upgrade_moves_the_parts_in_order_and_reports_its_steps() {
         assert_ne!(after[i], before[i], "{part}-{n} was not replaced");
     }
     let t: Vec<u64> = after.iter().map(|p| started(*p)).collect();
+    eprintln!("upgrade: process start times (clock ticks) {parts:?} {t:?}");
     assert!(t[1] < t[2], "API server replica 0 first: {t:?}");
     assert!(
         t[3] > t[2] && t[4] > t[2],
         "the controller manager and scheduler after every API server: {t:?}"
     );
     // The tenant answers.
-    let tkc = env.tenant_kubeconfig("default", "up").await;
     kubectl_ok(&tkc, &["get", "ns", "default"]);
 }

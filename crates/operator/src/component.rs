@@ -388,6 +388,18 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<O
 /// tenant (a shared datastore's etcd is not the tenant's), whoever runs it; whether it can run
 /// a version here is asked only of the components this operator runs.
 pub(crate) fn version_change(ctx: &Context, t: &Tenant) -> crate::tenant::VersionChange {
+    let change = planned(ctx, t);
+    // A minor step waits for, or is refused on, the APIs it removes that clients use.
+    match &change {
+        crate::tenant::VersionChange::Moving(plan) => {
+            crate::removed::hold(ctx, t, plan).unwrap_or(change)
+        }
+        _ => change,
+    }
+}
+
+/// [`version_change`] by the version rules alone (before removed APIs are considered).
+pub(crate) fn planned(ctx: &Context, t: &Tenant) -> crate::tenant::VersionChange {
     let parts: Vec<Component> = Component::ALL
         .into_iter()
         .filter(|&d| d != Component::Etcd || t.ncp.spec.datastore_ref.is_none())

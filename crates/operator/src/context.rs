@@ -392,6 +392,8 @@ pub struct Context {
     pub written: crate::written::Written,
     /// Which component controllers run here.
     pub controllers: Controllers,
+    /// The API servers' requests of APIs a pending minor step removes.
+    pub removed_apis: crate::removed::Readings,
 }
 
 /// The controllers besides the four component controllers, by kind.
@@ -563,6 +565,7 @@ impl Context {
             clock: Default::default(),
             caches: Default::default(),
             written: Default::default(),
+            removed_apis: Default::default(),
             controllers: Controllers::default(),
         }
     }

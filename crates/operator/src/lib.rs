@@ -24,6 +24,7 @@ pub mod ncp;
 pub mod pacing;
 pub mod postcreate;
 pub mod process;
+pub mod removed;
 pub mod runtime;
 pub mod secrets;
 pub mod server;

@@ -50,6 +50,14 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             problem.get_or_insert(p);
         }
     }
+    // A minor step about to start reads which APIs it removes the tenant's clients use.
+    let mut checking = false;
+    if problem.is_none() && !paused {
+        let change = crate::component::planned(&ctx, &tenant);
+        checking = crate::removed::refresh(&ctx, &tenant, &change)
+            .await
+            .at("removed APIs")?;
+    }
     let new_status = next_status(&ctx, &ncp, &tenant, binding.as_ref(), &problem, paused)
         .await
         .at("status")?;
@@ -60,7 +68,9 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             .await
             .at("status")?;
     }
-    Ok(if problem.is_none() && tenant.cluster_paused {
+    Ok(if checking {
+        Action::requeue(REMOVED_APIS_RECHECK)
+    } else if problem.is_none() && tenant.cluster_paused {
         // A Cluster's pause is not watched: look again shortly.
         Action::requeue(crate::component::CLUSTER_PAUSE_RECHECK)
     } else if problem.is_some() || paused {
@@ -69,6 +79,9 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         Action::requeue(RESYNC)
     })
 }
+
+/// How soon a change waiting for its API server's metric is looked at again.
+const REMOVED_APIS_RECHECK: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// The finalizer (its own write first: the identity is fixed with it, see
 /// `finalizer_patch`), components created or adopted, the endpoint, the etcd CA where etcd is
@@ -333,10 +346,24 @@ pub(crate) fn upgrade_of(
         VersionChange::Refused(..) if oldest.is_none() => (None, None),
         VersionChange::Refused(reason, msg) => {
             let message = format!("{msg}; every component keeps the version it runs");
+            let phase = if *reason == crate::removed::CHECKING {
+                "Checking"
+            } else {
+                "Refused"
+            };
+            // What was asked for, as written when it is no version at all (never empty: the
+            // 1.20 API server turns an empty string into a null, which the schema refuses).
             let to = tenant
                 .version(Component::ApiServer)
                 .map(|v| v.to_string())
-                .unwrap_or_default();
+                .unwrap_or_else(|_| {
+                    tenant
+                        .spec_of(Component::ApiServer)
+                        .and_then(|s| s.version.clone().or(s.channel.clone()))
+                        .or(tenant.ncp.spec.version.clone())
+                        .filter(|v| !v.trim().is_empty())
+                        .unwrap_or_else(|| "(unreadable)".into())
+                });
             (
                 Some(conditions::new(
                     types::UPGRADING,
@@ -349,7 +376,7 @@ pub(crate) fn upgrade_of(
                     to,
                     steps: vec![],
                     current_step: None,
-                    phase: "Refused".into(),
+                    phase: phase.into(),
                     message: Some(format!("{reason}: {message}")),
                 }),
             )
@@ -441,7 +468,7 @@ async fn write_status(
         && upgrading(ncp.status.as_ref()).map(|(s, r, _)| (s, r))
             != Some((status.clone(), reason.clone()))
     {
-        let type_ = if status == "True" {
+        let type_ = if status == "True" || reason == crate::removed::CHECKING {
             EventType::Normal
         } else {
             EventType::Warning
@@ -659,6 +686,7 @@ async fn cleanup(
 ) -> Result<Action, Error> {
     let ns = ncp.namespace().unwrap_or_default();
     let name = tenant::cluster_name(ncp);
+    ctx.removed_apis.forget(&format!("{ns}/{}", ncp.name_any()));
     if !crate::finalizer::has(ncp, names::FINALIZER) {
         return Ok(Action::await_change());
     }

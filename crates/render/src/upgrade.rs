@@ -245,3 +245,105 @@ mod tests {
         }
     }
 }
+
+/// An API a tenant's clients requested that a later Kubernetes minor removes (one series of
+/// the API server's `apiserver_requested_deprecated_apis` metric).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemovedApi {
+    /// `group/version` (`v1` style for the core group).
+    pub group_version: String,
+    /// The resource, with `/subresource` when one was requested.
+    pub resource: String,
+    /// The minor of 1.x that removes it.
+    pub removed_in: u32,
+}
+
+impl fmt::Display for RemovedApi {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {} (removed in 1.{})",
+            self.group_version, self.resource, self.removed_in
+        )
+    }
+}
+
+/// The requested APIs that some release removes, from an API server's Prometheus text
+/// (`/metrics`): the series of `apiserver_requested_deprecated_apis` whose value is not 0 and
+/// that name a `removed_release`. Pure; anything it cannot read is skipped.
+pub fn requested_removed_apis(metrics: &str) -> Vec<RemovedApi> {
+    let mut out: Vec<RemovedApi> = metrics
+        .lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix("apiserver_requested_deprecated_apis{")?;
+            let (labels, value) = rest.split_once('}')?;
+            let value: f64 = value.trim().parse().ok()?;
+            if value == 0.0 {
+                return None;
+            }
+            let label = |name: &str| -> Option<&str> {
+                labels.split(',').find_map(|kv| {
+                    let (k, v) = kv.split_once('=')?;
+                    (k.trim() == name).then(|| v.trim().trim_matches('"'))
+                })
+            };
+            let removed = label("removed_release")?;
+            let removed_in = removed.strip_prefix("1.")?.parse().ok()?;
+            let group = label("group").unwrap_or_default();
+            let version = label("version")?;
+            let resource = label("resource")?;
+            let sub = label("subresource").unwrap_or_default();
+            Some(RemovedApi {
+                group_version: if group.is_empty() {
+                    version.to_string()
+                } else {
+                    format!("{group}/{version}")
+                },
+                resource: if sub.is_empty() {
+                    resource.to_string()
+                } else {
+                    format!("{resource}/{sub}")
+                },
+                removed_in,
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| {
+        (a.removed_in, &a.group_version, &a.resource).cmp(&(
+            b.removed_in,
+            &b.group_version,
+            &b.resource,
+        ))
+    });
+    out.dedup();
+    out
+}
+
+#[cfg(test)]
+mod removed_tests {
+    use super::*;
+
+    #[test]
+    fn requested_apis_that_a_release_removes_are_read_from_the_metric() {
+        let text = r#"# HELP apiserver_requested_deprecated_apis [ALPHA] Gauge of deprecated APIs that have been requested, broken out by API group, version, resource, subresource, and removed_release.
+# TYPE apiserver_requested_deprecated_apis gauge
+apiserver_requested_deprecated_apis{group="extensions",removed_release="1.22",resource="ingresses",subresource="",version="v1beta1"} 1
+apiserver_requested_deprecated_apis{group="policy",removed_release="1.25",resource="podsecuritypolicies",subresource="",version="v1beta1"} 1
+apiserver_requested_deprecated_apis{group="",removed_release="1.99",resource="things",subresource="status",version="v1"} 1
+apiserver_requested_deprecated_apis{group="batch",removed_release="",resource="cronjobs",subresource="",version="v2alpha1"} 1
+apiserver_requested_deprecated_apis{group="apps",removed_release="1.16",resource="deployments",subresource="",version="v1beta1"} 0
+apiserver_request_total{code="200"} 5
+"#;
+        let got = requested_removed_apis(text);
+        let shown: Vec<String> = got.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            shown,
+            [
+                "extensions/v1beta1 ingresses (removed in 1.22)",
+                "policy/v1beta1 podsecuritypolicies (removed in 1.25)",
+                "v1 things/status (removed in 1.99)",
+            ]
+        );
+        assert!(requested_removed_apis("garbage{\n}{ 1").is_empty());
+    }
+}
