@@ -478,14 +478,23 @@ fn gate(ctx: &Context, t: &Tenant, c: Component, key: &str) -> Result<Gate, Erro
             None => {
                 // Its own missing binary is said first (the message names it).
                 ctx.runtime.can_run(c, &version)?;
-                return stop(reason, msg, Some(REFUSED_RECHECK), Some(EventType::Warning));
+                // Waiting for a reading is no problem of the spec.
+                let event = if reason == crate::removed::CHECKING {
+                    EventType::Normal
+                } else {
+                    EventType::Warning
+                };
+                return stop(reason, msg, Some(REFUSED_RECHECK), Some(event));
             }
         },
         // Accepted: the parts move in order, each to its version of the step under way once
         // what it depends on runs its own, Ready (etcd, then the API servers, then the
         // controller manager and the scheduler); until then it keeps what it was rendered at.
         crate::tenant::VersionChange::Moving(plan) => match plan.step_version(c) {
-            Some(step) => match (t.held_by(&plan, c), t.rendered_version(c)) {
+            Some(step) => match (
+                t.held_by(&plan, c, |d| ctx.runs_here(t, d)),
+                t.rendered_version(c),
+            ) {
                 (None, _) => step,
                 (Some(_), Some(rendered)) => rendered,
                 (Some((d, v)), None) => {

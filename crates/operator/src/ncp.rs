@@ -54,9 +54,13 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
     let mut checking = false;
     if problem.is_none() && !paused {
         let change = crate::component::planned(&ctx, &tenant);
+        // (a failure to read is no reason to stop the pass: the change waits, as it says)
         checking = crate::removed::refresh(&ctx, &tenant, &change)
             .await
-            .at("removed APIs")?;
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "reading the API server's requests of removed APIs");
+                true
+            });
     }
     let new_status = next_status(&ctx, &ncp, &tenant, binding.as_ref(), &problem, paused)
         .await
@@ -298,7 +302,7 @@ fn upgrade_state(
     Option<nestplane_api::UpgradeStatus>,
 ) {
     let change = crate::component::version_change(ctx, tenant);
-    upgrade_of(tenant, &change, previous)
+    upgrade_of(tenant, &change, previous, &|d| ctx.runs_here(tenant, d))
 }
 
 /// [`upgrade_state`]'s pure part.
@@ -311,6 +315,7 @@ pub(crate) fn upgrade_of(
     tenant: &Tenant,
     change: &crate::tenant::VersionChange,
     previous: Option<&nestplane_api::UpgradeStatus>,
+    steps_here: &dyn Fn(Component) -> bool,
 ) -> (
     Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
     Option<nestplane_api::UpgradeStatus>,
@@ -364,6 +369,8 @@ pub(crate) fn upgrade_of(
                         .filter(|v| !v.trim().is_empty())
                         .unwrap_or_else(|| "(unreadable)".into())
                 });
+            // What was planned is kept while the same change waits or is refused.
+            let same = previous.filter(|p| p.phase != "Completed" && p.to == to);
             (
                 Some(conditions::new(
                     types::UPGRADING,
@@ -372,19 +379,25 @@ pub(crate) fn upgrade_of(
                     message.clone(),
                 )),
                 Some(UpgradeStatus {
-                    from: oldest.map(|v| v.to_string()).unwrap_or_default(),
-                    to,
-                    steps: vec![],
+                    from: same
+                        .map(|p| p.from.clone())
+                        .or(oldest.map(|v| v.to_string()))
+                        .unwrap_or_default(),
+                    to: conditions::cut(&to, 256),
+                    steps: same.map(|p| p.steps.clone()).unwrap_or_default(),
                     current_step: None,
                     phase: phase.into(),
-                    message: Some(format!("{reason}: {message}")),
+                    message: Some(conditions::cut(
+                        &format!("{reason}: {message}"),
+                        conditions::MAX_MESSAGE,
+                    )),
                 }),
             )
         }
         VersionChange::Moving(plan) => {
             let parts: Vec<String> = plan
                 .moves()
-                .map(|(c, from, to)| match tenant.held_by(plan, c) {
+                .map(|(c, from, to)| match tenant.held_by(plan, c, steps_here) {
                     Some((d, _)) if tenant.rendered_version(c) != Some(to) => format!(
                         "{} {from} → {to} (after {})",
                         tenant::kind_of(c),
@@ -394,7 +407,9 @@ pub(crate) fn upgrade_of(
                 })
                 .collect();
             let to = plan.to.to_string();
-            let kept = previous.filter(|p| p.phase == "Progressing" && p.to == to);
+            // The same change goes on (a wait or a refusal in between does not make it new).
+            let kept =
+                previous.filter(|p| p.phase != "Completed" && p.to == to && !p.steps.is_empty());
             let step = plan.steps.first().copied().unwrap_or(plan.to);
             let steps = kept
                 .map(|p| p.steps.clone())
@@ -481,6 +496,7 @@ async fn write_status(
         |st: Option<&nestplane_api::NestedControlPlaneStatus>| st.and_then(|s| s.upgrade.clone());
     if let (Some(was), Some(now)) = (upgrade(ncp.status.as_ref()), upgrade(Some(&new_status)))
         && was.phase == "Progressing"
+        && (now.phase == "Progressing" || now.phase == "Completed")
         && was.to == now.to
         && was.current_step != now.current_step
         && let Some(reached) = &was.current_step
@@ -781,7 +797,7 @@ mod tests {
         let newest = |minor: u32| (minor == 21).then_some(4);
         // Begun: from, to and the steps; the parts that wait say for what.
         let t = running("v1.22.1", [Some("v1.20.2"); 4]);
-        let (cond, up) = upgrade_of(&t, &judged(&t, newest), None);
+        let (cond, up) = upgrade_of(&t, &judged(&t, newest), None, &|_| true);
         let cond = cond.expect("Upgrading");
         assert_eq!(
             (cond.status.as_str(), cond.reason.as_str()),
@@ -805,15 +821,31 @@ mod tests {
         assert_eq!(up.current_step.as_deref(), Some("v1.21.4"));
         // The second step keeps where the change began and its steps.
         let t = running("v1.22.1", [Some("v1.21.4"); 4]);
-        let (cond, next) = upgrade_of(&t, &judged(&t, newest), Some(&up));
+        let (cond, next) = upgrade_of(&t, &judged(&t, newest), Some(&up), &|_| true);
         let next = next.expect("status.upgrade");
         assert_eq!(next.from, "v1.20.2");
         assert_eq!(next.steps, ["v1.21.4", "v1.22.1"]);
         assert_eq!(next.current_step.as_deref(), Some("v1.22.1"));
         assert!(cond.expect("Upgrading").message.starts_with("step 2 of 2"));
+        // A refusal in the middle (a binary gone, say) keeps what was planned, and the
+        // change picks up where it was.
+        let refused_midway = crate::tenant::VersionChange::Refused(
+            "VersionUnavailable",
+            "no kube-apiserver for v1.22.1".into(),
+        );
+        let (_, midway) = upgrade_of(&t, &refused_midway, Some(&next), &|_| true);
+        let midway = midway.expect("recorded");
+        assert_eq!(midway.phase, "Refused");
+        assert_eq!(midway.steps, ["v1.21.4", "v1.22.1"]);
+        let (_, again) = upgrade_of(&t, &judged(&t, newest), Some(&midway), &|_| true);
+        let again = again.expect("status.upgrade");
+        assert_eq!(
+            (again.from.as_str(), again.current_step.as_deref()),
+            ("v1.20.2", Some("v1.22.1"))
+        );
         // Done: the condition goes, the record stays, Completed.
         let t = running("v1.22.1", [Some("v1.22.1"); 4]);
-        let (cond, done) = upgrade_of(&t, &judged(&t, newest), Some(&next));
+        let (cond, done) = upgrade_of(&t, &judged(&t, newest), Some(&next), &|_| true);
         assert!(cond.is_none());
         let done = done.expect("kept");
         assert_eq!(
@@ -822,7 +854,7 @@ mod tests {
         );
         assert_eq!(done.from, "v1.20.2");
         // ...and stays so on later passes.
-        let (_, again) = upgrade_of(&t, &judged(&t, newest), Some(&done));
+        let (_, again) = upgrade_of(&t, &judged(&t, newest), Some(&done), &|_| true);
         assert_eq!(again.as_ref(), Some(&done));
 
         // Refused: False with the reason; recorded, and gone once withdrawn.
@@ -832,7 +864,7 @@ mod tests {
             t.ncp.spec.version = Some("v1.20.2".into());
             t
         };
-        let (cond, refused) = upgrade_of(&t, &judged(&t, newest), Some(&done));
+        let (cond, refused) = upgrade_of(&t, &judged(&t, newest), Some(&done), &|_| true);
         let cond = cond.expect("Upgrading");
         assert_eq!(
             (cond.status.as_str(), cond.reason.as_str()),
@@ -849,12 +881,15 @@ mod tests {
         );
         let t = running("v1.22.1", [Some("v1.22.1"); 4]);
         assert_eq!(
-            upgrade_of(&t, &judged(&t, newest), Some(&refused)),
+            upgrade_of(&t, &judged(&t, newest), Some(&refused), &|_| true),
             (None, None)
         );
         // A change withdrawn half way (asked for what the API server still runs) is not
         // reported as completed.
         let t = running("v1.20.2", [Some("v1.20.2"); 4]);
-        assert_eq!(upgrade_of(&t, &judged(&t, newest), Some(&up)), (None, None));
+        assert_eq!(
+            upgrade_of(&t, &judged(&t, newest), Some(&up), &|_| true),
+            (None, None)
+        );
     }
 }

@@ -46,12 +46,14 @@ impl Readings {
             .map(|(_, _, apis)| apis.clone())
     }
 
-    /// Whether a reading at `apiserver` is missing or old (an old one still stands until the
-    /// new one replaces it).
+    /// Whether a reading at `apiserver` is missing, or names APIs and is old (it still
+    /// stands until the new one replaces it). A reading that named none is never taken again
+    /// for that API server version: nothing can turn a change it let go into a refusal.
     fn due(&self, key: &str, apiserver: KubeVersion) -> bool {
         let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        !map.get(key)
-            .is_some_and(|(v, at, _)| *v == apiserver && at.elapsed() < READING_TTL)
+        !map.get(key).is_some_and(|(v, at, apis)| {
+            *v == apiserver && (apis.is_empty() || at.elapsed() < READING_TTL)
+        })
     }
 
     fn put(&self, key: String, apiserver: KubeVersion, apis: Vec<RemovedApi>) {
@@ -65,18 +67,28 @@ impl Readings {
     }
 }
 
-/// The minor step `plan` is about to take, if its API server has not started it: the version
-/// the API server runs (whose metric counts) and the minors the rest of the change removes
-/// APIs in.
+/// The minor step `plan` is about to take, if no part has started it: the version the API
+/// server runs (whose metric counts) and the minors the rest of the change removes APIs in.
+/// A step has started once a part runs it or the API server was rendered at it; from then on
+/// it is never refused on these grounds (going back would be a downgrade for what moved).
 pub fn pending_minor_step(
     t: &Tenant,
     plan: &Plan,
 ) -> Option<(KubeVersion, std::ops::RangeInclusive<u32>)> {
     let running = t.running_version(Component::ApiServer)?;
     let step = plan.step_version(Component::ApiServer)?;
+    if step.minor <= running.minor {
+        return None;
+    }
     let rendered = t.rendered_version(Component::ApiServer).unwrap_or(running);
-    let started = (rendered.major, rendered.minor) != (running.major, running.minor);
-    (step.minor > running.minor && !started).then(|| (running, running.minor + 1..=plan.to.minor))
+    let some_part_there = plan.parts.iter().any(|&(c, r, at_step)| {
+        at_step.minor == step.minor && r.is_some_and(|r| r.minor == step.minor) && {
+            // (a part that was there before the change is not the change's move)
+            t.version(c).is_ok_and(|want| want.minor > running.minor)
+        }
+    });
+    let started = rendered.minor != running.minor || some_part_there;
+    (!started).then(|| (running, running.minor + 1..=plan.to.minor))
 }
 
 /// [`VersionChange::Refused`] for `plan` on the grounds of removed APIs, given the reading
@@ -101,8 +113,8 @@ pub fn verdict(
         return Some(VersionChange::Refused(
             CHECKING,
             format!(
-                "reading which APIs removed on the way to {} the tenant's clients requested (the API server's apiserver_requested_deprecated_apis)",
-                plan.to
+                "reading which APIs removed on the way to {} the tenant's clients requested (the API server's apiserver_requested_deprecated_apis); annotate the control plane {FORCE_ANNOTATION}={} to go without",
+                plan.to, plan.to
             ),
         ));
     };
@@ -128,8 +140,12 @@ fn key(t: &Tenant) -> String {
     format!("{}/{}", t.namespace(), t.ncp.name_any())
 }
 
-/// The verdict with this operator's readings.
+/// The verdict with this operator's readings. Where another operator runs the control
+/// planes' controller (`--controllers`), nothing here reads the metric: no hold.
 pub fn hold(ctx: &Context, t: &Tenant, plan: &Plan) -> Option<VersionChange> {
+    if !ctx.controllers.runs_named("NestedControlPlane") {
+        return None;
+    }
     let key = key(t);
     verdict(t, plan, |v| ctx.removed_apis.get(&key, v))
 }
@@ -157,7 +173,7 @@ pub async fn refresh(ctx: &Context, t: &Tenant, change: &VersionChange) -> Resul
     let request = http::Request::get("/metrics")
         .body(Vec::new())
         .map_err(|e| Error::Internal(e.to_string()))?;
-    match client.request_text(request).await {
+    match read_metric(&client, request).await {
         Ok(text) => {
             let apis = nestplane_render::upgrade::requested_removed_apis(&text);
             tracing::info!(tenant = %key, %apiserver, removed = apis.len(), "read the API server's requests of removed APIs");
@@ -169,6 +185,40 @@ pub async fn refresh(ctx: &Context, t: &Tenant, change: &VersionChange) -> Resul
             Ok(waiting)
         }
     }
+}
+
+/// At most this much of an API server's `/metrics` is read (a tenant admin decides how many
+/// series there are).
+const MAX_METRICS_BYTES: u64 = 64 << 20;
+/// And for at most this long.
+const READ_DEADLINE: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// The `apiserver_requested_deprecated_apis` lines of the API server's metrics, read as a
+/// stream within [`MAX_METRICS_BYTES`] and [`READ_DEADLINE`].
+async fn read_metric(
+    client: &kube::Client,
+    request: http::Request<Vec<u8>>,
+) -> Result<String, String> {
+    use futures::{AsyncBufReadExt, AsyncReadExt, StreamExt};
+    let read = async {
+        let stream = client
+            .request_stream(request)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut lines = stream.take(MAX_METRICS_BYTES).lines();
+        let mut kept = String::new();
+        while let Some(line) = lines.next().await {
+            let line = line.map_err(|e| e.to_string())?;
+            if line.starts_with("apiserver_requested_deprecated_apis{") {
+                kept.push_str(&line);
+                kept.push('\n');
+            }
+        }
+        Ok(kept)
+    };
+    tokio::time::timeout(READ_DEADLINE, read)
+        .await
+        .map_err(|_| format!("no answer within {READ_DEADLINE:?}"))?
 }
 
 #[cfg(test)]

@@ -684,6 +684,13 @@ impl Tenant {
             .and_then(|a| a.get(names::RENDERED_VERSION_ANNOTATION))
             .and_then(|v| nestplane_render::KubeVersion::parse(v).ok())
             .filter(|r| version_step_refused(c, running, *r).is_none())
+            // The controller manager and scheduler never pass the API server that runs.
+            .filter(|r| match c {
+                Component::ControllerManager | Component::Scheduler => self
+                    .running_version(Component::ApiServer)
+                    .is_none_or(|a| (r.major, r.minor) <= (a.major, a.minor)),
+                _ => true,
+            })
             .or(Some(running))
     }
 
@@ -730,18 +737,19 @@ impl Tenant {
         else {
             return VersionChange::None;
         };
-        // The plane is where its oldest part is; the steps go from there.
-        let from = finals.iter().filter_map(|(_, r, _)| *r).min();
+        // The plane is where its oldest moving part is; the steps go from there. A part that
+        // runs what it is asked for (its own version pinned, say) is not moving.
+        let from = finals
+            .iter()
+            .filter_map(|(_, r, want)| r.filter(|r| r != want))
+            .min();
         let steps = match from {
             None => vec![],
             Some(from) => match upgrade::steps(from, to, &newest_patch) {
                 Ok(steps) => steps,
-                Err(r @ upgrade::Refusal::MinorDowngrade { .. }) => {
-                    return VersionChange::Refused(
-                        reasons::DOWNGRADE_REFUSED,
-                        format!("{}: {r}", kind_of(Component::ApiServer)),
-                    );
-                }
+                // Going down: no steps; whether each part may go back is judged per part below
+                // (the API server never a minor, etcd never a minor of etcd).
+                Err(upgrade::Refusal::MinorDowngrade { .. }) => vec![],
                 Err(upgrade::Refusal::NoStepVersion { minor, .. }) => {
                     let between: Vec<String> = (from.minor + 1..=to.minor)
                         .map(|m| format!("1.{m}"))
@@ -770,8 +778,15 @@ impl Tenant {
         let step = steps.first().copied().unwrap_or(to);
         let mut planned = Vec::new();
         let mut unavailable = None;
+        let minor = |v: KubeVersion| (v.major, v.minor);
         for &(c, running, want) in &finals {
-            let at_step = capped(want, step);
+            // A part never goes below the minor it runs: one already at or past the step's
+            // minor, going further, waits there for the others.
+            let at_step = match running {
+                Some(r) if r == want => want,
+                Some(r) if minor(want) > minor(step) && minor(r) >= minor(step) => r,
+                _ => capped(want, step),
+            };
             planned.push((c, running, at_step));
             if let Some(from) = running.filter(|r| *r != at_step)
                 && let Some(refused) = version_step_refused(c, from, at_step)
@@ -839,15 +854,18 @@ impl Tenant {
 
     /// What keeps `c` from moving to its version of the plan's step: the first part it
     /// depends on (etcd for the API server, the API server for the others) that does not yet
-    /// run its own version of the step, Ready. `None`: `c` may move.
+    /// run its own version of the step, Ready. A part `steps_here` says another controller
+    /// runs (which knows nothing of steps) need only be Ready. `None`: `c` may move.
     pub fn held_by(
         &self,
         plan: &Plan,
         c: Component,
+        steps_here: impl Fn(Component) -> bool,
     ) -> Option<(Component, nestplane_render::KubeVersion)> {
         c.dependencies().iter().find_map(|&d| {
             let step = plan.step_version(d)?;
-            (self.running_version(d) != Some(step) || !self.ready(d)).then_some((d, step))
+            let behind = steps_here(d) && self.running_version(d) != Some(step);
+            (behind || !self.ready(d)).then_some((d, step))
         })
     }
 
@@ -1132,13 +1150,13 @@ pub(crate) mod tests {
         for c in all {
             assert_eq!(p.step_version(c), Some(v("v1.21.4")), "{c:?}");
         }
-        assert_eq!(t.held_by(&p, Component::Etcd), None);
+        assert_eq!(t.held_by(&p, Component::Etcd, |_| true), None);
         assert_eq!(
-            t.held_by(&p, Component::ApiServer),
+            t.held_by(&p, Component::ApiServer, |_| true),
             Some((Component::Etcd, v("v1.21.4")))
         );
         assert_eq!(
-            t.held_by(&p, Component::Scheduler),
+            t.held_by(&p, Component::Scheduler, |_| true),
             Some((Component::ApiServer, v("v1.21.4")))
         );
         // etcd reached the step: the API servers go; nobody goes on to 1.22 yet.
@@ -1154,8 +1172,11 @@ pub(crate) mod tests {
         let p = plan(&t);
         assert_eq!(p.step_version(Component::Etcd), Some(v("v1.21.4")));
         assert_eq!(p.moves().count(), 3);
-        assert_eq!(t.held_by(&p, Component::ApiServer), None);
-        assert!(t.held_by(&p, Component::ControllerManager).is_some());
+        assert_eq!(t.held_by(&p, Component::ApiServer, |_| true), None);
+        assert!(
+            t.held_by(&p, Component::ControllerManager, |_| true)
+                .is_some()
+        );
         // The API server reached it: the controller manager and scheduler go.
         let t = running(
             "v1.22.1",
@@ -1167,15 +1188,15 @@ pub(crate) mod tests {
             ],
         );
         let p = plan(&t);
-        assert_eq!(t.held_by(&p, Component::ControllerManager), None);
+        assert_eq!(t.held_by(&p, Component::ControllerManager, |_| true), None);
         assert_eq!(p.steps.len(), 2, "still the first step");
         // Every part at the first step: the second begins, with etcd.
         let t = running("v1.22.1", [Some("v1.21.4"); 4]);
         let p = plan(&t);
         assert_eq!(p.steps, vec![v("v1.22.1")]);
         assert_eq!(p.from, v("v1.21.4"));
-        assert_eq!(t.held_by(&p, Component::Etcd), None);
-        assert!(t.held_by(&p, Component::ApiServer).is_some());
+        assert_eq!(t.held_by(&p, Component::Etcd, |_| true), None);
+        assert!(t.held_by(&p, Component::ApiServer, |_| true).is_some());
         // A part that is not Ready at its step holds what depends on it.
         let mut t = running(
             "v1.22.1",
@@ -1190,7 +1211,7 @@ pub(crate) mod tests {
             e.status.as_mut().expect("status").common.ready = false;
         }
         let p = plan(&t);
-        assert!(t.held_by(&p, Component::ApiServer).is_some());
+        assert!(t.held_by(&p, Component::ApiServer, |_| true).is_some());
 
         // A step that some part cannot run is refused before anything starts.
         let no_121_scheduler = |c: Component, v: &nestplane_render::KubeVersion| {
@@ -1214,6 +1235,51 @@ pub(crate) mod tests {
             t.version_change(&all, any, newest),
             VersionChange::Refused("UnsupportedSkew", m) if m.contains("NestedControllerManager")
         ));
+        // A part pinned at what it runs is not moving: it neither sets the step nor is
+        // planned below itself; the others go on to the end.
+        let mut t = running(
+            "v1.22.1",
+            [
+                Some("v1.20.2"),
+                Some("v1.21.4"),
+                Some("v1.21.4"),
+                Some("v1.21.4"),
+            ],
+        );
+        if let Lookup::Found(e) = &mut t.etcd {
+            e.spec.component.version = Some("v1.20.2".into());
+        }
+        let p = plan(&t);
+        assert_eq!(p.step_version(Component::Etcd), Some(v("v1.20.2")));
+        assert_eq!(p.step_version(Component::ApiServer), Some(v("v1.22.1")));
+        assert_eq!(p.from, v("v1.21.4"));
+        let mut t = running(
+            "v1.20.5",
+            [
+                Some("v1.22.0"),
+                Some("v1.20.2"),
+                Some("v1.20.2"),
+                Some("v1.20.2"),
+            ],
+        );
+        if let Lookup::Found(e) = &mut t.etcd {
+            e.spec.component.version = Some("v1.22.0".into());
+        }
+        let p = plan(&t);
+        assert_eq!(
+            p.step_version(Component::Etcd),
+            Some(v("v1.22.0")),
+            "pinned newer, kept"
+        );
+        assert_eq!(p.moves().count(), 3);
+        // A dependency another controller runs need only be Ready.
+        let t = running("v1.22.1", [Some("v1.20.2"); 4]);
+        let p = plan(&t);
+        assert!(t.held_by(&p, Component::ApiServer, |_| true).is_some());
+        assert_eq!(
+            t.held_by(&p, Component::ApiServer, |d| d != Component::Etcd),
+            None
+        );
         // With nothing to step through, the jump is refused, naming the missing minor.
         assert!(matches!(
             running("v1.23.0", [Some("v1.20.2"); 4]).version_change(&all, any, newest),
