@@ -1,0 +1,153 @@
+//! A TLS-passthrough router: many tenants' API servers behind one address and port. It reads
+//! the server name of each connection's ClientHello ([`sni`]) without terminating TLS and
+//! forwards the connection, bytes untouched, to an API server of that tenant; clients verify
+//! the tenant's own certificate end to end (their kubeconfig's `tls-server-name`).
+//!
+//! - An unknown name, a hello without one, or anything that is not TLS is reset: the client
+//!   never sees another tenant's certificate.
+//! - Backends are tried in turn from a rotating start; one that refuses the connection (a
+//!   replica being replaced) is skipped before any byte is forwarded, so a rolling restart
+//!   drops no new connection while another replica serves.
+//! - A hello is read within [`HELLO_DEADLINE`] and [`sni::MAX_HELLO`] bytes.
+
+pub mod sni;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// How long a client has to send its ClientHello.
+pub const HELLO_DEADLINE: Duration = Duration::from_secs(10);
+
+/// How long connecting to one backend may take before the next is tried.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Server name → the addresses of the API servers that serve it.
+#[derive(Debug, Default)]
+pub struct Routes(RwLock<HashMap<String, Vec<SocketAddr>>>);
+
+impl Routes {
+    /// Route `name` (any case) to `backends`; an empty list removes the route.
+    pub fn set(&self, name: &str, backends: Vec<SocketAddr>) {
+        let mut map = self.0.write().unwrap_or_else(|e| e.into_inner());
+        let name = name.trim_end_matches('.').to_ascii_lowercase();
+        if backends.is_empty() {
+            map.remove(&name);
+        } else {
+            map.insert(name, backends);
+        }
+    }
+
+    /// The backends of `name`.
+    pub fn get(&self, name: &str) -> Option<Vec<SocketAddr>> {
+        self.0
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+    }
+
+    /// How many names are routed.
+    pub fn len(&self) -> usize {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether no name is routed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Why a connection was not forwarded.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// No ClientHello within the deadline, or the client went away.
+    NoHello,
+    /// Not TLS, or no usable server name.
+    NoName,
+    /// A name no tenant has.
+    Unknown(String),
+    /// Every backend of the name refused the connection.
+    Unreachable(String),
+}
+
+/// Serve `listener` until the task is dropped: each connection forwarded by its server name.
+pub async fn serve(listener: TcpListener, routes: Arc<Routes>) {
+    let next = Arc::new(AtomicUsize::new(0));
+    loop {
+        let Ok((inbound, peer)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let (routes, next) = (routes.clone(), next.clone());
+        tokio::spawn(async move {
+            if let Err(why) = forward(inbound, &routes, &next).await {
+                tracing::debug!(%peer, ?why, "gateway connection refused");
+            }
+        });
+    }
+}
+
+/// Forward one connection (see the module's documentation); on refusal it is reset.
+pub async fn forward(
+    mut inbound: TcpStream,
+    routes: &Routes,
+    next: &AtomicUsize,
+) -> Result<(), Refused> {
+    let hello = match tokio::time::timeout(HELLO_DEADLINE, read_hello(&mut inbound)).await {
+        Ok(Some(h)) => h,
+        _ => return Err(reset(inbound, Refused::NoHello)),
+    };
+    let (name, buffered) = match hello {
+        (sni::Hello::Sni(name), bytes) => (name, bytes),
+        _ => return Err(reset(inbound, Refused::NoName)),
+    };
+    let Some(backends) = routes.get(&name) else {
+        return Err(reset(inbound, Refused::Unknown(name)));
+    };
+    let start = next.fetch_add(1, Ordering::Relaxed);
+    for i in 0..backends.len() {
+        let up = backends[(start + i) % backends.len()];
+        let Ok(Ok(mut outbound)) =
+            tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(up)).await
+        else {
+            continue;
+        };
+        if outbound.write_all(&buffered).await.is_err() {
+            continue;
+        }
+        // A connection that ends in an error has ended: each side sees it.
+        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+        return Ok(());
+    }
+    Err(reset(inbound, Refused::Unreachable(name)))
+}
+
+/// Read until the ClientHello is complete: the verdict and every byte read.
+async fn read_hello(inbound: &mut TcpStream) -> Option<(sni::Hello, Vec<u8>)> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = inbound.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        match sni::parse(&buf) {
+            sni::Hello::Incomplete => continue,
+            verdict => return Some((verdict, buf)),
+        }
+    }
+}
+
+/// Close `inbound` with a reset (no orderly close: the client learns nothing of any tenant).
+fn reset(inbound: TcpStream, why: Refused) -> Refused {
+    let _ = inbound.set_zero_linger();
+    drop(inbound);
+    why
+}
