@@ -556,7 +556,7 @@ async fn a_hosted_cluster_with_a_two_node_pool_runs_pods_scales_down_and_tears_d
     );
     assert!(!kubectl(&kc, &["get", "nodepool", "demo"]).status.success());
     for (n, d) in slots {
-        let left = nestplane_nodes::node::leftovers(&nestplane_nodes::config::Addresses::of(n), &d);
+        let left = node_leftovers(n, &d);
         assert!(left.is_empty(), "{left:?}");
     }
     assert!(slots_under(&nodes_dir).is_empty());

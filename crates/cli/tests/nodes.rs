@@ -168,7 +168,8 @@ async fn a_node_joins_a_process_tenant_by_bootstrap_token_and_runs_a_pod() {
     let addrs = node.addresses().clone();
     let node_dir = node.dir().to_path_buf();
     node.remove().await.expect("node removed without leftovers");
-    assert!(nestplane_nodes::node::leftovers(&addrs, &node_dir).is_empty());
+    let left = node_leftovers(addrs.slot, &node_dir);
+    assert!(left.is_empty(), "{left:?}");
 }
 
 /// Start and remove nodes 100 times (four at a time): every removal leaves nothing on the
@@ -267,7 +268,7 @@ async fn nodes_started_and_removed_100_times_leave_nothing_behind() {
         for n in nodes {
             let (addrs, d) = (n.addresses().clone(), n.dir().to_path_buf());
             n.remove().await.expect("removed");
-            let left = nestplane_nodes::node::leftovers(&addrs, &d);
+            let left = node_leftovers(addrs.slot, &d);
             assert!(left.is_empty(), "{}: {left:?}", d.display());
         }
     }

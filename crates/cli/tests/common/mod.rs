@@ -323,6 +323,29 @@ impl Drop for KillOnDrop {
 
 /// A command running one of etcd's binaries (`etcd`, `etcdctl`, `etcdutl`) as nestplane finds
 /// them; fails the test with the install hint when it is missing.
+/// What removed node `dir` (slot `slot`) left on this machine. Slots are the machine's: once a
+/// node released its slot, a test running beside this one may start a node in it, whose
+/// network namespace, interface, cgroups, rules and route are its own. While another
+/// directory claims the slot (looked at before and after), only what names `dir` counts.
+pub fn node_leftovers(slot: u8, dir: &Path) -> Vec<String> {
+    let claimed_elsewhere = || {
+        std::fs::read_to_string(nestplane_nodes::net::slots_dir().join(slot.to_string()))
+            .ok()
+            .and_then(|c| c.trim().split_once(' ').map(|(_, d)| PathBuf::from(d)))
+            .is_some_and(|d| d != dir)
+    };
+    let before = claimed_elsewhere();
+    let left = nestplane_nodes::node::leftovers(&nestplane_nodes::config::Addresses::of(slot), dir);
+    if before || claimed_elsewhere() {
+        let d = dir.to_string_lossy();
+        left.into_iter()
+            .filter(|l| l.starts_with("process") || l == "mounts" || l.contains(d.as_ref()))
+            .collect()
+    } else {
+        left
+    }
+}
+
 pub fn etcd_tool(name: &str) -> Command {
     Command::new(nestplane_runtime::binaries::etcd(name).unwrap_or_else(|e| panic!("{e}")))
 }
