@@ -477,6 +477,22 @@ pub struct NestedControlPlaneStatus {
     /// The last version change of the control plane: the one in progress, refused, or done.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upgrade: Option<UpgradeStatus>,
+    /// Where the control plane is reached through the operator's shared gateway, when it runs
+    /// one: one address for every tenant, each told apart by its server name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<GatewayStatus>,
+}
+
+/// `status.gateway`: a kubeconfig reaches the tenant through the gateway with `server` and
+/// `tls-server-name: serverName` (the tenant's CA verifies the tenant's own certificate end to
+/// end: the gateway never terminates TLS).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GatewayStatus {
+    /// `https://HOST:PORT` of the gateway.
+    pub server: String,
+    /// The tenant's name there (`<cluster>.<namespace>.nestplane.internal`).
+    pub server_name: String,
 }
 
 /// `status.upgrade`: a version change as a plan of steps (one per minor), carried out in

@@ -16,6 +16,17 @@ pub const CLUSTER_IDENTITY_ANNOTATION: &str = "nestplane.io/cluster-name";
 /// rendered (which may be ahead of the last version that became Ready).
 pub const RENDERED_VERSION_ANNOTATION: &str = "nestplane.io/rendered-version";
 
+/// The domain under which every tenant has a name at the shared gateway:
+/// `<cluster>.<namespace>.nestplane.internal` (`.internal` is reserved for private use; no
+/// DNS is needed: kubeconfigs carry the name as `tls-server-name`).
+pub const GATEWAY_DOMAIN: &str = "nestplane.internal";
+
+/// The name tenant `namespace/cluster` is reached by at the shared gateway (its ClientHello's
+/// server name, and a name in its API server's certificate).
+pub fn gateway_server_name(cluster: &str, namespace: &str) -> String {
+    format!("{cluster}.{namespace}.{GATEWAY_DOMAIN}")
+}
+
 /// The API group of Cluster API's `Cluster`.
 pub const CLUSTER_API_GROUP: &str = "cluster.x-k8s.io";
 /// Cluster API's annotation for objects some other system manages. On a component object

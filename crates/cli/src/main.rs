@@ -152,6 +152,11 @@ struct OperatorArgs {
     /// and DNS images), by name, from `nestplane images build`'s archives; repeatable.
     #[arg(long = "node-image")]
     node_images: Vec<String>,
+    /// Run the shared gateway at this address (`process` runtime): every tenant reached there
+    /// by its server name, `<cluster>.<namespace>.nestplane.internal` (each control plane's
+    /// `status.gateway` says how: `server` with `tls-server-name`).
+    #[arg(long)]
+    gateway_bind_address: Option<std::net::SocketAddr>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -310,6 +315,7 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
             controllers: args.controllers,
             nodes,
             dns,
+            gateway: args.gateway_bind_address,
         },
         token,
     )

@@ -636,15 +636,62 @@ fn started(pid: u32) -> u64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_upgrade_moves_the_parts_in_order_and_reports_its_steps() {
+async fn an_upgrade_moves_the_parts_in_order_drops_no_request_at_the_gateway_and_reports_its_steps()
+{
     // v1.21.0 and v1.22.0 (backed by the same 1.20.2 binaries) are offered as steps; the
     // change to them is refused by the removed-API check before anything moves, so their
     // 1.21/1.22 renderings never run on 1.20 binaries.
     let _bin = register_versions(&["v1.20.3", "v1.21.0", "v1.22.0"]);
-    let env = Env::start(true).await;
-    env.apply("apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata:\n  name: up\n  namespace: default\nspec:\n  version: v1.20.2\n  replicas: 2\n");
+    let mut env = Env::start(false).await;
+    env.start_operator_with_gateway();
+    env.apply("apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata:\n  name: up\n  namespace: default\nspec:\n  version: v1.20.2\n  replicas: 2\n---\napiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata:\n  name: other\n  namespace: default\nspec: {}\n");
     env.wait_ready("default", "up", READY).await;
+    env.wait_ready("default", "other", READY).await;
     let kc = env.kubeconfig().to_path_buf();
+
+    // Both tenants behind the gateway's one port, each reached by its own name with its own
+    // kubeconfig; a name nobody has is reset; one tenant's name with the other's CA fails
+    // verification (the gateway never terminates TLS: the named tenant's own certificate is
+    // what the client sees).
+    let gateway = |name: &str| -> (String, String) {
+        let got = jsonpath(
+            &kc,
+            &["ncp", name],
+            "{.status.gateway.server} {.status.gateway.serverName}",
+        );
+        let (server, sni) = got.split_once(' ').expect("status.gateway");
+        (server.to_string(), sni.to_string())
+    };
+    let (server, up_name) = gateway("up");
+    let (other_server, other_name) = gateway("other");
+    assert_eq!(server, other_server, "one address for every tenant");
+    assert_eq!(up_name, "up.default.nestplane.internal");
+    let tkc = env.tenant_kubeconfig("default", "up").await;
+    let okc = env.tenant_kubeconfig("default", "other").await;
+    let through = |kubeconfig: &std::path::Path, name: &str, args: &[&str]| {
+        let mut all = vec!["--server", server.as_str(), "--tls-server-name", name];
+        all.extend_from_slice(args);
+        kubectl(kubeconfig, &all)
+    };
+    for (kubeconfig, name) in [(&tkc, &up_name), (&okc, &other_name)] {
+        let out = through(kubeconfig, name, &["get", "ns", "default", "-o", "name"]);
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let unknown = through(&tkc, "nobody.default.nestplane.internal", &["get", "ns"]);
+    let said = String::from_utf8_lossy(&unknown.stderr).to_string();
+    assert!(
+        !unknown.status.success()
+            && (said.contains("reset") || said.contains("EOF"))
+            && !said.contains("x509"),
+        "{said}"
+    );
+    let crossed = through(&tkc, &other_name, &["get", "ns"]);
+    let said = String::from_utf8_lossy(&crossed.stderr).to_string();
+    assert!(!crossed.status.success() && said.contains("x509"), "{said}");
     let upgrading = || {
         jsonpath(
             &kc,
@@ -668,7 +715,6 @@ async fn an_upgrade_moves_the_parts_in_order_and_reports_its_steps() {
 
     // A client uses an API that 1.22 removes: a change to 1.22 (through 1.21) is refused
     // before any step, naming it, as the tenant's API server counted it.
-    let tkc = env.tenant_kubeconfig("default", "up").await;
     kubectl_ok(
         &tkc,
         &["get", "--raw", "/apis/extensions/v1beta1/ingresses"],
@@ -698,6 +744,42 @@ async fn an_upgrade_moves_the_parts_in_order_and_reports_its_steps() {
         std::thread::sleep(Duration::from_millis(500));
     }
 
+    // A client asks the tenant through the gateway all along, a new connection per request:
+    // not one request fails while the API server replicas are replaced.
+    let done_flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let client = {
+        let (done, tkc, server, name) = (
+            done_flag.clone(),
+            tkc.clone(),
+            server.clone(),
+            up_name.clone(),
+        );
+        std::thread::spawn(move || {
+            let mut results = Vec::new();
+            while !done.load(std::sync::atomic::Ordering::Relaxed) && results.len() < 2000 {
+                let started = std::time::Instant::now();
+                let out = kubectl(
+                    &tkc,
+                    &[
+                        "--server",
+                        &server,
+                        "--tls-server-name",
+                        &name,
+                        "--request-timeout=20s",
+                        "get",
+                        "ns",
+                        "default",
+                        "-o",
+                        "name",
+                    ],
+                );
+                let failed = (!out.status.success())
+                    .then(|| String::from_utf8_lossy(&out.stderr).to_string());
+                results.push((started.elapsed(), failed));
+            }
+            results
+        })
+    };
     // A patch takes no minor step: nothing to check.
     let asked = std::time::Instant::now();
     set_version("v1.20.3");
@@ -718,6 +800,23 @@ async fn an_upgrade_moves_the_parts_in_order_and_reports_its_steps() {
     assert_eq!(done, r#"Completed|v1.20.2|v1.20.3|["v1.20.3"]"#);
     // (a figure for docs/operations.md, not an assertion)
     eprintln!("upgrade: patched → Completed in {:?}", asked.elapsed());
+    done_flag.store(true, std::sync::atomic::Ordering::Relaxed);
+    let results = client.join().unwrap();
+    let failures: Vec<&String> = results.iter().filter_map(|(_, f)| f.as_ref()).collect();
+    let worst = results.iter().map(|(d, _)| *d).max().unwrap_or_default();
+    eprintln!(
+        "upgrade: {} requests through the gateway, worst {worst:?}",
+        results.len()
+    );
+    assert!(
+        results.len() >= 10,
+        "the client loop ran: {}",
+        results.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "requests failed during the upgrade: {failures:?}"
+    );
     for (kind, part) in [
         ("nestedetcd", "etcd"),
         ("nestedapiserver", "apiserver"),

@@ -43,6 +43,18 @@ impl Routes {
         }
     }
 
+    /// Change the backends of `name` in place (`f` sees an empty list for a name without a
+    /// route; an empty list afterwards removes it).
+    pub fn update(&self, name: &str, f: impl FnOnce(&mut Vec<SocketAddr>)) {
+        let mut map = self.0.write().unwrap_or_else(|e| e.into_inner());
+        let name = name.trim_end_matches('.').to_ascii_lowercase();
+        let mut backends = map.remove(&name).unwrap_or_default();
+        f(&mut backends);
+        if !backends.is_empty() {
+            map.insert(name, backends);
+        }
+    }
+
     /// The backends of `name`.
     pub fn get(&self, name: &str) -> Option<Vec<SocketAddr>> {
         self.0

@@ -67,6 +67,9 @@ pub struct Config {
     pub nodes: Option<hosted::pool::NodeSettings>,
     /// How hosted clusters get cluster DNS.
     pub dns: hosted::dns::DnsSettings,
+    /// Run the shared gateway here (process runtime): every tenant reached at this one
+    /// address by its server name ([`nestplane_api::names::gateway_server_name`]).
+    pub gateway: Option<SocketAddr>,
 }
 
 /// How long reconciles in flight may take to finish after a stop was asked for.
@@ -105,13 +108,23 @@ pub async fn run_with(
         Arc::new(hosted::pool::LocalNodes::new(s)) as Arc<dyn hosted::pool::machines::NodeRuntime>
     });
     let mut ctx = Context::new(client.clone(), runtime.clone(), config.mode.clone());
-    if let (Mode::Process, Some(nodes)) = (&config.mode, &nodes) {
-        // API servers reach their clusters through their nodes here, two descriptors per
-        // connection.
-        let limit = nestplane_runtime::egress::raise_open_files_limit();
-        tracing::debug!(?limit, "open files");
-        let egress = Arc::new(egress::Egress::new(nodes.clone()));
-        ctx.runtime = Arc::new(process::Processes::new(runtime.clone()).with_egress(egress));
+    let gateway = match (&config.mode, config.gateway) {
+        (Mode::Process, Some(addr)) => Some(start_gateway(addr, &shutdown).await?),
+        _ => None,
+    };
+    if matches!(config.mode, Mode::Process) && (nodes.is_some() || gateway.is_some()) {
+        let mut processes = process::Processes::new(runtime.clone());
+        if let Some(nodes) = &nodes {
+            // API servers reach their clusters through their nodes here, two descriptors per
+            // connection.
+            let limit = nestplane_runtime::egress::raise_open_files_limit();
+            tracing::debug!(?limit, "open files");
+            processes = processes.with_egress(Arc::new(egress::Egress::new(nodes.clone())));
+        }
+        if let Some(g) = gateway {
+            processes = processes.with_gateway(g);
+        }
+        ctx.runtime = Arc::new(processes);
     }
     ctx.watch_filter = config.watch_filter.clone();
     ctx.clock = config.clock.clone();
@@ -170,6 +183,29 @@ pub async fn run_with(
         return Err(Error::LeadershipLost);
     }
     Ok(())
+}
+
+/// Listen at `addr` and serve the shared gateway until `shutdown`.
+async fn start_gateway(
+    addr: SocketAddr,
+    shutdown: &CancellationToken,
+) -> Result<process::Gateway, Error> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::Internal(format!("the gateway cannot listen at {addr}: {e}")))?;
+    let address = listener
+        .local_addr()
+        .map_err(|e| Error::Internal(format!("the gateway's address: {e}")))?;
+    let routes = Arc::new(nestplane_gateway::Routes::default());
+    let (serving, token) = (routes.clone(), shutdown.clone());
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = nestplane_gateway::serve(listener, serving) => {}
+            _ = token.cancelled() => {}
+        }
+    });
+    tracing::info!(%address, "gateway listening");
+    Ok(process::Gateway { address, routes })
 }
 
 /// Serve `/metrics`, `/healthz` and `/readyz` at `addr` until `shutdown`.

@@ -282,6 +282,7 @@ async fn next_status(
             .retain(|c| c.type_ != types::UPGRADING),
     }
     new_status.upgrade = upgrade;
+    new_status.gateway = ctx.runtime.gateway(ncp);
     match crate::datastore::quota_condition(ctx, ncp).await? {
         Some(c) => conditions::set(&mut new_status.conditions, c, ncp.metadata.generation, now),
         None => new_status
@@ -461,7 +462,7 @@ async fn write_status(
         .map(|c| (c.status.clone(), c.reason.clone()));
     let after = conditions::get(&new_status.conditions, types::AVAILABLE).cloned();
     let mut body = serde_json::to_value(&new_status).map_err(|e| Error::Internal(e.to_string()))?;
-    for field in ["failureReason", "failureMessage", "upgrade"] {
+    for field in ["failureReason", "failureMessage", "upgrade", "gateway"] {
         if body.get(field).is_none() {
             body[field] = serde_json::Value::Null;
         }

@@ -27,6 +27,18 @@ pub struct Processes {
     processes: Arc<ProcessRuntime>,
     /// Where API servers' cluster traffic goes, when this operator makes nodes.
     egress: Option<Arc<crate::egress::Egress>>,
+    /// The shared gateway, when this operator runs one.
+    gateway: Option<Gateway>,
+}
+
+/// The shared gateway ([`nestplane_gateway`]): its address and the routes the API servers'
+/// passes keep.
+#[derive(Clone, Debug)]
+pub struct Gateway {
+    /// Where it listens.
+    pub address: std::net::SocketAddr,
+    /// Server name → API server replicas.
+    pub routes: Arc<nestplane_gateway::Routes>,
 }
 
 impl Processes {
@@ -35,7 +47,15 @@ impl Processes {
         Processes {
             processes,
             egress: None,
+            gateway: None,
         }
+    }
+
+    /// Every tenant is reached through `gateway` too: its API server's certificate names it
+    /// there, and its passes keep the gateway's route to its replicas.
+    pub fn with_gateway(mut self, gateway: Gateway) -> Self {
+        self.gateway = Some(gateway);
+        self
     }
 
     /// API servers send their cluster traffic (kubelets, proxies, webhooks, aggregated APIs)
@@ -72,6 +92,15 @@ impl Runtime for Processes {
 
     fn newest_patch(&self, minor: u32) -> Option<u32> {
         nestplane_runtime::binaries::newest_patch(minor)
+    }
+
+    fn gateway(&self, ncp: &NestedControlPlane) -> Option<nestplane_api::GatewayStatus> {
+        let g = self.gateway.as_ref()?;
+        let key = tenant_key(ncp);
+        Some(nestplane_api::GatewayStatus {
+            server: format!("https://{}", g.address),
+            server_name: names::gateway_server_name(&key.cluster, &key.namespace),
+        })
     }
 
     fn run<'a>(&'a self, pass: Pass<'a>) -> BoxFuture<'a, Result<Observation, Error>> {
@@ -117,6 +146,12 @@ impl Runtime for Processes {
             if let Some(e) = &self.egress {
                 e.remove(&key);
             }
+            if let Some(g) = &self.gateway {
+                g.routes.set(
+                    &names::gateway_server_name(&key.cluster, &key.namespace),
+                    vec![],
+                );
+            }
             // Marked removed first thing: a pass that serves the tenant meanwhile sees it, and
             // what it made goes below.
             let removed = self.processes.remove(&key).await;
@@ -156,7 +191,16 @@ impl Processes {
             policy::apply_checked(objects.all_mut(), patches, policy::Runtime::Process)?;
             rendered.pod_template = objects.pod_template()?;
         }
-        let endpoint_host: Vec<String> = hosts.first().map(|h| h.to_string()).into_iter().collect();
+        let mut endpoint_host: Vec<String> =
+            hosts.first().map(|h| h.to_string()).into_iter().collect();
+        // The gateway's name for the tenant is in its API server's certificate.
+        let gateway_name = (c == Component::ApiServer)
+            .then_some(self.gateway.as_ref())
+            .flatten()
+            .map(|_| names::gateway_server_name(&key.cluster, &key.namespace));
+        if let Some(name) = &gateway_name {
+            endpoint_host.push(name.clone());
+        }
         let (secrets, health_ca) = pass.issue(&input, &endpoint_host).await?;
         let mut data = secrets.data(&rendered.secrets).await?;
         let egress = self.egress.as_ref().filter(|_| c == Component::ApiServer);
@@ -165,9 +209,29 @@ impl Processes {
             data.insert(name, files);
         }
         let endpoints = nestplane_render::health_endpoints(c, &input);
+        // A replica being replaced leaves the gateway's route before it stops and comes back
+        // once its replacement answers (rolling restarts drop no new connection there).
+        let serving = self
+            .gateway
+            .as_ref()
+            .zip(gateway_name.clone())
+            .map(|(g, name)| {
+                let (routes, hosts) = (g.routes.clone(), hosts.clone());
+                process::Serving(Arc::new(move |i: usize, up: bool| {
+                    let Some(h) = hosts.get(i) else { return };
+                    let addr = std::net::SocketAddr::new(IpAddr::V4(*h), ports::APISERVER as u16);
+                    routes.update(&name, |b| {
+                        b.retain(|a| *a != addr);
+                        if up {
+                            b.push(addr);
+                        }
+                    });
+                }))
+            });
         let probe = process::Probe {
             endpoints: endpoints.clone(),
             ca_pem: health_ca.clone(),
+            serving,
         };
         self.processes
             .ensure(&key, &rendered, &version.to_string(), &data, &probe)
@@ -191,8 +255,31 @@ impl Processes {
         } else {
             None
         };
-        let healthy = process::healthy_count(&endpoints, health_ca.as_deref()).await as u32;
+        // Each replica's health, once: the count, and the gateway's route (the replicas that
+        // answer, else all of them while none does; none for a tenant removed meanwhile).
         let desired = rendered.replicas;
+        let answering: Vec<usize> = process::healthy_replicas(&endpoints, health_ca.as_deref())
+            .await
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, ok)| ok.then_some(i))
+            .collect();
+        let healthy = answering.len() as u32;
+        if let (Some(g), Some(name)) = (&self.gateway, &gateway_name) {
+            let addr = |i: usize| {
+                hosts
+                    .get(i)
+                    .map(|h| std::net::SocketAddr::new(IpAddr::V4(*h), ports::APISERVER as u16))
+            };
+            let backends: Vec<_> = if self.processes.is_removed(&key) {
+                vec![]
+            } else if answering.is_empty() {
+                (0..desired as usize).filter_map(addr).collect()
+            } else {
+                answering.iter().filter_map(|&i| addr(i)).collect()
+            };
+            g.routes.set(name, backends);
+        }
         let ok = healthy >= desired && desired > 0;
         if ok {
             self.processes.mark_healthy(&key, c);

@@ -122,6 +122,11 @@ pub trait Runtime: Send + Sync {
         None
     }
 
+    /// Where `ncp` is reached through this operator's shared gateway, if it runs one.
+    fn gateway(&self, _ncp: &NestedControlPlane) -> Option<nestplane_api::GatewayStatus> {
+        None
+    }
+
     /// Issue certificates, render, patch, apply or start, and observe.
     fn run<'a>(&'a self, pass: Pass<'a>) -> BoxFuture<'a, Result<Observation, Error>>;
 

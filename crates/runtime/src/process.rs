@@ -132,6 +132,20 @@ pub struct Probe {
     pub endpoints: Vec<nestplane_render::HealthEndpoint>,
     /// The CA that verifies HTTPS endpoints.
     pub ca_pem: Option<String>,
+    /// Told when a replica being replaced stops serving and when its replacement serves.
+    pub serving: Option<Serving>,
+}
+
+/// Called with (replica, serving): `false` just before a running replica is stopped to be
+/// replaced, `true` once its replacement answers the probe (a router keeps its routes with
+/// it, so no new connection goes to a replica that is stopping or still starting).
+#[derive(Clone)]
+pub struct Serving(pub Arc<dyn Fn(usize, bool) + Send + Sync>);
+
+impl std::fmt::Debug for Serving {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Serving(..)")
+    }
 }
 
 /// How long a rolling restart waits for a restarted replica to become healthy before it
@@ -449,11 +463,18 @@ impl ProcessRuntime {
                     continue;
                 }
                 // The old process must be gone before the new one binds its ports.
+                let told = probe.serving.as_ref().filter(|_| !first_start);
+                if let Some(s) = told {
+                    (s.0)(i, false);
+                }
                 stop_replica(g.replicas.remove(i)).await;
                 g.replicas.insert(i, supervise(spec, pidfile));
                 restarted = true;
-                if !first_start {
-                    wait_healthy(probe, i).await;
+                if !first_start
+                    && wait_healthy(probe, i).await
+                    && let Some(s) = told
+                {
+                    (s.0)(i, true);
                 }
             } else {
                 g.replicas.push(supervise(spec, pidfile));
@@ -1127,18 +1148,20 @@ async fn stop_replica(r: Replica) {
 }
 
 /// Wait until replica `i` answers its health endpoint (at most [`ROLL_WAIT`]).
-async fn wait_healthy(probe: &Probe, i: usize) {
+/// Wait until replica `i` answers its probe (up to [`ROLL_WAIT`]); whether it did.
+async fn wait_healthy(probe: &Probe, i: usize) -> bool {
     let Some(ep) = probe.endpoints.get(i) else {
-        return;
+        return true;
     };
     let deadline = tokio::time::Instant::now() + ROLL_WAIT;
     while tokio::time::Instant::now() < deadline {
         if healthy_count(std::slice::from_ref(ep), probe.ca_pem.as_deref()).await == 1 {
-            return;
+            return true;
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     tracing::warn!(endpoint = %ep.url, "replica not healthy after {ROLL_WAIT:?}; rolling on");
+    false
 }
 
 /// A probe client: HTTP/1 on hyper with rustls, the stack kube's own client is built on.
@@ -1233,18 +1256,34 @@ pub async fn healthy_count(
     endpoints: &[nestplane_render::HealthEndpoint],
     ca_pem: Option<&str>,
 ) -> usize {
+    healthy_replicas(endpoints, ca_pem)
+        .await
+        .into_iter()
+        .filter(|ok| *ok)
+        .count()
+}
+
+/// Whether each endpoint answers, in the endpoints' order.
+pub async fn healthy_replicas(
+    endpoints: &[nestplane_render::HealthEndpoint],
+    ca_pem: Option<&str>,
+) -> Vec<bool> {
     let Some(client) = probe_client(ca_pem) else {
-        return 0;
+        return vec![false; endpoints.len()];
     };
     // Every replica is probed at once: a component's check takes one timeout at most, not one
     // per replica.
     let mut checks = tokio::task::JoinSet::new();
-    for e in endpoints {
+    for (i, e) in endpoints.iter().enumerate() {
         let client = client.clone();
         let url = e.url.clone();
-        checks.spawn(async move { probe(&client, &url).await });
+        checks.spawn(async move { (i, probe(&client, &url).await) });
     }
-    checks.join_all().await.into_iter().filter(|ok| *ok).count()
+    let mut answers = vec![false; endpoints.len()];
+    for (i, ok) in checks.join_all().await {
+        answers[i] = ok;
+    }
+    answers
 }
 
 #[cfg(test)]

@@ -146,6 +146,25 @@ impl Env {
         controllers: nestplane_operator::Controllers,
         node_images: Vec<String>,
     ) {
+        self.start_operator_configured(controllers, node_images, None);
+    }
+
+    /// Start the operator running the shared gateway on a free loopback port (each control
+    /// plane's `status.gateway` says where).
+    pub fn start_operator_with_gateway(&mut self) {
+        self.start_operator_configured(
+            nestplane_operator::Controllers::default(),
+            vec![],
+            Some("127.0.0.1:0".parse().unwrap()),
+        );
+    }
+
+    fn start_operator_configured(
+        &mut self,
+        controllers: nestplane_operator::Controllers,
+        node_images: Vec<String>,
+        gateway: Option<std::net::SocketAddr>,
+    ) {
         self.operator = Some(nestplane_operator::Operator::start(
             self.plane.client(),
             nestplane_operator::Config {
@@ -157,6 +176,7 @@ impl Env {
                     guard: env!("CARGO_BIN_EXE_nestplane").into(),
                     extra_images: node_images,
                 }),
+                gateway,
                 ..Default::default()
             },
         ));
