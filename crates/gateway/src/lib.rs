@@ -8,7 +8,9 @@
 //! - Backends are tried in turn from a rotating start; one that refuses the connection (a
 //!   replica being replaced) is skipped before any byte is forwarded, so a rolling restart
 //!   drops no new connection while another replica serves.
-//! - A hello is read within [`HELLO_DEADLINE`] and [`sni::MAX_HELLO`] bytes.
+//! - A hello is read within [`HELLO_DEADLINE`] and [`sni::MAX_HELLO`] bytes, parsed only when
+//!   a record is complete; at most [`MAX_CONNECTIONS`] connections are open at once (more are
+//!   reset at once), so a flood cannot take the process's descriptors.
 
 pub mod sni;
 
@@ -22,7 +24,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 /// How long a client has to send its ClientHello.
-pub const HELLO_DEADLINE: Duration = Duration::from_secs(10);
+pub const HELLO_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Connections open at once (each forwarded one holds two descriptors).
+pub const MAX_CONNECTIONS: usize = 2048;
 
 /// How long connecting to one backend may take before the next is tried.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -91,9 +96,15 @@ pub enum Refused {
 /// Serve `listener` until the task is dropped: each connection forwarded by its server name.
 pub async fn serve(listener: TcpListener, routes: Arc<Routes>) {
     let next = Arc::new(AtomicUsize::new(0));
+    let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let Ok((inbound, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, "gateway at {MAX_CONNECTIONS} connections; reset");
+            reset(inbound, Refused::NoHello);
             continue;
         };
         let (routes, next) = (routes.clone(), next.clone());
@@ -101,6 +112,7 @@ pub async fn serve(listener: TcpListener, routes: Arc<Routes>) {
             if let Err(why) = forward(inbound, &routes, &next).await {
                 tracing::debug!(%peer, ?why, "gateway connection refused");
             }
+            drop(permit);
         });
     }
 }
@@ -150,6 +162,10 @@ async fn read_hello(inbound: &mut TcpStream) -> Option<(sni::Hello, Vec<u8>)> {
             return None;
         }
         buf.extend_from_slice(&chunk[..n]);
+        // Parsed only once a record is complete (a client that trickles bytes costs nothing).
+        if !sni::record_completed(&buf, n) {
+            continue;
+        }
         match sni::parse(&buf) {
             sni::Hello::Incomplete => continue,
             verdict => return Some((verdict, buf)),

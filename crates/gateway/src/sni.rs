@@ -18,12 +18,44 @@ pub enum Hello {
     NotTls,
 }
 
+/// The most records a hello may span (real ones take one or two).
+pub const MAX_RECORDS: usize = 4;
+
+/// Whether the last `added` bytes of `buf` completed a record (or made it more than a
+/// hello may be): only then is [`parse`] worth calling. Walks the record headers only.
+pub fn record_completed(buf: &[u8], added: usize) -> bool {
+    let before = buf.len() - added.min(buf.len());
+    let mut at = 0;
+    while let Some(h) = buf.get(at..at + 5) {
+        if h[0] != 0x16 {
+            // No handshake record: for the parser to refuse.
+            return true;
+        }
+        let end = at + 5 + u16::from_be_bytes([h[3], h[4]]) as usize;
+        if end > buf.len() {
+            return buf.len() > MAX_HELLO;
+        }
+        if end > before {
+            return true;
+        }
+        at = end;
+    }
+    // A header cut short is completed by a later read; bytes that are no record at all are
+    // for the parser to refuse.
+    buf.first().is_some_and(|b| *b != 0x16)
+}
+
 /// Read `buf` (the connection's first bytes) as TLS records carrying a ClientHello.
 pub fn parse(buf: &[u8]) -> Hello {
     // Reassemble the handshake from its records.
     let mut handshake = Vec::new();
     let mut at = 0;
+    let mut records = 0;
     loop {
+        records += 1;
+        if records > MAX_RECORDS {
+            return Hello::NotTls;
+        }
         let Some(header) = buf.get(at..at + 5) else {
             return if buf.len() > MAX_HELLO {
                 Hello::NotTls
@@ -237,5 +269,28 @@ mod tests {
             Hello::NotTls,
             "a hello larger than MAX_HELLO"
         );
+        // Many small records of a hello that says it is small enough: refused at
+        // MAX_RECORDS, never reassembled without end.
+        let mut many = Vec::new();
+        let mut first = vec![1, 0, 0x40, 0];
+        first.resize(16, 0);
+        for part in std::iter::once(&first[..]).chain(std::iter::repeat_n(&[0u8; 16][..], 8)) {
+            many.extend([0x16, 3, 3, 0, part.len() as u8]);
+            many.extend(part);
+        }
+        assert_eq!(parse(&many), Hello::NotTls);
+    }
+
+    #[test]
+    fn parsing_waits_for_a_record_to_complete() {
+        let rec = hello(&sni_ext(b"a.b"));
+        // Byte by byte: only the last byte completes the record.
+        for n in 1..rec.len() {
+            assert!(!record_completed(&rec[..n], 1), "at {n}");
+        }
+        assert!(record_completed(&rec, 1));
+        assert!(record_completed(&rec, rec.len()));
+        // Plain text is handed to the parser at once (to be refused).
+        assert!(record_completed(b"GET /", 5));
     }
 }

@@ -196,6 +196,9 @@ async fn start_gateway(
     let address = listener
         .local_addr()
         .map_err(|e| Error::Internal(format!("the gateway's address: {e}")))?;
+    // Each forwarded connection holds two descriptors.
+    let limit = nestplane_runtime::egress::raise_open_files_limit();
+    tracing::debug!(?limit, "open files");
     let routes = Arc::new(nestplane_gateway::Routes::default());
     let (serving, token) = (routes.clone(), shutdown.clone());
     tokio::spawn(async move {

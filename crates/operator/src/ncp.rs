@@ -282,7 +282,11 @@ async fn next_status(
             .retain(|c| c.type_ != types::UPGRADING),
     }
     new_status.upgrade = upgrade;
-    new_status.gateway = ctx.runtime.gateway(ncp);
+    // Only a name that is routed: the API server runs here, under a name that is no problem.
+    new_status.gateway = (tenant.name_problem().is_none()
+        && ctx.runs_here(tenant, Component::ApiServer))
+    .then(|| ctx.runtime.gateway(ncp))
+    .flatten();
     match crate::datastore::quota_condition(ctx, ncp).await? {
         Some(c) => conditions::set(&mut new_status.conditions, c, ncp.metadata.generation, now),
         None => new_status

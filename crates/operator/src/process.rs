@@ -155,6 +155,12 @@ impl Runtime for Processes {
             // Marked removed first thing: a pass that serves the tenant meanwhile sees it, and
             // what it made goes below.
             let removed = self.processes.remove(&key).await;
+            if let Some(g) = &self.gateway {
+                g.routes.set(
+                    &names::gateway_server_name(&key.cluster, &key.namespace),
+                    vec![],
+                );
+            }
             if let Some(e) = &self.egress {
                 e.remove(&key);
             }
@@ -221,6 +227,11 @@ impl Processes {
                     let Some(h) = hosts.get(i) else { return };
                     let addr = std::net::SocketAddr::new(IpAddr::V4(*h), ports::APISERVER as u16);
                     routes.update(&name, |b| {
+                        // The last backend stays (a name without one would be reset as
+                        // unknown; a refused connection is no worse).
+                        if !up && b.len() == 1 && b[0] == addr {
+                            return;
+                        }
                         b.retain(|a| *a != addr);
                         if up {
                             b.push(addr);
@@ -271,14 +282,20 @@ impl Processes {
                     .get(i)
                     .map(|h| std::net::SocketAddr::new(IpAddr::V4(*h), ports::APISERVER as u16))
             };
-            let backends: Vec<_> = if self.processes.is_removed(&key) {
-                vec![]
-            } else if answering.is_empty() {
+            let backends: Vec<_> = if answering.is_empty() {
                 (0..desired as usize).filter_map(addr).collect()
             } else {
                 answering.iter().filter_map(|&i| addr(i)).collect()
             };
-            g.routes.set(name, backends);
+            // Judged under the routes' lock: `remove` marks the tenant before it clears the
+            // route, so a pass never brings back the route of a removed tenant.
+            g.routes.update(name, |b| {
+                *b = if self.processes.is_removed(&key) {
+                    vec![]
+                } else {
+                    backends
+                };
+            });
         }
         let ok = healthy >= desired && desired > 0;
         if ok {

@@ -137,8 +137,9 @@ pub struct Probe {
 }
 
 /// Called with (replica, serving): `false` just before a running replica is stopped to be
-/// replaced, `true` once its replacement answers the probe (a router keeps its routes with
-/// it, so no new connection goes to a replica that is stopping or still starting).
+/// replaced, `true` once its replacement answers the probe or the wait for it ended (a
+/// router keeps its routes with it, so no new connection goes to a replica that is stopping
+/// or still starting).
 #[derive(Clone)]
 pub struct Serving(pub Arc<dyn Fn(usize, bool) + Send + Sync>);
 
@@ -470,11 +471,13 @@ impl ProcessRuntime {
                 stop_replica(g.replicas.remove(i)).await;
                 g.replicas.insert(i, supervise(spec, pidfile));
                 restarted = true;
-                if !first_start
-                    && wait_healthy(probe, i).await
-                    && let Some(s) = told
-                {
-                    (s.0)(i, true);
+                if !first_start {
+                    wait_healthy(probe, i).await;
+                    // Back even when it did not answer in time: the component's next pass
+                    // routes what answers then.
+                    if let Some(s) = told {
+                        (s.0)(i, true);
+                    }
                 }
             } else {
                 g.replicas.push(supervise(spec, pidfile));

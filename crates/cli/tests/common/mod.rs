@@ -341,8 +341,6 @@ impl Drop for KillOnDrop {
     }
 }
 
-/// A command running one of etcd's binaries (`etcd`, `etcdctl`, `etcdutl`) as nestplane finds
-/// them; fails the test with the install hint when it is missing.
 /// What removed node `dir` (slot `slot`) left on this machine. Slots are the machine's: once a
 /// node released its slot, a test running beside this one may start a node in it, whose
 /// network namespace, interface, cgroups, rules and route are its own. While another
@@ -366,6 +364,8 @@ pub fn node_leftovers(slot: u8, dir: &Path) -> Vec<String> {
     }
 }
 
+/// A command running one of etcd's binaries (`etcd`, `etcdctl`, `etcdutl`) as nestplane finds
+/// them; fails the test with the install hint when it is missing.
 pub fn etcd_tool(name: &str) -> Command {
     Command::new(nestplane_runtime::binaries::etcd(name).unwrap_or_else(|e| panic!("{e}")))
 }
