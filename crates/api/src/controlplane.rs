@@ -59,6 +59,11 @@ pub struct ComponentStatus {
     /// Conditions (`Ready`, `Paused`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+    /// The trust this component runs with, once Ready and rolled out: a fingerprint of each
+    /// CA or service-account key secret it mounts, by the secret's suffix (`ca`, `etcd`,
+    /// `proxy`, `sa`). A rotation moves on when every consumer runs the new one.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub credentials: std::collections::BTreeMap<String, String>,
 }
 
 /// How one etcd member is reached.
@@ -481,6 +486,34 @@ pub struct NestedControlPlaneStatus {
     /// one: one address for every tenant, each told apart by its server name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gateway: Option<GatewayStatus>,
+    /// Rotations of the control plane's keys: the one in progress, or the last one done.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rotations: Vec<RotationStatus>,
+}
+
+/// One key's rotation (`status.rotations[]`), asked for with annotation
+/// `nestplane.io/rotate-<target>` (`nestplane rotate`). Its phases, in order: `Trusting` (the
+/// new key is trusted beside the old one everywhere), `Signing` (the new key signs), `Started`
+/// (both are trusted and the new one signs: what was issued before keeps working; waits to be
+/// completed), `Completing` (the old key is dropped), `Completed`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RotationStatus {
+    /// What is rotated: `sa-key` (the service-account signing key).
+    pub target: String,
+    /// The request this rotation answers (the annotation's value).
+    pub id: String,
+    /// `Trusting`, `Signing`, `Started`, `Completing` or `Completed`.
+    pub phase: String,
+    /// What happens now, or what the user may do next.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// The new key's ID (the `kid` of the tokens it signs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_id: Option<String>,
+    /// The old key's ID, while it is still trusted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_key_id: Option<String>,
 }
 
 /// `status.gateway`: a kubeconfig reaches the tenant through the gateway with `server` and

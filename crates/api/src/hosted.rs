@@ -316,6 +316,10 @@ pub struct HostedClusterStatus {
     /// The generation this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// Key rotations of the control plane (its `status.rotations`): asked for with annotation
+    /// `nestplane.io/rotate-sa-key` here (`nestplane rotate sa-key`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rotations: Vec<crate::RotationStatus>,
     /// Conditions.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,

@@ -16,6 +16,17 @@ pub const CLUSTER_IDENTITY_ANNOTATION: &str = "nestplane.io/cluster-name";
 /// rendered (which may be ahead of the last version that became Ready).
 pub const RENDERED_VERSION_ANNOTATION: &str = "nestplane.io/rendered-version";
 
+/// Annotation on a control plane (or its HostedCluster) asking for a rotation of the
+/// service-account key; its value names the request (`nestplane rotate sa-key` writes the
+/// time). A new value starts a new rotation once the last one completed.
+pub const ROTATE_SA_KEY_ANNOTATION: &str = "nestplane.io/rotate-sa-key";
+/// Annotation completing the service-account key rotation whose request it names: the old
+/// key is no longer trusted.
+pub const ROTATE_SA_KEY_COMPLETE_ANNOTATION: &str = "nestplane.io/rotate-sa-key-complete";
+/// Key, in the `<cluster>-sa` secret, of the new private key while it is trusted but does not
+/// sign yet (a rotation's `Trusting` phase).
+pub const NEXT_KEY: &str = "next.key";
+
 /// The domain under which every tenant has a name at the shared gateway:
 /// `<cluster>.<namespace>.nestplane.internal` (`.internal` is reserved for private use; no
 /// DNS is needed: kubeconfigs carry the name as `tls-server-name`).

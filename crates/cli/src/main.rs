@@ -6,6 +6,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 mod images;
+mod rotate;
 mod tenants;
 mod up;
 
@@ -67,6 +68,10 @@ enum Command {
     Delete(tenants::DeleteArgs),
     /// Print the admin kubeconfig of a hosted cluster or a tenant control plane.
     Kubeconfig(tenants::KubeconfigArgs),
+    /// Rotate a hosted cluster's (or control plane's) service-account key without an outage:
+    /// the new key is trusted everywhere, then signs, then tokens are re-signed (phase
+    /// Started); `--complete` drops the old key. Waits for each.
+    Rotate(rotate::RotateArgs),
 }
 
 /// Arguments of `nestplane egress-proxy`.
@@ -235,6 +240,7 @@ fn main() -> anyhow::Result<()> {
         Command::Create(a) => runtime()?.block_on(tenants::create(a)),
         Command::List(a) => runtime()?.block_on(tenants::list(a)),
         Command::Delete(a) => runtime()?.block_on(tenants::delete(a)),
+        Command::Rotate(a) => runtime()?.block_on(rotate::rotate(a)),
         Command::Kubeconfig(a) => runtime()?.block_on(async move {
             print!("{}", tenants::kubeconfig(a).await?);
             Ok(())

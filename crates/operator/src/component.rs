@@ -39,6 +39,8 @@ pub(crate) struct Outcome {
     pub(crate) event: Option<EventType>,
     /// Why the replicas the spec asks for are not what runs (etcd after bootstrap).
     pub(crate) scale_refused: Option<String>,
+    /// The trust it runs with, once every replica runs the newest spec and secrets.
+    pub(crate) credentials: Option<std::collections::BTreeMap<String, String>>,
 }
 
 impl Outcome {
@@ -59,6 +61,7 @@ impl Outcome {
             requeue,
             event,
             scale_refused: None,
+            credentials: None,
         }
     }
 }
@@ -199,6 +202,9 @@ impl Outcome {
         st.observed_generation = obj.meta().generation;
         if self.version.is_some() {
             st.version = self.version.clone();
+        }
+        if let Some(c) = &self.credentials {
+            st.credentials = c.clone();
         }
         st.phase = Some(
             match self.reason {
@@ -610,6 +616,7 @@ fn judge(
         // A version is reported once it runs: a tolerated failed probe (a rollout that cannot
         // finish, say) keeps the component Ready but does not claim the new version.
         version: (ready && seen.ok).then(|| version.to_string()),
+        credentials: (ready && seen.ok).then_some(seen.credentials),
         addresses: seen.addresses,
         service: seen.service,
         requeue: Some(if seen.ok {

@@ -25,6 +25,7 @@ pub mod pacing;
 pub mod postcreate;
 pub mod process;
 pub mod removed;
+pub mod rotation;
 pub mod runtime;
 pub mod secrets;
 pub mod server;

@@ -62,9 +62,27 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
                 true
             });
     }
-    let new_status = next_status(&ctx, &ncp, &tenant, binding.as_ref(), &problem, paused)
+    // A rotation of the service-account key goes one phase further when it can.
+    let mut rotating = false;
+    let mut rotation = None;
+    if problem.is_none() && !paused {
+        let (st, busy) = crate::rotation::advance(&ctx, &tenant)
+            .await
+            .at("rotation")?;
+        (rotation, rotating) = (st, busy);
+    }
+    let mut new_status = next_status(&ctx, &ncp, &tenant, binding.as_ref(), &problem, paused)
         .await
         .at("status")?;
+    new_status.rotations = ncp
+        .status
+        .as_ref()
+        .map(|s| s.rotations.clone())
+        .unwrap_or_default();
+    if let Some(r) = rotation {
+        new_status.rotations.retain(|o| o.target != r.target);
+        new_status.rotations.push(r);
+    }
     ctx.metrics
         .set_tenant_ready(&ns, &ncp.name_any(), new_status.ready);
     if ncp.status.as_ref() != Some(&new_status) {
@@ -74,6 +92,8 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
     }
     Ok(if checking {
         Action::requeue(REMOVED_APIS_RECHECK)
+    } else if rotating {
+        Action::requeue(ROTATION_RECHECK)
     } else if problem.is_none() && tenant.cluster_paused {
         // A Cluster's pause is not watched: look again shortly.
         Action::requeue(crate::component::CLUSTER_PAUSE_RECHECK)
@@ -83,6 +103,10 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         Action::requeue(RESYNC)
     })
 }
+
+/// How soon a rotation in progress is looked at again (its consumers' status changes bring
+/// it back sooner).
+const ROTATION_RECHECK: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// How soon a change waiting for its API server's metric is looked at again.
 const REMOVED_APIS_RECHECK: std::time::Duration = std::time::Duration::from_secs(3);

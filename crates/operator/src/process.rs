@@ -107,6 +107,22 @@ impl Runtime for Processes {
         self.run_pass(pass).boxed()
     }
 
+    fn apiserver_replicas(&self, ncp: &NestedControlPlane) -> Vec<std::net::SocketAddr> {
+        let n = ncp
+            .status
+            .as_ref()
+            .and_then(|s| s.replicas)
+            .unwrap_or(1)
+            .max(1) as usize;
+        self.processes
+            .hosts(&tenant_key(ncp))
+            .unwrap_or_default()
+            .into_iter()
+            .take(n)
+            .map(|h| std::net::SocketAddr::new(IpAddr::V4(h), ports::APISERVER as u16))
+            .collect()
+    }
+
     fn control_plane_user(&self, ncp: &NestedControlPlane) -> Result<Option<u32>, Error> {
         Ok(self
             .processes
@@ -209,6 +225,7 @@ impl Processes {
         }
         let (secrets, health_ca) = pass.issue(&input, &endpoint_host).await?;
         let mut data = secrets.data(&rendered.secrets).await?;
+        let credentials = crate::secrets::credentials(&key.cluster, &data);
         let egress = self.egress.as_ref().filter(|_| c == Component::ApiServer);
         if egress.is_some() {
             let (name, files) = nestplane_render::egress::apply(&mut rendered);
@@ -322,6 +339,7 @@ impl Processes {
             counting: "replicas answer their health endpoint".into(),
             addresses,
             service,
+            credentials,
         })
     }
 }

@@ -95,6 +95,8 @@ pub struct Observation {
     pub addresses: Vec<NestedEtcdAddress>,
     /// The API server's Service.
     pub service: Option<ObjectReference>,
+    /// The trust handed to the component this pass ([`crate::secrets::credentials`]).
+    pub credentials: std::collections::BTreeMap<String, String>,
 }
 
 /// Where components run.
@@ -144,6 +146,13 @@ pub trait Runtime: Send + Sync {
     /// user of their own (its nodes let that user's packets in). Only looks: never allocates.
     fn control_plane_user(&self, _ncp: &NestedControlPlane) -> Result<Option<u32>, Error> {
         Ok(None)
+    }
+
+    /// Every API server replica of the control plane as this machine reaches it, where the
+    /// runtime knows them (a node's proxy tries each in turn, so that a replica being
+    /// replaced is not its only way in). Empty: only the endpoint.
+    fn apiserver_replicas(&self, _ncp: &NestedControlPlane) -> Vec<std::net::SocketAddr> {
+        vec![]
     }
 
     /// Remove what this runtime made for a deleted control plane and that owner references

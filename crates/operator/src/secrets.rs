@@ -1,8 +1,9 @@
 //! Certificates and kubeconfigs of a tenant, stored as Cluster API secrets.
 //!
-//! CAs (`<cluster>-ca`, `-etcd`, `-proxy`, `-sa`) are created once and never rewritten: an
-//! existing CA secret is used as it is (a user may bring their own), and a malformed one is an
-//! error, never a reason to generate a new CA. Leaf certificates and kubeconfigs are reissued
+//! CAs (`<cluster>-ca`, `-etcd`, `-proxy`, `-sa`) are created once and rewritten only by a
+//! rotation a user asks for ([`crate::rotation`]): an existing CA secret is used as it is (a
+//! user may bring their own), and a malformed one is an error, never a reason to generate a
+//! new CA. Leaf certificates and kubeconfigs are reissued
 //! when half their life has passed, when their SANs no longer match the addresses in use, or
 //! when their CA changed. Secret contents never reach logs or Events.
 
@@ -623,6 +624,41 @@ impl ClusterSecrets {
         }
         Ok(out)
     }
+}
+
+/// The secrets whose fingerprint a component reports as the trust it runs with.
+pub const TRUST: [SecretPurpose; 4] = [
+    SecretPurpose::ClusterCa,
+    SecretPurpose::EtcdCa,
+    SecretPurpose::FrontProxyCa,
+    SecretPurpose::ServiceAccount,
+];
+
+/// A fingerprint of a CA or service-account key secret's `tls.crt` and `tls.key` (what a
+/// component trusts and signs with). Pure.
+pub fn fingerprint(data: &BTreeMap<String, Vec<u8>>) -> String {
+    let mut h = Sha256::new();
+    for key in [names::TLS_CRT, names::TLS_KEY] {
+        let v = data.get(key).map(Vec::as_slice).unwrap_or_default();
+        h.update((v.len() as u64).to_be_bytes());
+        h.update(v);
+    }
+    format!("{:x}", h.finalize())[..16].to_string()
+}
+
+/// The fingerprints of the [`TRUST`] secrets among `data` (what a pass hands a component),
+/// by secret suffix (`status.credentials` of the component). Pure.
+pub fn credentials(
+    cluster: &str,
+    data: &nestplane_runtime::process::SecretData,
+) -> BTreeMap<String, String> {
+    TRUST
+        .iter()
+        .filter_map(|p| {
+            data.get(&p.secret_name(cluster))
+                .map(|d| (p.suffix().to_string(), fingerprint(d)))
+        })
+        .collect()
 }
 
 fn sans_match(cert_pem: &str, spec: &LeafSpec) -> bool {

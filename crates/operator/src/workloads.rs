@@ -275,6 +275,7 @@ async fn run(
             counting: "the component object is not in the cache yet".into(),
             addresses: Vec::new(),
             service: None,
+            credentials: Default::default(),
         });
     };
     for o in objects.all_mut() {
@@ -294,6 +295,7 @@ async fn run(
     let hosts = api_service.map(service_addresses).unwrap_or_default();
     let (secrets, _) = pass.issue(&input, &hosts).await?;
     let data = secrets.data(&rendered.secrets).await?;
+    let credentials = crate::secrets::credentials(&input.cluster, &data);
     let annotations = &mut objects.workload["spec"]["template"]["metadata"]["annotations"];
     if !annotations.is_object() {
         *annotations = json!({});
@@ -355,5 +357,6 @@ async fn run(
         ),
         addresses,
         service,
+        credentials,
     })
 }

@@ -402,6 +402,8 @@ pub fn base64(data: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(data)
 }
 
+mod sa;
+pub use sa::{public_keys, service_account_key_id, service_account_public_key, token_key_id};
 mod kubeconfig;
 pub use kubeconfig::{Authority, Credential, KubeconfigSpec, kubeconfig, write_kubeconfig};
 mod kubeconfig_check;

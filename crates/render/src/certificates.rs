@@ -56,6 +56,17 @@ pub fn reloads_certificates(c: Component) -> bool {
     matches!(c, Component::Etcd | Component::ApiServer)
 }
 
+/// The secrets a component that [reloads its certificates](reloads_certificates) still reads
+/// only when it starts: the API server's service-account keys (`--service-account-key-file`,
+/// `--service-account-signing-key-file`). A change of one restarts it, one replica at a time
+/// (a rotation of the key).
+pub fn read_at_start(c: Component) -> &'static [SecretPurpose] {
+    match c {
+        Component::ApiServer => &[SecretPurpose::ServiceAccount],
+        _ => &[],
+    }
+}
+
 fn leaf(cn: &str, orgs: &[&str], sans: Sans, usage: Usage) -> LeafSpec {
     LeafSpec {
         common_name: cn.into(),

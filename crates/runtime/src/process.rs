@@ -120,6 +120,9 @@ struct Group {
     /// Hash of the mounted secrets: a change rewrites the files, and restarts the replicas
     /// of components that read their certificates only at start.
     secrets: String,
+    /// Hash of the mounted secrets the component reads only at start even when it reloads
+    /// its certificates (the API server's service-account keys): a change restarts it.
+    start: String,
     replicas: Vec<Replica>,
 }
 
@@ -425,7 +428,7 @@ impl ProcessRuntime {
             })?
             .clone();
         let program = program_for(&container, version)?;
-        let (template, secrets_hash) = hashes(rendered, &program, secrets)?;
+        let (template, secrets_hash, start_hash) = hashes(rendered, &program, secrets)?;
 
         let gk = (key.clone(), component);
         let group = self.group(&gk);
@@ -449,7 +452,8 @@ impl ProcessRuntime {
         let first_start = g.replicas.is_empty();
         let template_changed = g.template != template;
         let secrets_changed = g.secrets != secrets_hash;
-        let reloads = nestplane_render::certificates::reloads_certificates(component);
+        let reloads = nestplane_render::certificates::reloads_certificates(component)
+            && g.start == start_hash;
         let restart_running = template_changed || (secrets_changed && !reloads);
         // Extra replicas go first (from the highest index).
         while g.replicas.len() > replicas {
@@ -486,6 +490,7 @@ impl ProcessRuntime {
         }
         g.template = template;
         g.secrets = secrets_hash;
+        g.start = start_hash;
         if restarted {
             self.startups
                 .lock()
@@ -789,36 +794,59 @@ fn program_for(container: &Container, version: &str) -> Result<PathBuf, RuntimeE
         Ok(binaries::kubernetes(cmd, version)?)
     }
 }
-/// What a component's processes are made from: the hash of its template and program, and
-/// the hash of the secrets it mounts (a missing one is an error). Pure.
+/// What a component's processes are made from: the hash of its template and program, the
+/// hash of the secrets it mounts (a missing one is an error), and the hash of those of them
+/// it reads only at start ([`nestplane_render::certificates::read_at_start`]). Pure.
 fn hashes(
     rendered: &Rendered,
     program: &Path,
     secrets: &SecretData,
-) -> Result<(String, String), RuntimeError> {
+) -> Result<(String, String, String), RuntimeError> {
     let mut th = Sha256::new();
     th.update(nestplane_render::template_hash(rendered));
     th.update(program.display().to_string());
     let template = format!("{:x}", th.finalize());
-    let mut sh = Sha256::new();
-    for name in mounted_secrets(&rendered.pod_template) {
+    let at_start: Vec<&str> = nestplane_render::certificates::read_at_start(rendered.component)
+        .iter()
+        .map(|p| nestplane_render::secret_volume_name(*p))
+        .collect();
+    let (mut sh, mut start) = (Sha256::new(), Sha256::new());
+    for (volume, name) in mounted_secrets(&rendered.pod_template) {
         let data = secrets
             .get(&name)
             .ok_or_else(|| RuntimeError::MissingSecret(name.clone()))?;
+        let read_once = at_start.contains(&volume.as_str());
         sh.update(name.as_bytes());
+        if read_once {
+            start.update(name.as_bytes());
+        }
         for (k, v) in data {
             sh.update(k.as_bytes());
             sh.update(v);
+            if read_once {
+                start.update(k.as_bytes());
+                start.update(v);
+            }
         }
     }
-    Ok((template, format!("{:x}", sh.finalize())))
+    Ok((
+        template,
+        format!("{:x}", sh.finalize()),
+        format!("{:x}", start.finalize()),
+    ))
 }
 
-fn mounted_secrets(t: &PodTemplateSpec) -> Vec<String> {
+/// (volume name, secret name) of each secret volume of `t`.
+fn mounted_secrets(t: &PodTemplateSpec) -> Vec<(String, String)> {
     t.spec
         .iter()
         .flat_map(|s| s.volumes.iter().flatten())
-        .filter_map(|v| v.secret.as_ref().and_then(|s| s.secret_name.clone()))
+        .filter_map(|v| {
+            v.secret
+                .as_ref()
+                .and_then(|s| s.secret_name.clone())
+                .map(|n| (v.name.clone(), n))
+        })
         .collect()
 }
 
@@ -1293,6 +1321,57 @@ pub async fn healthy_replicas(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_api_server_restarts_for_new_service_account_keys_and_reloads_other_certificates() {
+        use nestplane_api::names::SecretPurpose;
+        use nestplane_render::{KubeVersion, Network, RenderInput};
+        let input = RenderInput::new(
+            "demo",
+            "default",
+            KubeVersion::new(1, 20, 2),
+            Network::Loopback {
+                hosts: vec![Ipv4Addr::new(127, 64, 3, 1)],
+            },
+        );
+        let program = Path::new("/bin/kube-apiserver");
+        let data = |sa: &str, serving: &str| -> SecretData {
+            let r = nestplane_render::render(Component::ApiServer, &input).unwrap();
+            r.secrets
+                .iter()
+                .map(|p| {
+                    let v = match p {
+                        SecretPurpose::ServiceAccount => sa,
+                        SecretPurpose::ApiServer => serving,
+                        _ => "same",
+                    };
+                    (
+                        p.secret_name("demo"),
+                        BTreeMap::from([("tls.crt".to_string(), v.as_bytes().to_vec())]),
+                    )
+                })
+                .collect()
+        };
+        let api = nestplane_render::render(Component::ApiServer, &input).unwrap();
+        let (t, s, start) = hashes(&api, program, &data("k1", "c1")).unwrap();
+        // A renewed serving certificate: the secrets changed, what is read at start did not.
+        let (t2, s2, start2) = hashes(&api, program, &data("k1", "c2")).unwrap();
+        assert_eq!((t.clone(), start.clone()), (t2, start2));
+        assert_ne!(s, s2);
+        // A new service-account key: read only at start.
+        let (_, s3, start3) = hashes(&api, program, &data("k2", "c1")).unwrap();
+        assert_ne!(s, s3);
+        assert_ne!(start, start3);
+        // etcd reads nothing only at start.
+        let etcd = nestplane_render::render(Component::Etcd, &input).unwrap();
+        let etcd_data: SecretData = etcd
+            .secrets
+            .iter()
+            .map(|p| (p.secret_name("demo"), BTreeMap::new()))
+            .collect();
+        let (_, _, none) = hashes(&etcd, program, &etcd_data).unwrap();
+        assert_eq!(none, format!("{:x}", Sha256::new().finalize()));
+    }
 
     /// A server on loopback that answers every request with `body` (over TLS with `tls`).
     async fn serve(tls: Option<nestplane_pki::CertKey>, body: &'static str) -> String {

@@ -425,6 +425,16 @@ async fn control_plane(
             )
             .await?;
         }
+        // A rotation asked of the HostedCluster is asked of its control plane.
+        let rotations = rotation_annotations(&pass.hc.metadata, &ncp.metadata);
+        if !rotations.is_empty() {
+            ncps.patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({"metadata": {"annotations": rotations}})),
+            )
+            .await?;
+        }
         return Ok(ncp);
     }
     let mut spec = NestedControlPlaneSpec {
@@ -453,6 +463,27 @@ async fn control_plane(
     pass.event(EventType::Normal, "ControlPlaneCreated", &note)
         .await;
     Ok(ncps.get(name).await?)
+}
+
+/// The rotation annotations of a HostedCluster (`from`) that its control plane (`to`) does not
+/// carry yet, with their values. Pure.
+fn rotation_annotations(
+    from: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    to: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> std::collections::BTreeMap<String, String> {
+    let get = |m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta, k: &str| {
+        m.annotations.as_ref().and_then(|a| a.get(k)).cloned()
+    };
+    [
+        names::ROTATE_SA_KEY_ANNOTATION,
+        names::ROTATE_SA_KEY_COMPLETE_ANNOTATION,
+    ]
+    .into_iter()
+    .filter_map(|k| {
+        let v = get(from, k)?;
+        (get(to, k).as_ref() != Some(&v)).then(|| (k.to_string(), v))
+    })
+    .collect()
 }
 
 /// The API server component, published as the HostedCluster's `APIServer` service says;
@@ -774,6 +805,7 @@ async fn report(
     dns_available: bool,
 ) -> Result<Action, Error> {
     let ncp_status = ncp.status.clone().unwrap_or_default();
+    pass.status.rotations = ncp_status.rotations.clone();
     let reached = mirror(
         &mut pass.status,
         &ncp_status,

@@ -27,6 +27,8 @@ pub struct Target {
     pub ca_pem: String,
     /// The API server as this machine reaches it.
     pub apiserver: SocketAddr,
+    /// Every API server replica as this machine reaches it, where the runtime knows them.
+    pub replicas: Vec<SocketAddr>,
     /// The isolation group of every node of the cluster.
     pub group: u32,
     /// The user the control plane's processes run as on this machine, if they do.
@@ -115,6 +117,7 @@ impl Targets {
             client,
             ca_pem,
             apiserver: SocketAddr::new(ip, ep.port as u16),
+            replicas: ctx.runtime.apiserver_replicas(&ncp),
             group,
             user,
         }))

@@ -48,6 +48,8 @@ pub struct NodeRequest {
     pub ca_pem: String,
     /// The cluster's API server as this machine reaches it.
     pub apiserver: SocketAddr,
+    /// Its other replicas, if known: the node's proxy tries each in turn.
+    pub replicas: Vec<SocketAddr>,
     /// The cluster's DNS settings.
     pub cluster: ClusterSettings,
     /// The cluster's isolation group ([`crate::hosted::target::isolation_group`]).
@@ -161,7 +163,9 @@ impl LocalNodes {
             dir,
             ca_pem: r.ca_pem,
             token: r.token.token(),
-            apiservers: vec![r.apiserver],
+            apiservers: std::iter::once(r.apiserver)
+                .chain(r.replicas.iter().copied().filter(|a| *a != r.apiserver))
+                .collect(),
             api_port: r.apiserver.port(),
             images: self.images(r.builtin_dns),
             pause_image: PAUSE_IMAGE.into(),

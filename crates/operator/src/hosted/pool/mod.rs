@@ -514,6 +514,7 @@ async fn start_node(
             token,
             ca_pem: n.target.ca_pem.clone(),
             apiserver: n.target.apiserver,
+            replicas: n.target.replicas.clone(),
             cluster: n.cluster.clone(),
             group: n.target.group,
             control_plane_user: n.target.user,

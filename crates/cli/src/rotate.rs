@@ -1,0 +1,171 @@
+//! `nestplane rotate`: ask for a key rotation, or its completion, on a hosted cluster or a
+//! control plane, and wait until the operator has carried it out. A thin client: it writes the
+//! annotation a user could write (`nestplane.io/rotate-sa-key`, `…-complete`) and reads the
+//! control plane's `status.rotations`.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::{Args, ValueEnum};
+use kube::api::{Api, Patch, PatchParams};
+use nestplane_api::hosted::HostedCluster;
+use nestplane_api::names;
+use nestplane_api::{NestedControlPlane, RotationStatus};
+
+use crate::tenants::Target;
+
+/// What to rotate.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum What {
+    /// The service-account signing key.
+    SaKey,
+}
+
+/// Arguments of `nestplane rotate`.
+#[derive(Args, Debug)]
+pub struct RotateArgs {
+    /// What to rotate.
+    #[arg(value_enum)]
+    pub what: What,
+    /// The cluster's name (a HostedCluster's, or a NestedControlPlane's).
+    pub name: String,
+    /// Its namespace.
+    #[arg(short, long, default_value = "default")]
+    pub namespace: String,
+    /// Complete the rotation that was started: the old key is no longer trusted (tokens it
+    /// signed are refused from then on).
+    #[arg(long)]
+    pub complete: bool,
+    /// Return once asked, without waiting.
+    #[arg(long)]
+    pub no_wait: bool,
+    /// Give up waiting after this many seconds (the rotation goes on).
+    #[arg(long, default_value_t = 600)]
+    pub timeout: u64,
+    #[command(flatten)]
+    pub target: Target,
+}
+
+/// The object the annotation goes on, and where its control plane is.
+struct Located {
+    /// `HostedCluster` or `NestedControlPlane`.
+    kind: &'static str,
+    /// The control plane's namespace and name.
+    ncp: (String, String),
+}
+
+fn sa_rotation(ncp: &NestedControlPlane) -> Option<RotationStatus> {
+    ncp.status
+        .as_ref()?
+        .rotations
+        .iter()
+        .find(|r| r.target == "sa-key")
+        .cloned()
+}
+
+/// `nestplane rotate`.
+pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
+    let What::SaKey = args.what;
+    let client = args.target.client().await?;
+    let (ns, name) = (&args.namespace, &args.name);
+    let hcs: Api<HostedCluster> = Api::namespaced(client.clone(), ns);
+    let located = match hcs.get_opt(name).await? {
+        Some(hc) => Located {
+            kind: "HostedCluster",
+            ncp: (
+                format!("{}-{}", ns, hc.metadata.name.clone().unwrap_or_default()),
+                name.clone(),
+            ),
+        },
+        None => {
+            let ncps: Api<NestedControlPlane> = Api::namespaced(client.clone(), ns);
+            if ncps.get_opt(name).await?.is_none() {
+                bail!("no HostedCluster or NestedControlPlane {ns}/{name} (`nestplane list`)");
+            }
+            Located {
+                kind: "NestedControlPlane",
+                ncp: (ns.clone(), name.clone()),
+            }
+        }
+    };
+    let ncps: Api<NestedControlPlane> = Api::namespaced(client.clone(), &located.ncp.0);
+    let ncp = ncps
+        .get_opt(&located.ncp.1)
+        .await?
+        .with_context(|| format!("{} {ns}/{name} has no control plane yet", located.kind))?;
+    let current = sa_rotation(&ncp);
+    let (annotation, id, until) = if args.complete {
+        let Some(r) = current.filter(|r| r.phase == "Started") else {
+            bail!(
+                "no service-account key rotation of {ns}/{name} waits to be completed (`nestplane rotate sa-key {name}` starts one; it must reach phase Started first)"
+            );
+        };
+        (names::ROTATE_SA_KEY_COMPLETE_ANNOTATION, r.id, "Completed")
+    } else {
+        match current.filter(|r| r.phase != "Completed") {
+            Some(r) => {
+                eprintln!(
+                    "a service-account key rotation of {ns}/{name} is in progress ({:?}, phase {}); waiting for it",
+                    r.id, r.phase
+                );
+                (names::ROTATE_SA_KEY_ANNOTATION, r.id, "Started")
+            }
+            None => (
+                names::ROTATE_SA_KEY_ANNOTATION,
+                k8s_openapi::jiff::Timestamp::now()
+                    .round(k8s_openapi::jiff::Unit::Second)
+                    .map(|t| t.to_string())
+                    .unwrap_or_else(|_| k8s_openapi::jiff::Timestamp::now().to_string()),
+                "Started",
+            ),
+        }
+    };
+    let patch = serde_json::json!({"metadata": {"annotations": {annotation: id}}});
+    let pp = PatchParams::default();
+    if located.kind == "HostedCluster" {
+        hcs.patch(name, &pp, &Patch::Merge(&patch)).await?;
+    } else {
+        ncps.patch(name, &pp, &Patch::Merge(&patch)).await?;
+    }
+    eprintln!("{} {ns}/{name}: {annotation}={id}", located.kind);
+    if args.no_wait {
+        return Ok(());
+    }
+    let deadline = Instant::now() + Duration::from_secs(args.timeout);
+    let mut said = None;
+    loop {
+        let ncp = ncps.get(&located.ncp.1).await?;
+        if let Some(r) = sa_rotation(&ncp).filter(|r| r.id == id) {
+            let line = format!(
+                "{}{}",
+                r.phase,
+                r.message
+                    .as_deref()
+                    .map(|m| format!(": {m}"))
+                    .unwrap_or_default()
+            );
+            if said.as_ref() != Some(&line) {
+                eprintln!("{line}");
+                said = Some(line);
+            }
+            if r.phase == until || r.phase == "Completed" {
+                println!(
+                    "{}/{name}: service-account key rotation {id} {}; key {}",
+                    ns,
+                    r.phase,
+                    r.key_id.unwrap_or_default()
+                );
+                return Ok(());
+            }
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "the rotation did not reach {until} within {} s (it goes on; `kubectl get ncp -n {} {} -o jsonpath='{{.status.rotations}}'`)",
+                args.timeout,
+                located.ncp.0,
+                located.ncp.1
+            );
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}

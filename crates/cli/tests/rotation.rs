@@ -1,0 +1,459 @@
+//! Rotation of a hosted cluster's service-account key (`nestplane rotate sa-key`) with a real
+//! node and a running pod: nothing issued before the rotation is refused until it is
+//! completed, the pod's token Secret is re-signed in place, a client through the gateway with
+//! the kubeconfig from before never fails, and after completion what the old key signed is
+//! refused. Nothing here writes what a kubelet or controller would.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// The pod calls its API every second with its projected token (minted before the
+/// rotation) and with its legacy token Secret's, and says what each call got.
+const CALLER: &str = r#"apiVersion: v1
+kind: Pod
+metadata: {name: caller, namespace: default}
+spec:
+  containers:
+  - name: caller
+    image: docker.io/library/busybox:1.35
+    command:
+    - sh
+    - -c
+    - |
+      while true; do
+        for t in projected legacy; do
+          if [ $t = projected ]; then f=/var/run/secrets/tokens/api; else f=/var/run/secrets/kubernetes.io/serviceaccount/token; fi
+          if out=$(wget -q -O /dev/null --no-check-certificate --header "Authorization: Bearer $(cat $f)" https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT/api/v1/namespaces/default/pods/caller 2>&1); then
+            echo "$(date +%s) $t ok"
+          else
+            echo "$(date +%s) $t fail $(cut -d. -f1 $f) $out"
+          fi
+        done
+        sleep 1
+      done
+    volumeMounts:
+    - {name: tokens, mountPath: /var/run/secrets/tokens}
+  volumes:
+  - name: tokens
+    projected:
+      sources:
+      - serviceAccountToken: {path: api, expirationSeconds: 3600}
+"#;
+
+/// A kubeconfig for the cluster of `admin` that authenticates with `token` alone.
+fn token_kubeconfig(admin: &Path, token: &str, path: PathBuf) -> PathBuf {
+    let mut kc = kube::config::Kubeconfig::read_from(admin).unwrap();
+    for a in &mut kc.auth_infos {
+        a.auth_info = Some(kube::config::AuthInfo {
+            token: Some(token.to_string().into()),
+            ..Default::default()
+        });
+    }
+    std::fs::write(&path, serde_json::to_vec(&kc).unwrap()).unwrap();
+    path
+}
+
+/// A token of `default/default` from the TokenRequest API (valid an hour).
+fn request_token(hosted: &Path, dir: &Path) -> String {
+    let body = dir.join("token-request.json");
+    std::fs::write(
+        &body,
+        r#"{"apiVersion":"authentication.k8s.io/v1","kind":"TokenRequest","spec":{"expirationSeconds":3600}}"#,
+    )
+    .unwrap();
+    let out = kubectl_ok(
+        hosted,
+        &[
+            "create",
+            "--raw",
+            "/api/v1/namespaces/default/serviceaccounts/default/token",
+            "-f",
+            body.to_str().unwrap(),
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    v["status"]["token"].as_str().unwrap().to_string()
+}
+
+/// Whether `token` authenticates: `Ok(true)` answered, `Ok(false)` refused as unauthorized.
+fn authenticates(hosted: &Path, token: &str, dir: &Path) -> bool {
+    let kc = token_kubeconfig(hosted, token, dir.join("token.kubeconfig"));
+    let out = kubectl(&kc, &["get", "pods", "-n", "default", "-o", "name"]);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        out.status.success() || err.contains("Unauthorized"),
+        "neither answered nor unauthorized: {err}"
+    );
+    out.status.success()
+}
+
+fn rotation(kc: &Path) -> String {
+    jsonpath(
+        kc,
+        &["ncp", "rot", "-n", "default-rot"],
+        "{.status.rotations[?(@.target==\"sa-key\")].phase}|{.status.rotations[?(@.target==\"sa-key\")].keyId}|{.status.rotations[?(@.target==\"sa-key\")].previousKeyId}",
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_account_key_rotation_refuses_no_token_until_it_completes_and_then_the_old_key_is_refused()
+ {
+    nestplane_nodes::check_prerequisites("v1.20.2").expect("node prerequisites");
+    let _ = images();
+    let mut env = Env::start(false).await;
+    env.start_operator_with_gateway();
+    env.install_cluster_crd();
+    let kc = env.kubeconfig().to_path_buf();
+    let dir = env.state.path().to_path_buf();
+
+    // Two API server replicas before any node joins (its proxy tries each of them).
+    env.apply("apiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: rot, namespace: default}\nspec:\n  release: {version: 1.20.2}\n");
+    eventually("the control plane exists", Duration::from_secs(60), || {
+        (jsonpath(
+            &kc,
+            &["ncp", "rot", "-n", "default-rot"],
+            "{.metadata.name}",
+        ) == "rot")
+            .then_some(())
+    });
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "ncp",
+            "rot",
+            "-n",
+            "default-rot",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"replicas":2}}"#,
+        ],
+    );
+    eventually(
+        "2 API servers and Available",
+        Duration::from_secs(240),
+        || {
+            (condition(&kc, &["hostedcluster", "rot"], "Available") == "True"
+                && jsonpath(
+                    &kc,
+                    &["nestedapiserver", "rot-apiserver", "-n", "default-rot"],
+                    "{.status.readyReplicas}",
+                ) == "2")
+                .then_some(())
+        },
+    );
+    env.apply("apiVersion: nestplane.io/v1alpha1\nkind: NodePool\nmetadata: {name: rot, namespace: default}\nspec: {clusterName: rot, replicas: 1}\n");
+    eventually("the NodePool Ready", Duration::from_secs(240), || {
+        (condition(&kc, &["nodepool", "rot"], "Ready") == "True").then_some(())
+    });
+    let hosted = hosted_kubeconfig(&kc, "rot", &dir);
+    kubectl_ok(
+        &hosted,
+        &[
+            "create",
+            "clusterrolebinding",
+            "default-view",
+            "--clusterrole=view",
+            "--serviceaccount=default:default",
+        ],
+    );
+    kubectl_apply(&hosted, CALLER);
+    eventually("the pod calls its API", Duration::from_secs(120), || {
+        let logs =
+            String::from_utf8_lossy(&kubectl(&hosted, &["logs", "caller"]).stdout).to_string();
+        (logs.contains("projected ok") && logs.contains("legacy ok")).then_some(())
+    });
+    let before = request_token(&hosted, &dir);
+    assert!(authenticates(&hosted, &before, &dir));
+    let legacy_kid = || {
+        let token = kubectl_ok(
+            &hosted,
+            &[
+                "exec",
+                "caller",
+                "--",
+                "cat",
+                "/var/run/secrets/kubernetes.io/serviceaccount/token",
+            ],
+        );
+        nestplane_pki::token_key_id(&token).expect("the legacy token names its key")
+    };
+    let old_kid = legacy_kid();
+    assert_eq!(
+        nestplane_pki::token_key_id(&before).as_deref(),
+        Some(old_kid.as_str())
+    );
+
+    // A client asks through the gateway all along, with the kubeconfig from before.
+    let (server, sni) = {
+        let got = jsonpath(
+            &kc,
+            &["ncp", "rot", "-n", "default-rot"],
+            "{.status.gateway.server} {.status.gateway.serverName}",
+        );
+        let (a, b) = got.split_once(' ').expect("status.gateway");
+        (a.to_string(), b.to_string())
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let client = {
+        let (stop, hosted, server, sni) =
+            (stop.clone(), hosted.clone(), server.clone(), sni.clone());
+        std::thread::spawn(move || {
+            let mut results = Vec::new();
+            while !stop.load(Ordering::Relaxed) && results.len() < 3000 {
+                let started = Instant::now();
+                let out = kubectl(
+                    &hosted,
+                    &[
+                        "--server",
+                        &server,
+                        "--tls-server-name",
+                        &sni,
+                        "--request-timeout=20s",
+                        "get",
+                        "ns",
+                        "default",
+                        "-o",
+                        "name",
+                    ],
+                );
+                let failed = (!out.status.success())
+                    .then(|| String::from_utf8_lossy(&out.stderr).to_string());
+                results.push((started.elapsed(), failed));
+            }
+            results
+        })
+    };
+    let pids_before: Vec<Option<u32>> = (0..2)
+        .map(|i| env.pid("default-rot", "rot", "apiserver", i))
+        .collect();
+
+    // Start: the CLI waits until the new key signs everywhere and tokens are re-signed.
+    let epoch = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+    };
+    let asked_at = epoch();
+    let asked = Instant::now();
+    let out = nestplane()
+        .args([
+            "rotate",
+            "sa-key",
+            "rot",
+            "-n",
+            "default",
+            "--timeout",
+            "300",
+        ])
+        .args(["--kubeconfig", kc.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("rotation: asked → Started in {:?}", asked.elapsed());
+    let started_at = epoch();
+    let said = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        said.contains("Trusting") && said.contains("Started"),
+        "{said}"
+    );
+    let started = rotation(&kc);
+    let parts: Vec<&str> = started.split('|').collect();
+    assert_eq!(parts[0], "Started", "{started}");
+    let new_kid = parts[1].to_string();
+    assert_eq!(parts[2], old_kid, "the old key is still trusted: {started}");
+    assert_ne!(new_kid, old_kid);
+    // Each API server replica was replaced (the keys are read at start).
+    for (i, pid) in pids_before.iter().enumerate() {
+        assert_ne!(
+            env.pid("default-rot", "rot", "apiserver", i),
+            *pid,
+            "replica {i}"
+        );
+    }
+    // What the old key signed still authenticates; what is minted now is the new key's.
+    assert!(authenticates(&hosted, &before, &dir));
+    let after = request_token(&hosted, &dir);
+    assert_eq!(
+        nestplane_pki::token_key_id(&after).as_deref(),
+        Some(new_kid.as_str())
+    );
+    assert!(authenticates(&hosted, &after, &dir));
+    // The pod's token Secret was re-signed in place by the cluster's tokens controller, and
+    // the pod gets it (its kubelet refreshes the volume).
+    let secret_kid = eventually(
+        "the token Secret re-signed",
+        Duration::from_secs(60),
+        || {
+            let token = kubectl_ok(
+                &hosted,
+                &[
+                    "get",
+                    "secret",
+                    "-n",
+                    "default",
+                    "--field-selector",
+                    "type=kubernetes.io/service-account-token",
+                    "-o",
+                    "jsonpath={.items[0].data.token}",
+                ],
+            );
+            use base64::Engine as _;
+            let token = base64::engine::general_purpose::STANDARD
+                .decode(token.trim())
+                .ok()?;
+            nestplane_pki::token_key_id(&String::from_utf8_lossy(&token)).filter(|k| *k == new_kid)
+        },
+    );
+    assert_eq!(secret_kid, new_kid);
+    eventually(
+        "the pod has its re-signed token",
+        Duration::from_secs(180),
+        || (legacy_kid() == new_kid).then_some(()),
+    );
+    let events = events_for(&kc, "default-rot", "rot");
+    assert!(events.contains("RotationStarted"), "{events}");
+
+    // Complete: only the new key verifies.
+    let completing = Instant::now();
+    let out = nestplane()
+        .args(["rotate", "sa-key", "rot", "--complete", "--timeout", "300"])
+        .args(["--kubeconfig", kc.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!(
+        "rotation: --complete → Completed in {:?}",
+        completing.elapsed()
+    );
+    let done = rotation(&kc);
+    assert_eq!(done, format!("Completed|{new_kid}|"));
+    stop.store(true, Ordering::Relaxed);
+    let results = client.join().unwrap();
+
+    // The old key's token is refused; the new ones are not.
+    assert!(!authenticates(&hosted, &before, &dir));
+    assert!(authenticates(&hosted, &after, &dir));
+    assert!(events_for(&kc, "default-rot", "rot").contains("RotationCompleted"));
+    // The HostedCluster tells the same story.
+    eventually("the HostedCluster's rotations", Duration::from_secs(30), || {
+        (jsonpath(
+            &kc,
+            &["hostedcluster", "rot"],
+            "{.status.rotations[?(@.target==\"sa-key\")].phase}",
+        ) == "Completed")
+            .then_some(())
+    });
+
+    // The pod: neither token was refused until completion; its legacy token (re-signed) keeps
+    // working after it; its projected token from before is refused after it.
+    let logs = String::from_utf8_lossy(&kubectl(&hosted, &["logs", "caller"]).stdout).to_string();
+    let completed_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        - completing.elapsed().as_secs();
+    eprintln!(
+        "rotation: asked at {asked_at}, Started at {started_at}, completion asked at {completed_at}"
+    );
+    // When its token Secret was filled again (the tokens controller's write): the API server
+    // accepts a legacy token only while it equals its Secret's, so from then until the
+    // kubelet wrote the new one into the pod (at once: nestplane annotated the pod) the pod's
+    // old copy is refused. That window is counted; outside it nothing is refused.
+    let refilled_at = jsonpath(
+        &hosted,
+        &[
+            "secret",
+            "-n",
+            "default",
+            "--field-selector",
+            "type=kubernetes.io/service-account-token",
+        ],
+        "{.items[0].metadata.managedFields[*].time}",
+    )
+    .split_whitespace()
+    .filter_map(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
+    .map(|t| t.as_second() as u64)
+    .max()
+    .expect("the token Secret's writes");
+    assert!(
+        jsonpath(&hosted, &["pod", "caller"], "{.metadata.annotations}")
+            .contains("nestplane.io/service-account-token-resigned"),
+        "the pod was told"
+    );
+    let mut calls = std::collections::BTreeMap::<&str, (u32, u32)>::new();
+    let mut window = 0;
+    let mut unanswered = Vec::new();
+    for line in logs.lines() {
+        let mut w = line.split_whitespace();
+        let (Some(at), Some(which), Some(result)) = (w.next(), w.next(), w.next()) else {
+            continue;
+        };
+        let at: u64 = at.parse().unwrap_or(0);
+        if at >= completed_at {
+            continue;
+        }
+        let c = calls.entry(which).or_default();
+        if result == "ok" {
+            c.0 += 1;
+            continue;
+        }
+        c.1 += 1;
+        if !line.contains("401") {
+            unanswered.push(line);
+        }
+        if line.contains("401") {
+            assert!(
+                which == "legacy" && at >= refilled_at,
+                "a token was refused before completion: {line}\n{logs}"
+            );
+            window += 1;
+        }
+    }
+    eprintln!(
+        "rotation: the pod's calls before completion (ok, not ok): {calls:?}; legacy calls refused between its Secret's re-signing and the kubelet's refresh: {window}; not answered: {unanswered:?}"
+    );
+    eventually(
+        "the pod's legacy token after completion",
+        Duration::from_secs(30),
+        || {
+            let logs = String::from_utf8_lossy(
+                &kubectl(&hosted, &["logs", "--since=5s", "caller"]).stdout,
+            )
+            .to_string();
+            (logs.contains("legacy ok") && logs.contains("projected fail")).then_some(())
+        },
+    );
+
+    let failures: Vec<&String> = results.iter().filter_map(|(_, f)| f.as_ref()).collect();
+    let worst = results.iter().map(|(d, _)| *d).max().unwrap_or_default();
+    eprintln!(
+        "rotation: {} requests through the gateway, worst {worst:?}",
+        results.len()
+    );
+    assert!(
+        results.len() >= 10,
+        "the client loop ran: {}",
+        results.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "requests failed during the rotation: {failures:?}"
+    );
+}
