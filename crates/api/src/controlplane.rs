@@ -495,7 +495,8 @@ pub struct NestedControlPlaneStatus {
 /// `nestplane.io/rotate-<target>` (`nestplane rotate`). Its phases, in order: `Trusting` (the
 /// new key is trusted beside the old one everywhere), `Signing` (the new key signs), `Started`
 /// (both are trusted and the new one signs: what was issued before keeps working; waits to be
-/// completed), `Completing` (the old key is dropped), `Completed`.
+/// completed), `Completing` (the legacy token Secrets were re-signed; the old key is dropped),
+/// `Completed`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RotationStatus {
@@ -503,7 +504,8 @@ pub struct RotationStatus {
     pub target: String,
     /// The request this rotation answers (the annotation's value).
     pub id: String,
-    /// `Trusting`, `Signing`, `Started`, `Completing` or `Completed`.
+    /// `Trusting`, `Signing`, `Started`, `Completing` or `Completed`; `Blocked` when the key
+    /// secret cannot be read (the message says why).
     pub phase: String,
     /// What happens now, or what the user may do next.
     #[serde(default, skip_serializing_if = "Option::is_none")]

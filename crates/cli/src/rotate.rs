@@ -95,7 +95,7 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
         .with_context(|| format!("{} {ns}/{name} has no control plane yet", located.kind))?;
     let current = sa_rotation(&ncp);
     let (annotation, id, until) = if args.complete {
-        let Some(r) = current.filter(|r| r.phase == "Started") else {
+        let Some(r) = current.filter(|r| r.phase == "Started" || r.phase == "Completing") else {
             bail!(
                 "no service-account key rotation of {ns}/{name} waits to be completed (`nestplane rotate sa-key {name}` starts one; it must reach phase Started first)"
             );

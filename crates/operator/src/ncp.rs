@@ -66,10 +66,7 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
     let mut rotating = false;
     let mut rotation = None;
     if problem.is_none() && !paused {
-        let (st, busy) = crate::rotation::advance(&ctx, &tenant)
-            .await
-            .at("rotation")?;
-        (rotation, rotating) = (st, busy);
+        (rotation, rotating) = crate::rotation::advance(&ctx, &tenant).await;
     }
     let mut new_status = next_status(&ctx, &ncp, &tenant, binding.as_ref(), &problem, paused)
         .await

@@ -115,7 +115,7 @@ impl Runtime for Processes {
             .unwrap_or(1)
             .max(1) as usize;
         self.processes
-            .hosts(&tenant_key(ncp))
+            .allocated_hosts(&tenant_key(ncp))
             .unwrap_or_default()
             .into_iter()
             .take(n)

@@ -12,13 +12,15 @@
 //!    this (each replica restarted in turn), a token signed by either key is accepted
 //!    everywhere.
 //! 2. `Signing`: the new key signs (`tls.key`); both still verify. Once every API server and
-//!    controller manager runs it, the tenant's legacy service-account token Secrets that the
-//!    old key signed are emptied, and its tokens controller fills them again with the new key
-//!    (same Secret, so pods that mount them get the new token in place; each such pod is
+//!    controller manager runs it:
+//! 3. `Started`: nothing issued before is refused, nothing the user holds has changed; the
+//!    rotation waits to be completed.
+//! 4. On completion, first the tenant's legacy service-account token Secrets that the old key
+//!    signed are emptied, and its tokens controller fills them again with the new key (the
+//!    same Secret, so pods that mount them get the new token in place; each such pod is
 //!    annotated so that its kubelet writes the new token at once: the API server accepts a
-//!    legacy token only while it equals its Secret's).
-//! 3. `Started`: what was issued before keeps working; the rotation waits to be completed.
-//! 4. `Completing`: only the new public key verifies. Once every API server runs that:
+//!    legacy token only while it equals its Secret's). Then `Completing`: only the new public
+//!    key verifies. Once every API server runs that:
 //! 5. `Completed`. A token the old key signed is refused from then on.
 //!
 //! [`decide`] is the pure core; [`advance`] reads and writes.
@@ -87,8 +89,9 @@ impl Phase {
     }
 }
 
-/// The service-account key secret, as a rotation reads and writes it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// The service-account key secret, as a rotation reads and writes it (its `Debug` shows no
+/// private key).
+#[derive(Clone, PartialEq, Eq)]
 pub struct SaKeys {
     /// `tls.crt`: the public keys that verify (PEM, one or more).
     pub verify: String,
@@ -100,6 +103,18 @@ pub struct SaKeys {
     pub id: Option<String>,
     /// Its phase (`None`: never rotated, or an unknown value).
     pub phase: Option<Phase>,
+}
+
+impl std::fmt::Debug for SaKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SaKeys")
+            .field("verify", &self.verify)
+            .field("signing", &"<redacted>")
+            .field("next", &self.next.as_ref().map(|_| "<redacted>"))
+            .field("id", &self.id)
+            .field("phase", &self.phase)
+            .finish()
+    }
 }
 
 /// What the control plane's annotations ask for.
@@ -118,7 +133,7 @@ pub enum Decision {
     Idle,
     /// Write the secret so (the next phase).
     Write(SaKeys),
-    /// The new key signs everywhere: re-sign the tenant's legacy tokens, then write this.
+    /// Completion: re-sign the tenant's legacy tokens with the new key, then write this.
     Resign(SaKeys),
     /// Wait: the message says for what.
     Wait(String),
@@ -131,6 +146,19 @@ pub const MAX_ID: usize = 128;
 
 fn bundle(keys: &[String]) -> String {
     keys.concat()
+}
+
+/// A request's name as it may be shown (status, Events, messages, pods' annotations): at most
+/// [`MAX_ID`] characters, none of them control characters. Pure.
+pub fn clean(id: &str) -> String {
+    id.chars()
+        .filter(|c| !c.is_control())
+        .take(MAX_ID)
+        .collect()
+}
+
+fn valid(id: &str) -> bool {
+    clean(id) == id && !id.is_empty()
 }
 
 /// The next step of the rotation, from the secret, the request, and which consumers (the API
@@ -148,11 +176,39 @@ pub fn decide(
             lagging.join(" and ")
         )
     };
-    let verify = pki::public_keys(&keys.verify);
+    // The bundle is rewritten whole: what it holds must be understood, and hold the key that
+    // signs, or a key in use could be dropped.
+    let verify = match pki::public_keys(&keys.verify) {
+        Ok(v) if !v.is_empty() => v,
+        Ok(_) => {
+            return Decision::Blocked("its tls.crt holds no public key; fix the secret".into());
+        }
+        Err(e) => return Decision::Blocked(format!("its tls.crt: {e}")),
+    };
+    let kid = |pem: &str| {
+        pki::service_account_public_key(pem)
+            .ok()
+            .and_then(|p| pki::service_account_key_id(&p).ok())
+    };
+    let trusted: Vec<String> = verify
+        .iter()
+        .filter_map(|k| pki::service_account_key_id(k).ok())
+        .collect();
+    match kid(&keys.signing) {
+        Some(k) if trusted.contains(&k) => {}
+        Some(_) => {
+            return Decision::Blocked(
+                "its tls.crt does not hold the public key of tls.key, which signs; fix the secret"
+                    .into(),
+            );
+        }
+        None => return Decision::Blocked("its tls.key does not parse".into()),
+    }
+    let id = keys.id.as_deref().map(clean).unwrap_or_default();
     match keys.phase {
         None | Some(Phase::Completed) => match &ask.start {
             Some(r) if Some(r) != keys.id.as_ref() => {
-                if r.chars().count() > MAX_ID || r.chars().any(char::is_control) {
+                if !valid(r) {
                     return Decision::Blocked(format!(
                         "annotation {} names the request in at most {MAX_ID} printable characters",
                         names::ROTATE_SA_KEY_ANNOTATION
@@ -162,12 +218,7 @@ pub fn decide(
                     Ok(k) => k,
                     Err(e) => return Decision::Blocked(format!("cannot make a key: {e}")),
                 };
-                if verify.is_empty() {
-                    return Decision::Blocked(
-                        "its tls.crt holds no public key; fix the secret".into(),
-                    );
-                }
-                let mut all = verify.clone();
+                let mut all = verify;
                 all.push(new.cert_pem.clone());
                 Decision::Write(SaKeys {
                     verify: bundle(&all),
@@ -180,12 +231,6 @@ pub fn decide(
             _ => Decision::Idle,
         },
         Some(Phase::Trusting) => {
-            if !lagging.is_empty() {
-                return Decision::Wait(format!(
-                    "the new key is trusted beside the old one; {}",
-                    waiting_for()
-                ));
-            }
             let Some(next) = &keys.next else {
                 return Decision::Blocked(format!(
                     "phase Trusting without {}; fix the secret or set its {PHASE_ANNOTATION} annotation to Completed",
@@ -195,6 +240,18 @@ pub fn decide(
             let Ok(new_pub) = pki::service_account_public_key(next) else {
                 return Decision::Blocked(format!("its {} does not parse", names::NEXT_KEY));
             };
+            if !kid(next).is_some_and(|k| trusted.contains(&k)) {
+                return Decision::Blocked(format!(
+                    "phase Trusting, but its tls.crt does not hold the public key of {}; fix the secret",
+                    names::NEXT_KEY
+                ));
+            }
+            if !lagging.is_empty() {
+                return Decision::Wait(format!(
+                    "the new key is trusted beside the old one; {}",
+                    waiting_for()
+                ));
+            }
             // The new key first, then every other one still trusted.
             let mut all = vec![new_pub.clone()];
             all.extend(verify.into_iter().filter(|k| *k != new_pub));
@@ -213,7 +270,7 @@ pub fn decide(
                     waiting_for()
                 ));
             }
-            Decision::Resign(SaKeys {
+            Decision::Write(SaKeys {
                 phase: Some(Phase::Started),
                 ..keys.clone()
             })
@@ -223,7 +280,14 @@ pub fn decide(
                 let Ok(new_pub) = pki::service_account_public_key(&keys.signing) else {
                     return Decision::Blocked("its tls.key does not parse".into());
                 };
-                return Decision::Write(SaKeys {
+                if !lagging.is_empty() {
+                    return Decision::Wait(format!(
+                        "completing: the new key signs, both verify; {}",
+                        waiting_for()
+                    ));
+                }
+                // The legacy tokens the old key signed are re-signed first, then it goes.
+                return Decision::Resign(SaKeys {
                     verify: new_pub,
                     phase: Some(Phase::Completing),
                     next: None,
@@ -231,15 +295,15 @@ pub fn decide(
                 });
             }
             let queued = match &ask.start {
-                Some(r) if Some(r) != keys.id.as_ref() => {
-                    format!("; the rotation asked for as {r:?} waits until this one completes")
-                }
+                Some(r) if Some(r) != keys.id.as_ref() => format!(
+                    "; the rotation asked for as {:?} waits until this one completes",
+                    clean(r)
+                ),
                 _ => String::new(),
             };
             Decision::Wait(format!(
-                "the new key signs and both verify; complete the rotation (nestplane rotate sa-key --complete, or annotation {}={}) once every token the old key signed has been replaced{queued}",
+                "the new key signs and both verify; nothing issued before is refused until the rotation is completed (nestplane rotate sa-key --complete, or annotation {}={id}), which re-signs the cluster's legacy token Secrets and drops the old key: complete it once every token the old key signed has been replaced (kubelets refresh pods' projected tokens within 24 h){queued}",
                 names::ROTATE_SA_KEY_COMPLETE_ANNOTATION,
-                keys.id.as_deref().unwrap_or_default()
             ))
         }
         Some(Phase::Completing) => {
@@ -257,7 +321,7 @@ pub fn decide(
 /// `status.rotations[]` of the secret as it is (after `decide`'s write, when there was one).
 /// Pure.
 pub fn status(keys: &SaKeys, message: Option<String>) -> Option<RotationStatus> {
-    let (id, phase) = (keys.id.clone()?, keys.phase?);
+    let (id, phase) = (clean(keys.id.as_deref()?), keys.phase?);
     let kid = |pem: &str| {
         pki::service_account_public_key(pem)
             .ok()
@@ -265,6 +329,7 @@ pub fn status(keys: &SaKeys, message: Option<String>) -> Option<RotationStatus> 
     };
     let key_id = kid(keys.next.as_deref().unwrap_or(&keys.signing));
     let previous_key_id = pki::public_keys(&keys.verify)
+        .unwrap_or_default()
         .iter()
         .filter_map(|k| pki::service_account_key_id(k).ok())
         .find(|k| Some(k) != key_id.as_ref());
@@ -316,25 +381,65 @@ pub fn ask(ncp: &NestedControlPlane) -> Ask {
 /// The consumers of the service-account keys: the components that mount them.
 const CONSUMERS: [Component; 2] = [Component::ApiServer, Component::ControllerManager];
 
-/// The consumers (by kind) whose status does not say they run the secret `data` as it is.
-fn lagging(t: &Tenant, data: &BTreeMap<String, Vec<u8>>) -> Vec<String> {
+/// The consumers (by kind) whose status does not say they run the secret `data` as it is (one
+/// not made yet among them). `Err`: a consumer this operator does not run, which says nothing
+/// of the keys it runs, so the rotation cannot move on.
+fn lagging(
+    ctx: &Context,
+    t: &Tenant,
+    data: &BTreeMap<String, Vec<u8>>,
+) -> Result<Vec<String>, String> {
     let want = crate::secrets::fingerprint(data);
-    CONSUMERS
-        .into_iter()
-        .filter(|c| t.meta_of(*c).is_some())
-        .filter(|c| {
-            t.status_of(*c)
-                .and_then(|s| s.credentials.get(SecretPurpose::ServiceAccount.suffix()))
-                != Some(&want)
-        })
-        .map(|c| tenant::kind_of(c).to_string())
-        .collect()
+    let mut late = Vec::new();
+    for c in CONSUMERS {
+        let kind = tenant::kind_of(c);
+        if let Some(m) = t.managed_elsewhere(c) {
+            return Err(format!(
+                "{kind} is run by {m}, which does not report the keys it runs (status.credentials.sa); the rotation cannot tell when it runs them"
+            ));
+        }
+        if !ctx.runs_here(t, c) {
+            return Err(format!(
+                "{kind} is run by another operator (--controllers); the rotation cannot tell when it runs the keys"
+            ));
+        }
+        if t.meta_of(c).is_none() {
+            late.push(format!("{kind} (not made yet)"));
+        } else if t
+            .status_of(c)
+            .and_then(|s| s.credentials.get(SecretPurpose::ServiceAccount.suffix()))
+            != Some(&want)
+        {
+            late.push(kind.to_string());
+        }
+    }
+    Ok(late)
 }
 
 /// One step of the tenant's service-account key rotation, if one was ever asked for. Returns
 /// the rotation's status (`None`: none asked for; the last status stays), and whether it is in
-/// progress (look again soon).
-pub async fn advance(ctx: &Context, t: &Tenant) -> Result<(Option<RotationStatus>, bool), Error> {
+/// progress (look again soon). A failure (the management or the tenant's API, a slow tenant)
+/// is said in the status and tried again; it never stops the control plane's pass.
+pub async fn advance(ctx: &Context, t: &Tenant) -> (Option<RotationStatus>, bool) {
+    match step(ctx, t).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(error = %e, "rotating the service-account key");
+            let last = t
+                .ncp
+                .status
+                .as_ref()
+                .and_then(|s| s.rotations.iter().find(|r| r.target == SA_KEY).cloned())
+                .map(|mut r| {
+                    r.message = Some(format!("cannot go on now (tried again shortly): {e}"));
+                    r
+                });
+            (last, true)
+        }
+    }
+}
+
+async fn step(ctx: &Context, t: &Tenant) -> Result<(Option<RotationStatus>, bool), Error> {
     let ask = ask(&t.ncp);
     if ask.start.is_none() {
         return Ok((None, false));
@@ -345,15 +450,17 @@ pub async fn advance(ctx: &Context, t: &Tenant) -> Result<(Option<RotationStatus
         // Made with the control plane's certificates: asked again once it exists.
         return Ok((None, true));
     };
-    let blocked = |message: String| {
-        let keys = read(&secret);
-        let st = keys.as_ref().and_then(|k| status(k, Some(message.clone())));
-        (st, message)
+    let blocked_status = |m: String| RotationStatus {
+        target: SA_KEY.into(),
+        id: ask.start.as_deref().map(clean).unwrap_or_default(),
+        phase: "Blocked".into(),
+        message: Some(m),
+        ..Default::default()
     };
     let Some(keys) = read(&secret) else {
-        let (st, m) = blocked(format!("secret {name} lacks tls.crt or tls.key"));
+        let m = format!("secret {name} lacks tls.crt or tls.key; fix it");
         event_once(ctx, t, EventType::Warning, ROTATION_BLOCKED, &m).await;
-        return Ok((st, false));
+        return Ok((Some(blocked_status(m)), false));
     };
     let data: BTreeMap<String, Vec<u8>> = secret
         .data
@@ -362,15 +469,21 @@ pub async fn advance(ctx: &Context, t: &Tenant) -> Result<(Option<RotationStatus
         .into_iter()
         .map(|(k, v)| (k, v.0))
         .collect();
-    let late = lagging(t, &data);
-    let decision = decide(&keys, &ask, &late, pki::generate_service_account_key);
+    let decision = match lagging(ctx, t, &data) {
+        Ok(late) => decide(&keys, &ask, &late, pki::generate_service_account_key),
+        Err(m) if keys.phase.is_some_and(|p| p != Phase::Completed) => Decision::Blocked(m),
+        // Nothing begins that could not finish.
+        Err(m) if ask.start.is_some() && ask.start != keys.id => Decision::Blocked(m),
+        Err(_) => Decision::Idle,
+    };
     match decision {
         Decision::Idle => Ok((status(&keys, None), false)),
         Decision::Wait(m) => Ok((status(&keys, Some(m)), keys.phase != Some(Phase::Started))),
         Decision::Blocked(m) => {
             let m = format!("secret {name}: {m}");
             event_once(ctx, t, EventType::Warning, ROTATION_BLOCKED, &m).await;
-            Ok((status(&keys, Some(m)), false))
+            let st = status(&keys, Some(m.clone())).unwrap_or_else(|| blocked_status(m));
+            Ok((Some(st), false))
         }
         Decision::Write(next) => {
             write(&api, &secret, &next).await?;
@@ -391,16 +504,23 @@ pub async fn advance(ctx: &Context, t: &Tenant) -> Result<(Option<RotationStatus
                     true,
                 ));
             };
-            let left = resign(&client, &kid, next.id.as_deref().unwrap_or_default()).await?;
+            let id = clean(next.id.as_deref().unwrap_or_default());
+            let left = tokio::time::timeout(RESIGN_BUDGET, resign(&client, &kid, &id))
+                .await
+                .map_err(|_| {
+                    Error::Internal(format!(
+                        "re-signing the cluster's token Secrets took longer than {RESIGN_BUDGET:?}"
+                    ))
+                })??;
             if left > 0 {
                 let m = format!(
-                    "the new key signs, both verify; {left} service-account token Secret(s) of the cluster are being re-signed with the new key by its tokens controller"
+                    "completing: {left} service-account token Secret(s) of the cluster are being re-signed with the new key by its tokens controller; the old key is dropped after"
                 );
                 return Ok((status(&keys, Some(m)), true));
             }
             write(&api, &secret, &next).await?;
             announce(ctx, t, &next).await;
-            Ok((status(&next, None), false))
+            Ok((status(&next, None), true))
         }
     }
 }
@@ -412,55 +532,84 @@ pub async fn advance(ctx: &Context, t: &Tenant) -> Result<(Option<RotationStatus
 pub const RESIGNED_ANNOTATION: &str = "nestplane.io/service-account-token-resigned";
 
 /// How long a pass waits for the tokens controller to fill the Secrets it emptied.
-const REFILL_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
+const REFILL_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+/// At most this long for a pass's re-signing (the rest is done by the next pass).
+const RESIGN_BUDGET: std::time::Duration = std::time::Duration::from_secs(20);
+/// Objects listed from a tenant per page, and at most in all (a tenant admin decides how many
+/// there are).
+const PAGE: u32 = 250;
+const MAX_LISTED: usize = 20_000;
 
 fn signed_by(s: &Secret, kid: &str) -> bool {
     let token = text(s, "token").unwrap_or_default();
     !token.is_empty() && pki::token_key_id(&token).as_deref() == Some(kid)
 }
 
+/// Every object `api` lists with `lp`, page by page, at most [`MAX_LISTED`].
+async fn list_all<K>(api: &Api<K>, lp: &ListParams) -> Result<Vec<K>, Error>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let mut out = Vec::new();
+    let mut lp = lp.clone().limit(PAGE);
+    loop {
+        let page = api.list(&lp).await?;
+        out.extend(page.items);
+        if out.len() > MAX_LISTED {
+            return Err(Error::Internal(format!(
+                "the cluster has more than {MAX_LISTED} of them"
+            )));
+        }
+        match page.metadata.continue_ {
+            Some(c) if !c.is_empty() => lp = lp.continue_token(&c),
+            _ => return Ok(out),
+        }
+    }
+}
+
 /// The tenant's service-account token Secrets not signed by key `kid` are emptied, so that
 /// the tokens controller (which signs with the new key by now) fills each again in place;
-/// then every pod that mounts one it filled is told (annotation [`RESIGNED_ANNOTATION`] =
-/// `id`), so that its kubelet writes the new token at once. Returns how many Secrets are not
-/// signed by `kid` yet.
+/// then every pod that mounts one signed by `kid` is told (annotation [`RESIGNED_ANNOTATION`]
+/// = `id`), so that its kubelet writes the new token at once. Returns how many Secrets are
+/// not signed by `kid` yet.
 async fn resign(client: &kube::Client, kid: &str, id: &str) -> Result<usize, Error> {
     let api: Api<Secret> = Api::all(client.clone());
     let lp = ListParams::default().fields("type=kubernetes.io/service-account-token");
-    let mut emptied = 0;
-    for s in api.list(&lp).await? {
+    let mut emptied = Vec::new();
+    for s in list_all(&api, &lp).await? {
         if signed_by(&s, kid) || text(&s, "token").unwrap_or_default().is_empty() {
             continue;
         }
-        let one: Api<Secret> = Api::namespaced(client.clone(), &s.namespace().unwrap_or_default());
+        let (ns, name) = (s.namespace().unwrap_or_default(), s.name_any());
+        let one: Api<Secret> = Api::namespaced(client.clone(), &ns);
         let patch = serde_json::json!({
             "metadata": {"resourceVersion": s.metadata.resource_version},
             "data": {"token": null}
         });
         match one
-            .patch(
-                &s.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(&patch),
-            )
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
         {
-            Ok(_) => emptied += 1,
+            Ok(_) => emptied.push((ns, name)),
             // Changed meanwhile (the tokens controller, a user): judged again next pass.
             Err(kube::Error::Api(e)) if e.code == 409 || e.code == 404 => {}
             Err(e) => return Err(e.into()),
         }
     }
-    // The tokens controller fills them within moments.
+    // The tokens controller fills them within moments: the pods are told as soon as it has.
     let deadline = std::time::Instant::now() + REFILL_WAIT;
-    let secrets = loop {
-        let secrets = api.list(&lp).await?;
-        let left = secrets.iter().filter(|s| !signed_by(s, kid)).count();
-        if emptied == 0 || left == 0 || std::time::Instant::now() >= deadline {
-            break secrets;
+    for (ns, name) in &emptied {
+        let one: Api<Secret> = Api::namespaced(client.clone(), ns);
+        while std::time::Instant::now() < deadline {
+            match one.get_opt(name).await? {
+                Some(s) if !signed_by(&s, kid) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await
+                }
+                _ => break,
+            }
         }
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    };
+    }
+    let secrets = list_all(&api, &lp).await?;
     let left = secrets.iter().filter(|s| !signed_by(s, kid)).count();
     let resigned: std::collections::BTreeSet<(String, String)> = secrets
         .iter()
@@ -471,8 +620,8 @@ async fn resign(client: &kube::Client, kid: &str, id: &str) -> Result<usize, Err
     Ok(left)
 }
 
-/// Annotate each pod that mounts one of `secrets` (namespace, name) and was not told about
-/// rotation `id` yet.
+/// Annotate each pod that mounts one of `secrets` (namespace, name), as a volume or a
+/// projected source, and was not told about rotation `id` yet.
 async fn tell_pods(
     client: &kube::Client,
     secrets: &std::collections::BTreeSet<(String, String)>,
@@ -483,7 +632,7 @@ async fn tell_pods(
         return Ok(());
     }
     let pods: Api<Pod> = Api::all(client.clone());
-    for pod in pods.list(&ListParams::default()).await? {
+    for pod in list_all(&pods, &ListParams::default()).await? {
         let ns = pod.namespace().unwrap_or_default();
         let told = pod
             .metadata
@@ -495,7 +644,15 @@ async fn tell_pods(
             .spec
             .iter()
             .flat_map(|s| s.volumes.iter().flatten())
-            .filter_map(|v| v.secret.as_ref()?.secret_name.clone())
+            .flat_map(|v| {
+                let own = v.secret.as_ref().and_then(|s| s.secret_name.clone());
+                let projected = v
+                    .projected
+                    .iter()
+                    .flat_map(|p| p.sources.iter().flatten())
+                    .filter_map(|s| s.secret.as_ref().map(|s| s.name.clone()));
+                own.into_iter().chain(projected).collect::<Vec<_>>()
+            })
             .any(|name| secrets.contains(&(ns.clone(), name)));
         if told || !mounts || pod.metadata.deletion_timestamp.is_some() {
             continue;
@@ -553,7 +710,7 @@ async fn write(api: &Api<Secret>, secret: &Secret, keys: &SaKeys) -> Result<(), 
 }
 
 async fn announce(ctx: &Context, t: &Tenant, keys: &SaKeys) {
-    let id = keys.id.as_deref().unwrap_or_default();
+    let id = clean(keys.id.as_deref().unwrap_or_default());
     let (reason, note) = match keys.phase {
         Some(Phase::Trusting) => (
             ROTATION_PROGRESSING,
@@ -566,12 +723,14 @@ async fn announce(ctx: &Context, t: &Tenant, keys: &SaKeys) {
         Some(Phase::Started) => (
             ROTATION_STARTED,
             format!(
-                "service-account key rotation {id:?}: every API server and controller manager runs the new key and the cluster's token Secrets are re-signed; tokens the old key signed are accepted until the rotation is completed"
+                "service-account key rotation {id:?}: every API server and controller manager runs the new key, which signs; tokens the old key signed are accepted until the rotation is completed"
             ),
         ),
         Some(Phase::Completing) => (
             ROTATION_PROGRESSING,
-            format!("service-account key rotation {id:?}: the old key is being dropped"),
+            format!(
+                "service-account key rotation {id:?}: the cluster's token Secrets are re-signed with the new key; the old key is being dropped"
+            ),
         ),
         Some(Phase::Completed) | None => (
             ROTATION_COMPLETED,
@@ -635,6 +794,7 @@ mod tests {
 
     fn kids(bundle: &str) -> Vec<String> {
         pki::public_keys(bundle)
+            .unwrap()
             .iter()
             .map(|k| pki::service_account_key_id(k).unwrap())
             .collect()
@@ -692,11 +852,12 @@ mod tests {
         assert_eq!(s.next, None);
         assert_eq!(kids(&s.verify), vec![new_kid.clone(), old_kid.clone()]);
 
-        // Once it runs everywhere: the tokens are re-signed, then Started.
-        let d = decide(&s, &ask("r1", ""), none, || unreachable!());
-        let Decision::Resign(started) = d else {
-            panic!("{d:?}")
-        };
+        // Once it runs everywhere: Started, nothing else changed.
+        assert!(matches!(
+            decide(&s, &ask("r1", ""), none, || unreachable!()),
+            Decision::Write(_)
+        ));
+        let started = written(decide(&s, &ask("r1", ""), none, || unreachable!()));
         assert_eq!(started.phase, Some(Phase::Started));
         assert_eq!(started.verify, s.verify);
 
@@ -708,8 +869,10 @@ mod tests {
             };
             assert!(m.contains("complete"), "{m}");
         }
-        // Completing: only the new key verifies.
-        let c = written(decide(&started, &ask("r1", "r1"), none, || unreachable!()));
+        // Completion: the legacy tokens are re-signed first, then only the new key verifies.
+        let d = decide(&started, &ask("r1", "r1"), none, || unreachable!());
+        assert!(matches!(d, Decision::Resign(_)), "{d:?}");
+        let c = written(d);
         assert_eq!(c.phase, Some(Phase::Completing));
         assert_eq!(kids(&c.verify), vec![new_kid.clone()]);
         let done = written(decide(&c, &ask("r1", "r1"), none, || unreachable!()));
@@ -750,6 +913,21 @@ mod tests {
                 Decision::Blocked(m) if m.contains("printable")
             ));
         }
+        // A bundle holding what a rotation does not understand, or not the key that signs, is
+        // never rewritten (a key in use could be dropped).
+        let mut k = fresh();
+        let ca = pki::generate_ca("x", time::OffsetDateTime::now_utc()).unwrap();
+        k.verify = format!("{}{}", k.verify, ca.cert_pem);
+        assert!(matches!(
+            decide(&k, &ask("r1", ""), &[], pki::generate_service_account_key),
+            Decision::Blocked(m) if m.contains("CERTIFICATE")
+        ));
+        let mut k = fresh();
+        k.verify = pki::generate_service_account_key().unwrap().cert_pem;
+        assert!(matches!(
+            decide(&k, &ask("r1", ""), &[], pki::generate_service_account_key),
+            Decision::Blocked(m) if m.contains("public key of tls.key")
+        ));
         let mut k = fresh();
         k.verify = "not a key".into();
         assert!(matches!(

@@ -634,14 +634,17 @@ pub const TRUST: [SecretPurpose; 4] = [
     SecretPurpose::ServiceAccount,
 ];
 
-/// A fingerprint of a CA or service-account key secret's `tls.crt` and `tls.key` (what a
-/// component trusts and signs with). Pure.
+/// A fingerprint of a CA or service-account key secret: its `tls.crt` and the public key of
+/// its `tls.key` (what a component trusts and signs with; public material only). Pure.
 pub fn fingerprint(data: &BTreeMap<String, Vec<u8>>) -> String {
+    let text = |k: &str| {
+        String::from_utf8_lossy(data.get(k).map(Vec::as_slice).unwrap_or_default()).into_owned()
+    };
+    let signer = pki::service_account_public_key(&text(names::TLS_KEY)).unwrap_or_default();
     let mut h = Sha256::new();
-    for key in [names::TLS_CRT, names::TLS_KEY] {
-        let v = data.get(key).map(Vec::as_slice).unwrap_or_default();
+    for v in [text(names::TLS_CRT), signer] {
         h.update((v.len() as u64).to_be_bytes());
-        h.update(v);
+        h.update(v.as_bytes());
     }
     format!("{:x}", h.finalize())[..16].to_string()
 }

@@ -32,12 +32,20 @@ pub fn service_account_public_key(key_pem: &str) -> Result<String, PkiError> {
         .map_err(|e| parse("a private key", e))
 }
 
-/// Each `PUBLIC KEY` block of `bundle` (what `--service-account-key-file` reads), as PEM.
-pub fn public_keys(bundle: &str) -> Vec<String> {
+/// Each block of `bundle` (what `--service-account-key-file` reads), as a `PUBLIC KEY` PEM.
+/// Any other block (a certificate, an RSA key) or an unreadable one is an error: a rotation
+/// rewrites the bundle and must not drop what it does not understand.
+pub fn public_keys(bundle: &str) -> Result<Vec<String>, PkiError> {
     let mut out = Vec::new();
     for pem in x509_parser::pem::Pem::iter_from_buffer(bundle.as_bytes()) {
-        let Ok(pem) = pem else { break };
-        if pem.label == "PUBLIC KEY" {
+        let pem = pem.map_err(|e| parse("a public key bundle", e))?;
+        if pem.label != "PUBLIC KEY" {
+            return Err(parse(
+                "a public key bundle",
+                format!("it holds a {} block", pem.label),
+            ));
+        }
+        {
             let body = base64::engine::general_purpose::STANDARD.encode(&pem.contents);
             let lines: Vec<&str> = body
                 .as_bytes()
@@ -50,7 +58,7 @@ pub fn public_keys(bundle: &str) -> Vec<String> {
             ));
         }
     }
-    out
+    Ok(out)
 }
 
 /// The key ID (`kid`) in the header of a JSON web token, if it names one. The signature is
@@ -74,7 +82,7 @@ mod tests {
         let a = crate::generate_service_account_key().unwrap();
         let b = crate::generate_service_account_key().unwrap();
         let bundle = format!("{}{}", b.cert_pem, a.cert_pem);
-        let keys = public_keys(&bundle);
+        let keys = public_keys(&bundle).unwrap();
         assert_eq!(keys.len(), 2);
         let ids: Vec<String> = keys
             .iter()
@@ -94,7 +102,9 @@ mod tests {
         // A certificate is not a public key.
         let ca = crate::generate_ca("x", time::OffsetDateTime::now_utc()).unwrap();
         assert!(service_account_key_id(&ca.cert_pem).is_err());
-        assert!(public_keys(&ca.cert_pem).is_empty());
+        assert!(public_keys(&ca.cert_pem).is_err());
+        assert!(public_keys(&format!("{}{}", a.cert_pem, ca.cert_pem)).is_err());
+        assert_eq!(public_keys("").unwrap(), Vec::<String>::new());
     }
 
     #[test]

@@ -306,6 +306,15 @@ impl ProcessRuntime {
             .map_err(io(format!("writing {}", marker.display())))
     }
 
+    /// The tenant's replica addresses as far as they were allocated already (never allocates).
+    pub fn allocated_hosts(&self, key: &TenantKey) -> Option<Vec<Ipv4Addr>> {
+        self.hosts_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .cloned()
+    }
+
     /// The tenant's replica addresses (`127.a.b.1` … `127.a.b.7`), allocated on first use and
     /// stable afterwards.
     pub fn hosts(&self, key: &TenantKey) -> Result<Vec<Ipv4Addr>, RuntimeError> {
@@ -405,7 +414,8 @@ impl ProcessRuntime {
     ///   multi-replica component never loses more than one replica (etcd keeps quorum).
     /// - Only secrets changed: the files are rewritten in place; etcd and kube-apiserver read
     ///   their certificates from the files on every new connection, so they keep running
-    ///   ([`Ensured::Reloaded`]); other components roll as above.
+    ///   ([`Ensured::Reloaded`]), unless a secret they read only at start changed (the API
+    ///   server's service-account keys); other components roll as above.
     /// - Replica count changed: missing replicas start, extra ones stop; the others stay.
     pub async fn ensure(
         &self,
