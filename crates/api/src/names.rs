@@ -23,6 +23,10 @@ pub const ROTATE_SA_KEY_ANNOTATION: &str = "nestplane.io/rotate-sa-key";
 /// Annotation completing the service-account key rotation whose request it names: the old
 /// key is no longer trusted.
 pub const ROTATE_SA_KEY_COMPLETE_ANNOTATION: &str = "nestplane.io/rotate-sa-key-complete";
+/// Annotation completing a service-account key rotation by itself this long after it reached
+/// `Started` (`24h`, `2d`, …).
+pub const ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION: &str =
+    "nestplane.io/rotate-sa-key-complete-after";
 /// Key, in the `<cluster>-sa` secret, of the new private key while it is trusted but does not
 /// sign yet (a rotation's `Trusting` phase).
 pub const NEXT_KEY: &str = "next.key";

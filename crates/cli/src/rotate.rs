@@ -36,6 +36,10 @@ pub struct RotateArgs {
     /// signed are refused from then on).
     #[arg(long)]
     pub complete: bool,
+    /// With a new rotation: complete it by itself this long after it reached `Started`
+    /// (`24h`, `2d`, …; pods' projected tokens are refreshed by their kubelets within 24 h).
+    #[arg(long, value_name = "DURATION")]
+    pub complete_after: Option<String>,
     /// Return once asked, without waiting.
     #[arg(long)]
     pub no_wait: bool,
@@ -120,7 +124,17 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
             ),
         }
     };
-    let patch = serde_json::json!({"metadata": {"annotations": {annotation: id}}});
+    let mut annotations = serde_json::json!({ annotation: id });
+    if let Some(after) = &args.complete_after {
+        if args.complete {
+            bail!("--complete-after is for a new rotation; --complete completes now");
+        }
+        if nestplane_operator::rotation::parse_duration(after).is_none() {
+            bail!("--complete-after {after:?} is not a duration like 90s, 30m, 24h or 2d");
+        }
+        annotations[names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION] = after.clone().into();
+    }
+    let patch = serde_json::json!({"metadata": {"annotations": annotations}});
     let pp = PatchParams::default();
     if located.kind == "HostedCluster" {
         hcs.patch(name, &pp, &Patch::Merge(&patch)).await?;

@@ -198,6 +198,10 @@ pub struct KubeconfigArgs {
     /// Its namespace.
     #[arg(short, long, default_value = "default")]
     pub namespace: String,
+    /// Reach the cluster through the operator's shared gateway (its `status.gateway`): the
+    /// gateway's address as `server`, the cluster's name there as `tls-server-name`.
+    #[arg(long)]
+    pub gateway: bool,
     #[command(flatten)]
     pub target: Target,
 }
@@ -597,9 +601,65 @@ where
 }
 
 /// `nestplane kubeconfig`: a HostedCluster's admin kubeconfig (the Secret its status names),
-/// or a NestedControlPlane's (`<name>-kubeconfig`).
+/// or a NestedControlPlane's (`<name>-kubeconfig`); with `--gateway`, through the gateway.
 pub async fn kubeconfig(args: KubeconfigArgs) -> anyhow::Result<String> {
     let client = args.target.client().await?;
+    let value = admin_kubeconfig(&client, &args).await?;
+    if !args.gateway {
+        return Ok(value);
+    }
+    let hcs: Api<HostedCluster> = Api::namespaced(client.clone(), &args.namespace);
+    let (ns, name) = match hcs.get_opt(&args.name).await? {
+        Some(hc) => (
+            nestplane_operator::hosted::claim::control_plane_namespace(&hc),
+            args.name.clone(),
+        ),
+        None => (args.namespace.clone(), args.name.clone()),
+    };
+    let ncps: Api<NestedControlPlane> = Api::namespaced(client, &ns);
+    let Some(gw) = ncps
+        .get_opt(&name)
+        .await?
+        .and_then(|n| n.status)
+        .and_then(|s| s.gateway)
+    else {
+        bail!(
+            "{}/{} is not reached through a gateway: the operator runs none (`nestplane operator --gateway-bind-address`), or the control plane is not routed yet",
+            args.namespace,
+            args.name
+        );
+    };
+    through_gateway(&value, &gw.server, &gw.server_name)
+}
+
+/// `kubeconfig` with every cluster's `server` the gateway's and its `tls-server-name` the
+/// cluster's name there (the cluster's CA still verifies its own API server's certificate).
+/// Pure.
+pub fn through_gateway(
+    kubeconfig: &str,
+    server: &str,
+    server_name: &str,
+) -> anyhow::Result<String> {
+    let mut v: serde_json::Value =
+        serde_saphyr::from_str_with_options(kubeconfig, nestplane_pki::untrusted_yaml())
+            .context("reading the kubeconfig")?;
+    let clusters = v
+        .get_mut("clusters")
+        .and_then(serde_json::Value::as_array_mut)
+        .context("the kubeconfig has no clusters")?;
+    for c in clusters {
+        let cluster = c
+            .get_mut("cluster")
+            .and_then(serde_json::Value::as_object_mut)
+            .context("a cluster entry without `cluster`")?;
+        cluster.insert("server".into(), server.into());
+        cluster.insert("tls-server-name".into(), server_name.into());
+    }
+    Ok(serde_saphyr::to_string(&v)?)
+}
+
+async fn admin_kubeconfig(client: &kube::Client, args: &KubeconfigArgs) -> anyhow::Result<String> {
+    let client = client.clone();
     let hcs: Api<HostedCluster> = Api::namespaced(client.clone(), &args.namespace);
     if let Some(hc) = hcs.get_opt(&args.name).await? {
         let Some(r) = hc.status.and_then(|s| s.kubeconfig) else {
@@ -632,6 +692,27 @@ pub async fn kubeconfig(args: KubeconfigArgs) -> anyhow::Result<String> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kubeconfig_through_the_gateway_names_the_gateway_and_the_cluster() {
+        let kc = "apiVersion: v1\nkind: Config\nclusters:\n- name: demo\n  cluster:\n    server: https://127.64.3.1:6443\n    certificate-authority-data: Q0E=\nusers:\n- name: admin\n  user:\n    token: t\ncontexts:\n- name: demo\n  context: {cluster: demo, user: admin}\ncurrent-context: demo\n";
+        let out = through_gateway(
+            kc,
+            "https://127.0.0.1:7443",
+            "demo.default.nestplane.internal",
+        )
+        .unwrap();
+        let v: serde_json::Value = serde_saphyr::from_str(&out).unwrap();
+        let c = &v["clusters"][0]["cluster"];
+        assert_eq!(c["server"], "https://127.0.0.1:7443");
+        assert_eq!(c["tls-server-name"], "demo.default.nestplane.internal");
+        assert_eq!(c["certificate-authority-data"], "Q0E=");
+        assert_eq!(v["users"][0]["user"]["token"], "t");
+        assert_eq!(v["current-context"], "demo");
+        // What passes the check every reader applies.
+        nestplane_pki::check_kubeconfig(&out).unwrap();
+        assert!(through_gateway("kind: Config\n", "https://x", "y").is_err());
+    }
 
     #[test]
     fn ages_read_as_kubectl_prints_them() {

@@ -191,31 +191,48 @@ async fn a_service_account_key_rotation_refuses_no_token_until_it_completes_and_
         Some(old_kid.as_str())
     );
 
-    // A client asks through the gateway all along, with the kubeconfig from before.
-    let (server, sni) = {
-        let got = jsonpath(
+    // A client asks through the gateway all along, with a kubeconfig from before
+    // (`nestplane kubeconfig --gateway`: the gateway's address, the cluster's name there).
+    let out = nestplane()
+        .args(["kubeconfig", "rot", "-n", "default", "--gateway"])
+        .args(["--kubeconfig", kc.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let gateway_kc = dir.join("rot-gateway.kubeconfig");
+    std::fs::write(&gateway_kc, &out.stdout).unwrap();
+    let through = kube::config::Kubeconfig::read_from(&gateway_kc)
+        .unwrap()
+        .clusters[0]
+        .cluster
+        .clone()
+        .unwrap();
+    assert_eq!(
+        format!(
+            "{} {}",
+            through.server.unwrap_or_default(),
+            through.tls_server_name.unwrap_or_default()
+        ),
+        jsonpath(
             &kc,
             &["ncp", "rot", "-n", "default-rot"],
             "{.status.gateway.server} {.status.gateway.serverName}",
-        );
-        let (a, b) = got.split_once(' ').expect("status.gateway");
-        (a.to_string(), b.to_string())
-    };
+        )
+    );
     let stop = Arc::new(AtomicBool::new(false));
     let client = {
-        let (stop, hosted, server, sni) =
-            (stop.clone(), hosted.clone(), server.clone(), sni.clone());
+        let (stop, gateway_kc) = (stop.clone(), gateway_kc.clone());
         std::thread::spawn(move || {
             let mut results = Vec::new();
             while !stop.load(Ordering::Relaxed) && results.len() < 3000 {
                 let started = Instant::now();
                 let out = kubectl(
-                    &hosted,
+                    &gateway_kc,
                     &[
-                        "--server",
-                        &server,
-                        "--tls-server-name",
-                        &sni,
                         "--request-timeout=20s",
                         "get",
                         "ns",

@@ -46,6 +46,8 @@ pub const SA_KEY: &str = "sa-key";
 pub const ID_ANNOTATION: &str = "nestplane.io/rotation-id";
 /// Annotation on the `<cluster>-sa` secret: the rotation's phase.
 pub const PHASE_ANNOTATION: &str = "nestplane.io/rotation-phase";
+/// Annotation on the `<cluster>-sa` secret: when the rotation reached `Started`.
+pub const STARTED_AT_ANNOTATION: &str = "nestplane.io/rotation-started-at";
 /// Reason of the Events of a rotation's phases.
 pub const ROTATION_PROGRESSING: &str = "RotationProgressing";
 /// Reason of the Event of a rotation that reached `Started`.
@@ -103,6 +105,8 @@ pub struct SaKeys {
     pub id: Option<String>,
     /// Its phase (`None`: never rotated, or an unknown value).
     pub phase: Option<Phase>,
+    /// When it reached `Started` (seconds since the epoch).
+    pub started_at: Option<i64>,
 }
 
 impl std::fmt::Debug for SaKeys {
@@ -113,17 +117,37 @@ impl std::fmt::Debug for SaKeys {
             .field("next", &self.next.as_ref().map(|_| "<redacted>"))
             .field("id", &self.id)
             .field("phase", &self.phase)
+            .field("started_at", &self.started_at)
             .finish()
     }
 }
 
-/// What the control plane's annotations ask for.
+/// What the control plane's annotations ask for, and when.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Ask {
     /// A rotation, named.
     pub start: Option<String>,
     /// The completion of the rotation so named.
     pub complete: Option<String>,
+    /// Completion by itself this long after `Started` (`90s`, `30m`, `24h`, `2d`).
+    pub complete_after: Option<String>,
+    /// The time of this pass (seconds since the epoch).
+    pub now: i64,
+}
+
+/// `90s`, `30m`, `24h`, `2d` in seconds (`None`: not such a duration). Pure.
+pub fn parse_duration(s: &str) -> Option<i64> {
+    let s = s.trim();
+    let (n, unit) = s.split_at(s.len().checked_sub(1)?);
+    let n: i64 = n.parse().ok().filter(|n| *n >= 0)?;
+    let unit = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return None,
+    };
+    n.checked_mul(unit)
 }
 
 /// What to do next.
@@ -226,6 +250,7 @@ pub fn decide(
                     next: Some(new.key_pem),
                     id: Some(r.clone()),
                     phase: Some(Phase::Trusting),
+                    started_at: None,
                 })
             }
             _ => Decision::Idle,
@@ -261,6 +286,7 @@ pub fn decide(
                 next: None,
                 id: keys.id.clone(),
                 phase: Some(Phase::Signing),
+                started_at: None,
             })
         }
         Some(Phase::Signing) => {
@@ -272,11 +298,26 @@ pub fn decide(
             }
             Decision::Write(SaKeys {
                 phase: Some(Phase::Started),
+                started_at: Some(ask.now),
                 ..keys.clone()
             })
         }
         Some(Phase::Started) => {
-            if ask.complete.is_some() && ask.complete == keys.id {
+            let after = match ask.complete_after.as_deref().map(parse_duration) {
+                None => None,
+                Some(Some(d)) => Some(d),
+                Some(None) => {
+                    return Decision::Wait(format!(
+                        "annotation {} is not a duration (like 24h); the rotation waits to be completed",
+                        names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION
+                    ));
+                }
+            };
+            let due = after
+                .zip(keys.started_at)
+                .map(|(d, at)| at.saturating_add(d));
+            let asked = ask.complete.is_some() && ask.complete == keys.id;
+            if asked || due.is_some_and(|due| ask.now >= due) {
                 let Ok(new_pub) = pki::service_account_public_key(&keys.signing) else {
                     return Decision::Blocked("its tls.key does not parse".into());
                 };
@@ -301,8 +342,12 @@ pub fn decide(
                 ),
                 _ => String::new(),
             };
+            let by_itself = due
+                .and_then(|due| k8s_openapi::jiff::Timestamp::from_second(due).ok())
+                .map(|t| format!("; it completes by itself at {t}"))
+                .unwrap_or_default();
             Decision::Wait(format!(
-                "the new key signs and both verify; nothing issued before is refused until the rotation is completed (nestplane rotate sa-key --complete, or annotation {}={id}), which re-signs the cluster's legacy token Secrets and drops the old key: complete it once every token the old key signed has been replaced (kubelets refresh pods' projected tokens within 24 h){queued}",
+                "the new key signs and both verify; nothing issued before is refused until the rotation is completed (nestplane rotate sa-key --complete, or annotation {}={id}), which re-signs the cluster's legacy token Secrets and drops the old key: complete it once every token the old key signed has been replaced (kubelets refresh pods' projected tokens within 24 h){by_itself}{queued}",
                 names::ROTATE_SA_KEY_COMPLETE_ANNOTATION,
             ))
         }
@@ -359,6 +404,9 @@ pub fn read(s: &Secret) -> Option<SaKeys> {
         next: text(s, names::NEXT_KEY),
         id: ann(ID_ANNOTATION),
         phase: ann(PHASE_ANNOTATION).and_then(|p| Phase::parse(&p)),
+        started_at: ann(STARTED_AT_ANNOTATION)
+            .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
+            .map(|t| t.as_second()),
     })
 }
 
@@ -375,6 +423,8 @@ pub fn ask(ncp: &NestedControlPlane) -> Ask {
     Ask {
         start: ann(names::ROTATE_SA_KEY_ANNOTATION),
         complete: ann(names::ROTATE_SA_KEY_COMPLETE_ANNOTATION),
+        complete_after: ann(names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION),
+        now: k8s_openapi::jiff::Timestamp::now().as_second(),
     }
 }
 
@@ -703,6 +753,17 @@ async fn write(api: &Api<Secret>, secret: &Secret, keys: &SaKeys) -> Result<(), 
     if let Some(p) = keys.phase {
         ann.insert(PHASE_ANNOTATION.into(), p.as_str().into());
     }
+    match keys
+        .started_at
+        .and_then(|t| k8s_openapi::jiff::Timestamp::from_second(t).ok())
+    {
+        Some(t) => {
+            ann.insert(STARTED_AT_ANNOTATION.into(), t.to_string());
+        }
+        None => {
+            ann.remove(STARTED_AT_ANNOTATION);
+        }
+    }
     s.metadata.managed_fields = None;
     api.replace(&secret.name_any(), &PostParams::default(), &s)
         .await?;
@@ -777,6 +838,7 @@ mod tests {
             next: None,
             id: None,
             phase: None,
+            started_at: None,
         }
     }
 
@@ -785,6 +847,7 @@ mod tests {
         Ask {
             start: s(start),
             complete: s(complete),
+            ..Ask::default()
         }
     }
 
@@ -895,6 +958,50 @@ mod tests {
         ));
         assert_eq!(again.phase, Some(Phase::Trusting));
         assert_eq!(kids(&again.verify)[0], new_kid);
+    }
+
+    #[test]
+    fn a_rotation_may_complete_by_itself_a_while_after_it_started() {
+        assert_eq!(parse_duration("90s"), Some(90));
+        assert_eq!(parse_duration("24h"), Some(86_400));
+        assert_eq!(parse_duration("2d"), Some(172_800));
+        for bad in ["", "h", "5", "-1h", "1.5h", "3w"] {
+            assert_eq!(parse_duration(bad), None, "{bad:?}");
+        }
+        let mut k = fresh();
+        k.id = Some("r1".into());
+        k.phase = Some(Phase::Signing);
+        let at = |now: i64, after: &str| Ask {
+            start: Some("r1".into()),
+            complete_after: (!after.is_empty()).then(|| after.to_string()),
+            now,
+            ..Ask::default()
+        };
+        // Started records when.
+        let started = written(decide(&k, &at(1000, "1h"), &[], || unreachable!()));
+        assert_eq!(started.started_at, Some(1000));
+        // Before the delay it waits, saying when it completes; at it, it completes.
+        let Decision::Wait(m) = decide(&started, &at(4599, "1h"), &[], || unreachable!()) else {
+            panic!()
+        };
+        assert!(
+            m.contains("completes by itself at 1970-01-01T01:16:40Z"),
+            "{m}"
+        );
+        assert!(matches!(
+            decide(&started, &at(4600, "1h"), &[], || unreachable!()),
+            Decision::Resign(_)
+        ));
+        // No delay: it waits for ever; a delay that does not parse is said.
+        assert!(matches!(
+            decide(&started, &at(1_000_000, ""), &[], || unreachable!()),
+            Decision::Wait(_)
+        ));
+        let Decision::Wait(m) = decide(&started, &at(1_000_000, "soon"), &[], || unreachable!())
+        else {
+            panic!()
+        };
+        assert!(m.contains("not a duration"), "{m}");
     }
 
     #[test]

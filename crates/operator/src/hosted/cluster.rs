@@ -477,6 +477,7 @@ fn rotation_annotations(
     [
         names::ROTATE_SA_KEY_ANNOTATION,
         names::ROTATE_SA_KEY_COMPLETE_ANNOTATION,
+        names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION,
     ]
     .into_iter()
     .filter_map(|k| {
