@@ -98,6 +98,7 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
         .await?
         .with_context(|| format!("{} {ns}/{name} has no control plane yet", located.kind))?;
     let current = sa_rotation(&ncp);
+    let mut fresh = false;
     let (annotation, id, until) = if args.complete {
         let Some(r) = current.filter(|r| r.phase == "Started" || r.phase == "Completing") else {
             bail!(
@@ -114,14 +115,17 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
                 );
                 (names::ROTATE_SA_KEY_ANNOTATION, r.id, "Started")
             }
-            None => (
-                names::ROTATE_SA_KEY_ANNOTATION,
-                k8s_openapi::jiff::Timestamp::now()
-                    .round(k8s_openapi::jiff::Unit::Second)
-                    .map(|t| t.to_string())
-                    .unwrap_or_else(|_| k8s_openapi::jiff::Timestamp::now().to_string()),
-                "Started",
-            ),
+            None => {
+                fresh = true;
+                (
+                    names::ROTATE_SA_KEY_ANNOTATION,
+                    k8s_openapi::jiff::Timestamp::now()
+                        .round(k8s_openapi::jiff::Unit::Second)
+                        .map(|t| t.to_string())
+                        .unwrap_or_else(|_| k8s_openapi::jiff::Timestamp::now().to_string()),
+                    "Started",
+                )
+            }
         }
     };
     let mut annotations = serde_json::json!({ annotation: id });
@@ -129,10 +133,20 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
         if args.complete {
             bail!("--complete-after is for a new rotation; --complete completes now");
         }
+        if until != "Started" || !fresh {
+            bail!(
+                "a rotation of {ns}/{name} is in progress; --complete-after is for a new one (`--complete` completes this one now)"
+            );
+        }
         if nestplane_operator::rotation::parse_duration(after).is_none() {
             bail!("--complete-after {after:?} is not a duration like 90s, 30m, 24h or 2d");
         }
-        annotations[names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION] = after.clone().into();
+    }
+    // A new rotation completes by itself only when this one asks it to (a delay asked for an
+    // earlier rotation does not stick).
+    if fresh {
+        annotations[names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION] =
+            args.complete_after.clone().into();
     }
     let patch = serde_json::json!({"metadata": {"annotations": annotations}});
     let pp = PatchParams::default();

@@ -138,13 +138,16 @@ pub struct Ask {
 /// `90s`, `30m`, `24h`, `2d` in seconds (`None`: not such a duration). Pure.
 pub fn parse_duration(s: &str) -> Option<i64> {
     let s = s.trim();
-    let (n, unit) = s.split_at(s.len().checked_sub(1)?);
-    let n: i64 = n.parse().ok().filter(|n| *n >= 0)?;
-    let unit = match unit {
-        "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86_400,
+    let last = s.chars().last()?;
+    let n: i64 = s[..s.len() - last.len_utf8()]
+        .parse()
+        .ok()
+        .filter(|n| *n >= 0)?;
+    let unit = match last {
+        's' => 1,
+        'm' => 60,
+        'h' => 3600,
+        'd' => 86_400,
         _ => return None,
     };
     n.checked_mul(unit)
@@ -342,10 +345,13 @@ pub fn decide(
                 ),
                 _ => String::new(),
             };
-            let by_itself = due
-                .and_then(|due| k8s_openapi::jiff::Timestamp::from_second(due).ok())
-                .map(|t| format!("; it completes by itself at {t}"))
-                .unwrap_or_default();
+            let by_itself = match (after, due) {
+                (Some(_), None) => "; it cannot complete by itself: when it reached Started is not known (an operator before that was recorded); complete it with --complete".to_string(),
+                _ => due
+                    .and_then(|due| k8s_openapi::jiff::Timestamp::from_second(due).ok())
+                    .map(|t| format!("; it completes by itself at {t}"))
+                    .unwrap_or_default(),
+            };
             Decision::Wait(format!(
                 "the new key signs and both verify; nothing issued before is refused until the rotation is completed (nestplane rotate sa-key --complete, or annotation {}={id}), which re-signs the cluster's legacy token Secrets and drops the old key: complete it once every token the old key signed has been replaced (kubelets refresh pods' projected tokens within 24 h){by_itself}{queued}",
                 names::ROTATE_SA_KEY_COMPLETE_ANNOTATION,
@@ -965,7 +971,7 @@ mod tests {
         assert_eq!(parse_duration("90s"), Some(90));
         assert_eq!(parse_duration("24h"), Some(86_400));
         assert_eq!(parse_duration("2d"), Some(172_800));
-        for bad in ["", "h", "5", "-1h", "1.5h", "3w"] {
+        for bad in ["", "h", "5", "-1h", "1.5h", "3w", "1é", "é", "1hé"] {
             assert_eq!(parse_duration(bad), None, "{bad:?}");
         }
         let mut k = fresh();
@@ -1002,6 +1008,16 @@ mod tests {
             panic!()
         };
         assert!(m.contains("not a duration"), "{m}");
+        // Started before the time was recorded: never by itself, and said so.
+        let unknown = SaKeys {
+            started_at: None,
+            ..started.clone()
+        };
+        let Decision::Wait(m) = decide(&unknown, &at(1_000_000, "1h"), &[], || unreachable!())
+        else {
+            panic!()
+        };
+        assert!(m.contains("cannot complete by itself"), "{m}");
     }
 
     #[test]

@@ -427,6 +427,7 @@ async fn control_plane(
         }
         // A rotation asked of the HostedCluster is asked of its control plane.
         let rotations = rotation_annotations(&pass.hc.metadata, &ncp.metadata);
+        // (a removed one is removed there too: `null` in the merge patch)
         if !rotations.is_empty() {
             ncps.patch(
                 name,
@@ -465,12 +466,12 @@ async fn control_plane(
     Ok(ncps.get(name).await?)
 }
 
-/// The rotation annotations of a HostedCluster (`from`) that its control plane (`to`) does not
-/// carry yet, with their values. Pure.
+/// The rotation annotations where a HostedCluster (`from`) and its control plane (`to`)
+/// differ, with the HostedCluster's values (`None`: removed there). Pure.
 fn rotation_annotations(
     from: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
     to: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-) -> std::collections::BTreeMap<String, String> {
+) -> std::collections::BTreeMap<String, Option<String>> {
     let get = |m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta, k: &str| {
         m.annotations.as_ref().and_then(|a| a.get(k)).cloned()
     };
@@ -481,8 +482,8 @@ fn rotation_annotations(
     ]
     .into_iter()
     .filter_map(|k| {
-        let v = get(from, k)?;
-        (get(to, k).as_ref() != Some(&v)).then(|| (k.to_string(), v))
+        let v = get(from, k);
+        (get(to, k) != v).then(|| (k.to_string(), v))
     })
     .collect()
 }
@@ -1087,6 +1088,46 @@ fn deleting<T>(result: Result<T, kube::Error>, kind: &str, name: &str) {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rotation_annotations_pass_to_the_control_plane_and_so_does_their_removal() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+        let meta = |pairs: &[(&str, &str)]| ObjectMeta {
+            annotations: Some(
+                pairs
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+            ..Default::default()
+        };
+        let hc = meta(&[(names::ROTATE_SA_KEY_ANNOTATION, "r2"), ("unrelated", "x")]);
+        let ncp = meta(&[
+            (names::ROTATE_SA_KEY_ANNOTATION, "r1"),
+            (names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION, "1h"),
+        ]);
+        let got = rotation_annotations(&hc, &ncp);
+        assert_eq!(
+            got,
+            std::collections::BTreeMap::from([
+                (
+                    names::ROTATE_SA_KEY_ANNOTATION.to_string(),
+                    Some("r2".to_string())
+                ),
+                (
+                    names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION.to_string(),
+                    None
+                ),
+            ])
+        );
+        // As a merge patch: the removal is a null.
+        let patch = serde_json::json!({"metadata": {"annotations": got}});
+        assert!(
+            patch["metadata"]["annotations"][names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION]
+                .is_null()
+        );
+        assert!(rotation_annotations(&hc, &hc).is_empty());
+    }
 
     #[test]
     fn the_history_keeps_the_newest_version_reached_however_many_were_asked_for() {
