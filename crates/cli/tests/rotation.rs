@@ -464,4 +464,17 @@ async fn a_service_account_key_rotation_refuses_no_token_until_it_completes_and_
         failures.is_empty(),
         "requests failed during the rotation: {failures:?}"
     );
+
+    // Torn down: the pool's node leaves nothing on the machine (its slot is free again).
+    kubectl_ok(&kc, &["delete", "nodepool", "rot", "--timeout=240s"]);
+    kubectl_ok(&kc, &["delete", "hostedcluster", "rot", "--timeout=240s"]);
+    let nodes = env.state.path().join("nodes");
+    let claimed: Vec<String> = std::fs::read_dir(nestplane_nodes::net::slots_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+        .filter(|claim| claim.contains(nodes.to_str().unwrap()))
+        .collect();
+    assert!(claimed.is_empty(), "node slots still held: {claimed:?}");
 }
