@@ -27,8 +27,17 @@ pub const ROTATE_SA_KEY_COMPLETE_ANNOTATION: &str = "nestplane.io/rotate-sa-key-
 /// `Started` (`24h`, `2d`, …).
 pub const ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION: &str =
     "nestplane.io/rotate-sa-key-complete-after";
-/// Key, in the `<cluster>-sa` secret, of the new private key while it is trusted but does not
-/// sign yet (a rotation's `Trusting` phase).
+/// Annotation on a control plane (or its HostedCluster) asking for a rotation of the cluster
+/// CA (`nestplane rotate ca`); its value names the request, as for the service-account key.
+pub const ROTATE_CA_ANNOTATION: &str = "nestplane.io/rotate-ca";
+/// Annotation completing the cluster CA rotation whose request it names: the old CA is no
+/// longer trusted.
+pub const ROTATE_CA_COMPLETE_ANNOTATION: &str = "nestplane.io/rotate-ca-complete";
+/// Annotation completing a cluster CA rotation by itself this long after it reached
+/// `Started`.
+pub const ROTATE_CA_COMPLETE_AFTER_ANNOTATION: &str = "nestplane.io/rotate-ca-complete-after";
+/// Key, in the `<cluster>-sa` or `<cluster>-ca` secret, of the new private key while it is
+/// trusted but does not sign yet (a rotation's `Trusting` phase).
 pub const NEXT_KEY: &str = "next.key";
 
 /// The domain under which every tenant has a name at the shared gateway:

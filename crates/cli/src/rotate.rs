@@ -1,7 +1,7 @@
-//! `nestplane rotate`: ask for a key rotation, or its completion, on a hosted cluster or a
-//! control plane, and wait until the operator has carried it out. A thin client: it writes the
-//! annotation a user could write (`nestplane.io/rotate-sa-key`, `…-complete`) and reads the
-//! control plane's `status.rotations`.
+//! `nestplane rotate`: ask for a rotation of a key or a CA, or its completion, on a hosted
+//! cluster or a control plane, and wait until the operator has carried it out. A thin client:
+//! it writes the annotation a user could write (`nestplane.io/rotate-sa-key`,
+//! `nestplane.io/rotate-ca`, `…-complete`) and reads the control plane's `status.rotations`.
 
 use std::time::{Duration, Instant};
 
@@ -9,8 +9,8 @@ use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use kube::api::{Api, Patch, PatchParams};
 use nestplane_api::hosted::HostedCluster;
-use nestplane_api::names;
 use nestplane_api::{NestedControlPlane, RotationStatus};
+use nestplane_operator::rotation::Target as Rotated;
 
 use crate::tenants::Target;
 
@@ -19,6 +19,25 @@ use crate::tenants::Target;
 pub enum What {
     /// The service-account signing key.
     SaKey,
+    /// The cluster CA (client certificates, kubeconfigs, the API server's serving
+    /// certificate).
+    Ca,
+}
+
+impl What {
+    fn target(self) -> Rotated {
+        match self {
+            What::SaKey => Rotated::SaKey,
+            What::Ca => Rotated::Ca,
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            What::SaKey => "service-account key",
+            What::Ca => "cluster CA",
+        }
+    }
 }
 
 /// Arguments of `nestplane rotate`.
@@ -32,8 +51,8 @@ pub struct RotateArgs {
     /// Its namespace.
     #[arg(short, long, default_value = "default")]
     pub namespace: String,
-    /// Complete the rotation that was started: the old key is no longer trusted (tokens it
-    /// signed are refused from then on).
+    /// Complete the rotation that was started: the old key or CA is no longer trusted (tokens
+    /// or certificates it signed are refused from then on).
     #[arg(long)]
     pub complete: bool,
     /// With a new rotation: complete it by itself this long after it reached `Started`
@@ -58,18 +77,19 @@ struct Located {
     ncp: (String, String),
 }
 
-fn sa_rotation(ncp: &NestedControlPlane) -> Option<RotationStatus> {
+fn rotation(ncp: &NestedControlPlane, target: Rotated) -> Option<RotationStatus> {
     ncp.status
         .as_ref()?
         .rotations
         .iter()
-        .find(|r| r.target == "sa-key")
+        .find(|r| r.target == target.as_str())
         .cloned()
 }
 
 /// `nestplane rotate`.
 pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
-    let What::SaKey = args.what;
+    let (target, what) = (args.what.target(), args.what.what());
+    let cmd = target.as_str();
     let client = args.target.client().await?;
     let (ns, name) = (&args.namespace, &args.name);
     let hcs: Api<HostedCluster> = Api::namespaced(client.clone(), ns);
@@ -97,28 +117,28 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
         .get_opt(&located.ncp.1)
         .await?
         .with_context(|| format!("{} {ns}/{name} has no control plane yet", located.kind))?;
-    let current = sa_rotation(&ncp);
+    let current = rotation(&ncp, target);
     let mut fresh = false;
     let (annotation, id, until) = if args.complete {
         let Some(r) = current.filter(|r| r.phase == "Started" || r.phase == "Completing") else {
             bail!(
-                "no service-account key rotation of {ns}/{name} waits to be completed (`nestplane rotate sa-key {name}` starts one; it must reach phase Started first)"
+                "no {what} rotation of {ns}/{name} waits to be completed (`nestplane rotate {cmd} {name}` starts one; it must reach phase Started first)"
             );
         };
-        (names::ROTATE_SA_KEY_COMPLETE_ANNOTATION, r.id, "Completed")
+        (target.complete_annotation(), r.id, "Completed")
     } else {
         match current.filter(|r| r.phase != "Completed") {
             Some(r) => {
                 eprintln!(
-                    "a service-account key rotation of {ns}/{name} is in progress ({:?}, phase {}); waiting for it",
+                    "a {what} rotation of {ns}/{name} is in progress ({:?}, phase {}); waiting for it",
                     r.id, r.phase
                 );
-                (names::ROTATE_SA_KEY_ANNOTATION, r.id, "Started")
+                (target.start_annotation(), r.id, "Started")
             }
             None => {
                 fresh = true;
                 (
-                    names::ROTATE_SA_KEY_ANNOTATION,
+                    target.start_annotation(),
                     k8s_openapi::jiff::Timestamp::now()
                         .round(k8s_openapi::jiff::Unit::Second)
                         .map(|t| t.to_string())
@@ -145,8 +165,7 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
     // A new rotation completes by itself only when this one asks it to (a delay asked for an
     // earlier rotation does not stick).
     if fresh {
-        annotations[names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION] =
-            args.complete_after.clone().into();
+        annotations[target.complete_after_annotation()] = args.complete_after.clone().into();
     }
     let patch = serde_json::json!({"metadata": {"annotations": annotations}});
     let pp = PatchParams::default();
@@ -163,7 +182,7 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
     let mut said = None;
     loop {
         let ncp = ncps.get(&located.ncp.1).await?;
-        if let Some(r) = sa_rotation(&ncp).filter(|r| r.id == id) {
+        if let Some(r) = rotation(&ncp, target).filter(|r| r.id == id) {
             let line = format!(
                 "{}{}",
                 r.phase,
@@ -178,9 +197,10 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
             }
             if r.phase == until || r.phase == "Completed" {
                 println!(
-                    "{}/{name}: service-account key rotation {id} {}; key {}",
+                    "{}/{name}: {what} rotation {id} {}; {} {}",
                     ns,
                     r.phase,
+                    target_noun(target),
                     r.key_id.unwrap_or_default()
                 );
                 return Ok(());
@@ -195,5 +215,12 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
             );
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+fn target_noun(target: Rotated) -> &'static str {
+    match target {
+        Rotated::SaKey => "key",
+        Rotated::Ca => "CA",
     }
 }

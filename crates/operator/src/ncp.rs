@@ -62,11 +62,11 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
                 true
             });
     }
-    // A rotation of the service-account key goes one phase further when it can.
+    // A rotation (of the service-account key, of the CA) goes one phase further when it can.
     let mut rotating = false;
-    let mut rotation = None;
+    let mut rotations = Vec::new();
     if problem.is_none() && !paused {
-        (rotation, rotating) = crate::rotation::advance(&ctx, &tenant).await;
+        (rotations, rotating) = crate::rotation::advance(&ctx, &tenant).await;
     }
     let mut new_status = next_status(&ctx, &ncp, &tenant, binding.as_ref(), &problem, paused)
         .await
@@ -76,7 +76,7 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         .as_ref()
         .map(|s| s.rotations.clone())
         .unwrap_or_default();
-    if let Some(r) = rotation {
+    for r in rotations {
         new_status.rotations.retain(|o| o.target != r.target);
         new_status.rotations.push(r);
     }

@@ -225,7 +225,7 @@ impl Processes {
         }
         let (secrets, health_ca) = pass.issue(&input, &endpoint_host).await?;
         let mut data = secrets.data(&rendered.secrets).await?;
-        let credentials = crate::secrets::credentials(&key.cluster, &data);
+        let credentials = secrets.credentials(&data);
         let egress = self.egress.as_ref().filter(|_| c == Component::ApiServer);
         if egress.is_some() {
             let (name, files) = nestplane_render::egress::apply(&mut rendered);

@@ -42,6 +42,8 @@ use crate::tenant::{self, Tenant};
 
 /// The rotation target of the service-account key (`status.rotations[].target`).
 pub const SA_KEY: &str = "sa-key";
+/// The rotation target of the cluster CA (`status.rotations[].target`).
+pub const CA: &str = "ca";
 /// Annotation on the `<cluster>-sa` secret: the request its rotation answers.
 pub const ID_ANNOTATION: &str = "nestplane.io/rotation-id";
 /// Annotation on the `<cluster>-sa` secret: the rotation's phase.
@@ -56,6 +58,121 @@ pub const ROTATION_STARTED: &str = "RotationStarted";
 pub const ROTATION_COMPLETED: &str = "RotationCompleted";
 /// Reason of the Event of a rotation that cannot go on (the secret is not what it should be).
 pub const ROTATION_BLOCKED: &str = "RotationBlocked";
+
+/// What a rotation replaces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Target {
+    /// The service-account key pair (`<cluster>-sa`).
+    SaKey,
+    /// The cluster CA (`<cluster>-ca`): what API server clients and kubelets present
+    /// certificates of, and what verifies the API server.
+    Ca,
+}
+
+impl Target {
+    /// Every target, in the order a pass looks at them.
+    pub const ALL: [Target; 2] = [Target::SaKey, Target::Ca];
+
+    /// The name users give it (`nestplane rotate NAME`, `status.rotations[].target`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Target::SaKey => SA_KEY,
+            Target::Ca => CA,
+        }
+    }
+
+    /// The secret it lives in.
+    pub fn purpose(self) -> SecretPurpose {
+        match self {
+            Target::SaKey => SecretPurpose::ServiceAccount,
+            Target::Ca => SecretPurpose::ClusterCa,
+        }
+    }
+
+    /// The annotation asking for a rotation.
+    pub fn start_annotation(self) -> &'static str {
+        match self {
+            Target::SaKey => names::ROTATE_SA_KEY_ANNOTATION,
+            Target::Ca => names::ROTATE_CA_ANNOTATION,
+        }
+    }
+
+    /// The annotation completing a rotation.
+    pub fn complete_annotation(self) -> &'static str {
+        match self {
+            Target::SaKey => names::ROTATE_SA_KEY_COMPLETE_ANNOTATION,
+            Target::Ca => names::ROTATE_CA_COMPLETE_ANNOTATION,
+        }
+    }
+
+    /// The annotation completing a rotation by itself after a while.
+    pub fn complete_after_annotation(self) -> &'static str {
+        match self {
+            Target::SaKey => names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION,
+            Target::Ca => names::ROTATE_CA_COMPLETE_AFTER_ANNOTATION,
+        }
+    }
+
+    /// The components that read the secret, whose `status.credentials` say which version of
+    /// it they run.
+    fn consumers(self) -> &'static [Component] {
+        match self {
+            Target::SaKey => &[Component::ApiServer, Component::ControllerManager],
+            Target::Ca => &[
+                Component::ApiServer,
+                Component::ControllerManager,
+                Component::Scheduler,
+            ],
+        }
+    }
+
+    /// What it is, in a sentence.
+    fn what(self) -> &'static str {
+        match self {
+            Target::SaKey => "service-account key",
+            Target::Ca => "cluster CA",
+        }
+    }
+
+    /// One of what it holds, in a sentence.
+    fn noun(self) -> &'static str {
+        match self {
+            Target::SaKey => "key",
+            Target::Ca => "CA",
+        }
+    }
+
+    /// The public items of a bundle (`tls.crt`): public keys, or CA certificates.
+    fn items(self, bundle: &str) -> Result<Vec<String>, pki::PkiError> {
+        match self {
+            Target::SaKey => pki::public_keys(bundle),
+            Target::Ca => pki::certificates(bundle),
+        }
+    }
+
+    /// The name of a public item: a key's `kid`, a CA certificate's fingerprint.
+    fn ident(self, item: &str) -> Option<String> {
+        match self {
+            Target::SaKey => pki::service_account_key_id(item).ok(),
+            Target::Ca => pki::certificate_id(item).ok(),
+        }
+    }
+
+    /// The name of the public item among `items` that private key `key` belongs to
+    /// (`None`: the key does not parse, or none of them is its own).
+    fn ident_of_key(self, key: &str, items: &[String]) -> Option<String> {
+        match self {
+            Target::SaKey => pki::service_account_public_key(key)
+                .ok()
+                .and_then(|p| pki::service_account_key_id(&p).ok())
+                .filter(|k| items.iter().any(|i| self.ident(i).as_ref() == Some(k))),
+            Target::Ca => items
+                .iter()
+                .find(|c| pki::key_matches(c, key).unwrap_or(false))
+                .and_then(|c| self.ident(c)),
+        }
+    }
+}
 
 /// A rotation's phase.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,7 +211,7 @@ impl Phase {
 /// The service-account key secret, as a rotation reads and writes it (its `Debug` shows no
 /// private key).
 #[derive(Clone, PartialEq, Eq)]
-pub struct SaKeys {
+pub struct Keys {
     /// `tls.crt`: the public keys that verify (PEM, one or more).
     pub verify: String,
     /// `tls.key`: the private key that signs.
@@ -109,9 +226,9 @@ pub struct SaKeys {
     pub started_at: Option<i64>,
 }
 
-impl std::fmt::Debug for SaKeys {
+impl std::fmt::Debug for Keys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SaKeys")
+        f.debug_struct("Keys")
             .field("verify", &self.verify)
             .field("signing", &"<redacted>")
             .field("next", &self.next.as_ref().map(|_| "<redacted>"))
@@ -133,6 +250,8 @@ pub struct Ask {
     pub complete_after: Option<String>,
     /// The time of this pass (seconds since the epoch).
     pub now: i64,
+    /// What stops the rotation from completing, for now (it waits, saying so).
+    pub hold: Option<String>,
 }
 
 /// `90s`, `30m`, `24h`, `2d` in seconds (`None`: not such a duration). Pure.
@@ -159,9 +278,9 @@ pub enum Decision {
     /// Nothing: no rotation asked for, or the one asked for is done.
     Idle,
     /// Write the secret so (the next phase).
-    Write(SaKeys),
+    Write(Keys),
     /// Completion: re-sign the tenant's legacy tokens with the new key, then write this.
-    Resign(SaKeys),
+    Resign(Keys),
     /// Wait: the message says for what.
     Wait(String),
     /// The secret is not what a rotation wrote: nothing is changed.
@@ -188,66 +307,64 @@ fn valid(id: &str) -> bool {
     clean(id) == id && !id.is_empty()
 }
 
-/// The next step of the rotation, from the secret, the request, and which consumers (the API
-/// servers and controller managers, by kind) do not run the secret as it is yet. `new_key`
-/// makes a key pair (called only when a rotation begins). Pure but for `new_key`.
+/// The next step of rotation `target`, from its secret, the request, and which consumers (by
+/// kind) do not run the secret as it is yet. `new` makes a key pair, or a CA (called only
+/// when a rotation begins). Pure but for `new`.
 pub fn decide(
-    keys: &SaKeys,
+    target: Target,
+    keys: &Keys,
     ask: &Ask,
     lagging: &[String],
-    new_key: impl FnOnce() -> Result<pki::CertKey, pki::PkiError>,
+    new: impl FnOnce() -> Result<pki::CertKey, pki::PkiError>,
 ) -> Decision {
-    let waiting_for = || {
-        format!(
-            "waiting for {} to run it (each replica restarted in turn)",
-            lagging.join(" and ")
-        )
-    };
-    // The bundle is rewritten whole: what it holds must be understood, and hold the key that
-    // signs, or a key in use could be dropped.
-    let verify = match pki::public_keys(&keys.verify) {
+    let noun = target.noun();
+    let waiting_for = || format!("waiting for {} to run it", lagging.join(" and "));
+    // The bundle is rewritten whole: what it holds must be understood, and hold what signs,
+    // or something in use could be dropped.
+    let items = match target.items(&keys.verify) {
         Ok(v) if !v.is_empty() => v,
         Ok(_) => {
-            return Decision::Blocked("its tls.crt holds no public key; fix the secret".into());
+            return Decision::Blocked(format!("its tls.crt holds no {noun}; fix the secret"));
         }
         Err(e) => return Decision::Blocked(format!("its tls.crt: {e}")),
     };
-    let kid = |pem: &str| {
-        pki::service_account_public_key(pem)
-            .ok()
-            .and_then(|p| pki::service_account_key_id(&p).ok())
+    if pki::service_account_public_key(&keys.signing).is_err() {
+        return Decision::Blocked("its tls.key does not parse".into());
+    }
+    let Some(signer) = target.ident_of_key(&keys.signing, &items) else {
+        return Decision::Blocked(format!(
+            "its tls.crt does not hold the {} of tls.key, which signs; fix the secret",
+            match target {
+                Target::SaKey => "public key",
+                Target::Ca => "certificate",
+            }
+        ));
     };
-    let trusted: Vec<String> = verify
-        .iter()
-        .filter_map(|k| pki::service_account_key_id(k).ok())
-        .collect();
-    match kid(&keys.signing) {
-        Some(k) if trusted.contains(&k) => {}
-        Some(_) => {
-            return Decision::Blocked(
-                "its tls.crt does not hold the public key of tls.key, which signs; fix the secret"
-                    .into(),
-            );
-        }
-        None => return Decision::Blocked("its tls.key does not parse".into()),
+    // Kubernetes signs with the first certificate of a CA file.
+    if target == Target::Ca && target.ident(&items[0]).as_ref() != Some(&signer) {
+        return Decision::Blocked(
+            "its tls.crt does not begin with the certificate of tls.key, which signs; fix the secret"
+                .into(),
+        );
     }
     let id = keys.id.as_deref().map(clean).unwrap_or_default();
+    let (start_annotation, complete_annotation) =
+        (target.start_annotation(), target.complete_annotation());
     match keys.phase {
         None | Some(Phase::Completed) => match &ask.start {
             Some(r) if Some(r) != keys.id.as_ref() => {
                 if !valid(r) {
                     return Decision::Blocked(format!(
-                        "annotation {} names the request in at most {MAX_ID} printable characters",
-                        names::ROTATE_SA_KEY_ANNOTATION
+                        "annotation {start_annotation} names the request in at most {MAX_ID} printable characters"
                     ));
                 }
-                let new = match new_key() {
+                let new = match new() {
                     Ok(k) => k,
-                    Err(e) => return Decision::Blocked(format!("cannot make a key: {e}")),
+                    Err(e) => return Decision::Blocked(format!("cannot make a {noun}: {e}")),
                 };
-                let mut all = verify;
+                let mut all = items;
                 all.push(new.cert_pem.clone());
-                Decision::Write(SaKeys {
+                Decision::Write(Keys {
                     verify: bundle(&all),
                     signing: keys.signing.clone(),
                     next: Some(new.key_pem),
@@ -265,26 +382,31 @@ pub fn decide(
                     names::NEXT_KEY
                 ));
             };
-            let Ok(new_pub) = pki::service_account_public_key(next) else {
+            if pki::service_account_public_key(next).is_err() {
                 return Decision::Blocked(format!("its {} does not parse", names::NEXT_KEY));
-            };
-            if !kid(next).is_some_and(|k| trusted.contains(&k)) {
+            }
+            let Some(new_id) = target.ident_of_key(next, &items) else {
                 return Decision::Blocked(format!(
-                    "phase Trusting, but its tls.crt does not hold the public key of {}; fix the secret",
+                    "phase Trusting, but its tls.crt does not hold the {} of {}; fix the secret",
+                    match target {
+                        Target::SaKey => "public key",
+                        Target::Ca => "certificate",
+                    },
                     names::NEXT_KEY
                 ));
-            }
+            };
             if !lagging.is_empty() {
                 return Decision::Wait(format!(
-                    "the new key is trusted beside the old one; {}",
+                    "the new {noun} is trusted beside the old one; {}",
                     waiting_for()
                 ));
             }
-            // The new key first, then every other one still trusted.
-            let mut all = vec![new_pub.clone()];
-            all.extend(verify.into_iter().filter(|k| *k != new_pub));
-            Decision::Write(SaKeys {
-                verify: bundle(&all),
+            // The new one first (it signs), then every other one still trusted.
+            let (new_items, others): (Vec<String>, Vec<String>) = items
+                .into_iter()
+                .partition(|i| target.ident(i).as_ref() == Some(&new_id));
+            Decision::Write(Keys {
+                verify: bundle(&[new_items, others].concat()),
                 signing: next.clone(),
                 next: None,
                 id: keys.id.clone(),
@@ -295,11 +417,11 @@ pub fn decide(
         Some(Phase::Signing) => {
             if !lagging.is_empty() {
                 return Decision::Wait(format!(
-                    "the new key signs, both verify; {}",
+                    "the new {noun} signs, both are trusted; {}",
                     waiting_for()
                 ));
             }
-            Decision::Write(SaKeys {
+            Decision::Write(Keys {
                 phase: Some(Phase::Started),
                 started_at: Some(ask.now),
                 ..keys.clone()
@@ -312,7 +434,7 @@ pub fn decide(
                 Some(None) => {
                     return Decision::Wait(format!(
                         "annotation {} is not a duration (like 24h); the rotation waits to be completed",
-                        names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION
+                        target.complete_after_annotation()
                     ));
                 }
             };
@@ -321,22 +443,32 @@ pub fn decide(
                 .map(|(d, at)| at.saturating_add(d));
             let asked = ask.complete.is_some() && ask.complete == keys.id;
             if asked || due.is_some_and(|due| ask.now >= due) {
-                let Ok(new_pub) = pki::service_account_public_key(&keys.signing) else {
-                    return Decision::Blocked("its tls.key does not parse".into());
-                };
                 if !lagging.is_empty() {
                     return Decision::Wait(format!(
-                        "completing: the new key signs, both verify; {}",
+                        "completing: the new {noun} signs, both are trusted; {}",
                         waiting_for()
                     ));
                 }
-                // The legacy tokens the old key signed are re-signed first, then it goes.
-                return Decision::Resign(SaKeys {
-                    verify: new_pub,
+                if let Some(hold) = &ask.hold {
+                    return Decision::Wait(format!("cannot complete: {hold}"));
+                }
+                let signer_item: Vec<String> = items
+                    .into_iter()
+                    .filter(|i| target.ident(i).as_ref() == Some(&signer))
+                    .collect();
+                let next = Keys {
+                    verify: bundle(&signer_item),
                     phase: Some(Phase::Completing),
                     next: None,
                     ..keys.clone()
-                });
+                };
+                return match target {
+                    // The legacy tokens the old key signed are re-signed first, then it goes.
+                    Target::SaKey => Decision::Resign(next),
+                    // Serving certificates the old CA signed are reissued by the components'
+                    // passes once it is no longer trusted.
+                    Target::Ca => Decision::Write(next),
+                };
             }
             let queued = match &ask.start {
                 Some(r) if Some(r) != keys.id.as_ref() => format!(
@@ -352,16 +484,21 @@ pub fn decide(
                     .map(|t| format!("; it completes by itself at {t}"))
                     .unwrap_or_default(),
             };
-            Decision::Wait(format!(
-                "the new key signs and both verify; nothing issued before is refused until the rotation is completed (nestplane rotate sa-key --complete, or annotation {}={id}), which re-signs the cluster's legacy token Secrets and drops the old key: complete it once every token the old key signed has been replaced (kubelets refresh pods' projected tokens within 24 h){by_itself}{queued}",
-                names::ROTATE_SA_KEY_COMPLETE_ANNOTATION,
-            ))
+            let then = match target {
+                Target::SaKey => format!(
+                    "the new key signs and both verify; nothing issued before is refused until the rotation is completed (nestplane rotate sa-key --complete, or annotation {complete_annotation}={id}), which re-signs the cluster's legacy token Secrets and drops the old key: complete it once every token the old key signed has been replaced (kubelets refresh pods' projected tokens within 24 h)"
+                ),
+                Target::Ca => format!(
+                    "the new CA signs client certificates and both CAs are trusted; every kubeconfig and certificate issued before keeps working until the rotation is completed (nestplane rotate ca --complete, or annotation {complete_annotation}={id}), which reissues the serving certificates from the new CA and drops the old one: complete it once every kubeconfig users hold trusts the new CA (nestplane kubeconfig gives one that trusts both)"
+                ),
+            };
+            Decision::Wait(format!("{then}{by_itself}{queued}"))
         }
         Some(Phase::Completing) => {
             if !lagging.is_empty() {
-                return Decision::Wait(format!("the old key is dropped; {}", waiting_for()));
+                return Decision::Wait(format!("the old {noun} is dropped; {}", waiting_for()));
             }
-            Decision::Write(SaKeys {
+            Decision::Write(Keys {
                 phase: Some(Phase::Completed),
                 ..keys.clone()
             })
@@ -371,21 +508,16 @@ pub fn decide(
 
 /// `status.rotations[]` of the secret as it is (after `decide`'s write, when there was one).
 /// Pure.
-pub fn status(keys: &SaKeys, message: Option<String>) -> Option<RotationStatus> {
+pub fn status(target: Target, keys: &Keys, message: Option<String>) -> Option<RotationStatus> {
     let (id, phase) = (clean(keys.id.as_deref()?), keys.phase?);
-    let kid = |pem: &str| {
-        pki::service_account_public_key(pem)
-            .ok()
-            .and_then(|p| pki::service_account_key_id(&p).ok())
-    };
-    let key_id = kid(keys.next.as_deref().unwrap_or(&keys.signing));
-    let previous_key_id = pki::public_keys(&keys.verify)
-        .unwrap_or_default()
+    let items = target.items(&keys.verify).unwrap_or_default();
+    let key_id = target.ident_of_key(keys.next.as_deref().unwrap_or(&keys.signing), &items);
+    let previous_key_id = items
         .iter()
-        .filter_map(|k| pki::service_account_key_id(k).ok())
+        .filter_map(|i| target.ident(i))
         .find(|k| Some(k) != key_id.as_ref());
     Some(RotationStatus {
-        target: SA_KEY.into(),
+        target: target.as_str().into(),
         id,
         phase: phase.as_str().into(),
         message: message.filter(|m| !m.is_empty()),
@@ -402,9 +534,9 @@ fn text(s: &Secret, key: &str) -> Option<String> {
 }
 
 /// The rotation's view of the secret (`None`: it lacks `tls.crt` or `tls.key`).
-pub fn read(s: &Secret) -> Option<SaKeys> {
+pub fn read(s: &Secret) -> Option<Keys> {
     let ann = |k: &str| s.metadata.annotations.as_ref()?.get(k).cloned();
-    Some(SaKeys {
+    Some(Keys {
         verify: text(s, names::TLS_CRT)?,
         signing: text(s, names::TLS_KEY)?,
         next: text(s, names::NEXT_KEY),
@@ -416,8 +548,8 @@ pub fn read(s: &Secret) -> Option<SaKeys> {
     })
 }
 
-/// The request annotations of a control plane.
-pub fn ask(ncp: &NestedControlPlane) -> Ask {
+/// The request annotations of a control plane for rotation `target`.
+pub fn ask(target: Target, ncp: &NestedControlPlane) -> Ask {
     let ann = |k: &str| {
         ncp.metadata
             .annotations
@@ -427,87 +559,124 @@ pub fn ask(ncp: &NestedControlPlane) -> Ask {
             .cloned()
     };
     Ask {
-        start: ann(names::ROTATE_SA_KEY_ANNOTATION),
-        complete: ann(names::ROTATE_SA_KEY_COMPLETE_ANNOTATION),
-        complete_after: ann(names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION),
+        start: ann(target.start_annotation()),
+        complete: ann(target.complete_annotation()),
+        complete_after: ann(target.complete_after_annotation()),
         now: k8s_openapi::jiff::Timestamp::now().as_second(),
+        hold: None,
     }
 }
 
-/// The consumers of the service-account keys: the components that mount them.
-const CONSUMERS: [Component; 2] = [Component::ApiServer, Component::ControllerManager];
-
 /// The consumers (by kind) whose status does not say they run the secret `data` as it is (one
 /// not made yet among them). `Err`: a consumer this operator does not run, which says nothing
-/// of the keys it runs, so the rotation cannot move on.
+/// of what it runs, so the rotation cannot move on.
 fn lagging(
     ctx: &Context,
     t: &Tenant,
+    target: Target,
     data: &BTreeMap<String, Vec<u8>>,
 ) -> Result<Vec<String>, String> {
     let want = crate::secrets::fingerprint(data);
+    let suffix = target.purpose().suffix();
     let mut late = Vec::new();
-    for c in CONSUMERS {
+    for c in target.consumers().iter().copied() {
         let kind = tenant::kind_of(c);
         if let Some(m) = t.managed_elsewhere(c) {
             return Err(format!(
-                "{kind} is run by {m}, which does not report the keys it runs (status.credentials.sa); the rotation cannot tell when it runs them"
+                "{kind} is run by {m}, which does not report what it runs (status.credentials.{suffix}); the rotation cannot tell when it runs the new {}",
+                target.noun()
             ));
         }
         if !ctx.runs_here(t, c) {
             return Err(format!(
-                "{kind} is run by another operator (--controllers); the rotation cannot tell when it runs the keys"
+                "{kind} is run by another operator (--controllers); the rotation cannot tell when it runs the new {}",
+                target.noun()
             ));
         }
         if t.meta_of(c).is_none() {
             late.push(format!("{kind} (not made yet)"));
-        } else if t
-            .status_of(c)
-            .and_then(|s| s.credentials.get(SecretPurpose::ServiceAccount.suffix()))
-            != Some(&want)
-        {
+        } else if t.status_of(c).and_then(|s| s.credentials.get(suffix)) != Some(&want) {
             late.push(kind.to_string());
         }
     }
     Ok(late)
 }
 
-/// One step of the tenant's service-account key rotation, if one was ever asked for. Returns
-/// the rotation's status (`None`: none asked for; the last status stays), and whether it is in
+/// One step of each of the tenant's rotations that was ever asked for. Returns their status
+/// (a rotation never asked for has none; the last status of one stays), and whether one is in
 /// progress (look again soon). A failure (the management or the tenant's API, a slow tenant)
 /// is said in the status and tried again; it never stops the control plane's pass.
-pub async fn advance(ctx: &Context, t: &Tenant) -> (Option<RotationStatus>, bool) {
-    match step(ctx, t).await {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::warn!(error = %e, "rotating the service-account key");
-            let last = t
-                .ncp
-                .status
-                .as_ref()
-                .and_then(|s| s.rotations.iter().find(|r| r.target == SA_KEY).cloned())
-                .map(|mut r| {
-                    r.message = Some(format!("cannot go on now (tried again shortly): {e}"));
-                    r
-                });
-            (last, true)
+pub async fn advance(ctx: &Context, t: &Tenant) -> (Vec<RotationStatus>, bool) {
+    let mut out = Vec::new();
+    let mut busy = false;
+    for target in Target::ALL {
+        match step(ctx, t, target).await {
+            Ok((st, again)) => {
+                out.extend(st);
+                busy |= again;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, target = target.as_str(), "rotating");
+                let last = t
+                    .ncp
+                    .status
+                    .as_ref()
+                    .and_then(|s| {
+                        s.rotations
+                            .iter()
+                            .find(|r| r.target == target.as_str())
+                            .cloned()
+                    })
+                    .map(|mut r| {
+                        r.message = Some(format!("cannot go on now (tried again shortly): {e}"));
+                        r
+                    });
+                out.extend(last);
+                busy = true;
+            }
         }
     }
+    (out, busy)
 }
 
-async fn step(ctx: &Context, t: &Tenant) -> Result<(Option<RotationStatus>, bool), Error> {
-    let ask = ask(&t.ncp);
+/// Why a CA rotation may not complete yet (`None`: it may): the cluster's nodes. Their
+/// kubelets were given the old CA only, and present certificates it signed; nestplane does
+/// not move a kubelet to a new CA yet, so dropping the old one would cut them off.
+async fn nodes_hold(ctx: &Context, t: &Tenant) -> Result<Option<String>, Error> {
+    use k8s_openapi::api::core::v1::Node;
+    let admin = SecretPurpose::AdminKubeconfig.secret_name(&t.cluster());
+    let Some(client) = crate::hosted::target::admin_client(ctx, &t.namespace(), &admin).await?
+    else {
+        return Ok(Some("waiting for the admin kubeconfig".into()));
+    };
+    let nodes = Api::<Node>::all(client)
+        .list_metadata(&ListParams::default().limit(1))
+        .await?;
+    Ok(nodes.items.first().map(|n| {
+        format!(
+            "the cluster has nodes (node {:?} among them) whose kubelets trust only the old CA and present certificates it signed; nestplane does not move a kubelet to a new CA yet, so completing would cut them off (the rotation stays Started: everything keeps working)",
+            clean(&n.name_any())
+        )
+    }))
+}
+
+async fn step(
+    ctx: &Context,
+    t: &Tenant,
+    target: Target,
+) -> Result<(Option<RotationStatus>, bool), Error> {
+    let mut ask = ask(target, &t.ncp);
     if ask.start.is_none() {
         return Ok((None, false));
     }
-    let name = SecretPurpose::ServiceAccount.secret_name(&t.cluster());
+    let name = target.purpose().secret_name(&t.cluster());
     let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &t.namespace());
     let Some(secret) = api.get_opt(&name).await? else {
         // Made with the control plane's certificates: asked again once it exists.
         return Ok((None, true));
     };
     let blocked_status = |m: String| RotationStatus {
-        target: SA_KEY.into(),
+        target: target.as_str().into(),
         id: ask.start.as_deref().map(clean).unwrap_or_default(),
         phase: "Blocked".into(),
         message: Some(m),
@@ -515,7 +684,7 @@ async fn step(ctx: &Context, t: &Tenant) -> Result<(Option<RotationStatus>, bool
     };
     let Some(keys) = read(&secret) else {
         let m = format!("secret {name} lacks tls.crt or tls.key; fix it");
-        event_once(ctx, t, EventType::Warning, ROTATION_BLOCKED, &m).await;
+        event_once(ctx, t, target, EventType::Warning, ROTATION_BLOCKED, &m).await;
         return Ok((Some(blocked_status(m)), false));
     };
     let data: BTreeMap<String, Vec<u8>> = secret
@@ -525,26 +694,45 @@ async fn step(ctx: &Context, t: &Tenant) -> Result<(Option<RotationStatus>, bool
         .into_iter()
         .map(|(k, v)| (k, v.0))
         .collect();
-    let decision = match lagging(ctx, t, &data) {
-        Ok(late) => decide(&keys, &ask, &late, pki::generate_service_account_key),
+    let completing = keys.phase == Some(Phase::Started)
+        && (ask.complete.is_some() && ask.complete == keys.id || ask.complete_after.is_some());
+    if target == Target::Ca && completing {
+        ask.hold = nodes_hold(ctx, t).await?;
+    }
+    let cluster = t.cluster();
+    let new = || match target {
+        Target::SaKey => pki::generate_service_account_key(),
+        Target::Ca => {
+            let now = time::OffsetDateTime::now_utc();
+            pki::generate_ca(&format!("{cluster}-ca-{}", now.unix_timestamp()), now)
+        }
+    };
+    let decision = match lagging(ctx, t, target, &data) {
+        Ok(late) => decide(target, &keys, &ask, &late, new),
         Err(m) if keys.phase.is_some_and(|p| p != Phase::Completed) => Decision::Blocked(m),
         // Nothing begins that could not finish.
         Err(m) if ask.start.is_some() && ask.start != keys.id => Decision::Blocked(m),
         Err(_) => Decision::Idle,
     };
     match decision {
-        Decision::Idle => Ok((status(&keys, None), false)),
-        Decision::Wait(m) => Ok((status(&keys, Some(m)), keys.phase != Some(Phase::Started))),
+        Decision::Idle => Ok((status(target, &keys, None), false)),
+        Decision::Wait(m) => Ok((
+            status(target, &keys, Some(m)),
+            keys.phase != Some(Phase::Started),
+        )),
         Decision::Blocked(m) => {
             let m = format!("secret {name}: {m}");
-            event_once(ctx, t, EventType::Warning, ROTATION_BLOCKED, &m).await;
-            let st = status(&keys, Some(m.clone())).unwrap_or_else(|| blocked_status(m));
+            event_once(ctx, t, target, EventType::Warning, ROTATION_BLOCKED, &m).await;
+            let st = status(target, &keys, Some(m.clone())).unwrap_or_else(|| blocked_status(m));
             Ok((Some(st), false))
         }
         Decision::Write(next) => {
             write(&api, &secret, &next).await?;
-            announce(ctx, t, &next).await;
-            Ok((status(&next, None), next.phase != Some(Phase::Completed)))
+            announce(ctx, t, target, &next).await;
+            Ok((
+                status(target, &next, None),
+                next.phase != Some(Phase::Completed),
+            ))
         }
         Decision::Resign(next) => {
             let kid = pki::service_account_public_key(&next.signing)
@@ -556,7 +744,11 @@ async fn step(ctx: &Context, t: &Tenant) -> Result<(Option<RotationStatus>, bool
                 crate::hosted::target::admin_client(ctx, &t.namespace(), &admin).await?
             else {
                 return Ok((
-                    status(&keys, Some("waiting for the admin kubeconfig".into())),
+                    status(
+                        target,
+                        &keys,
+                        Some("waiting for the admin kubeconfig".into()),
+                    ),
                     true,
                 ));
             };
@@ -572,11 +764,11 @@ async fn step(ctx: &Context, t: &Tenant) -> Result<(Option<RotationStatus>, bool
                 let m = format!(
                     "completing: {left} service-account token Secret(s) of the cluster are being re-signed with the new key by its tokens controller; the old key is dropped after"
                 );
-                return Ok((status(&keys, Some(m)), true));
+                return Ok((status(target, &keys, Some(m)), true));
             }
             write(&api, &secret, &next).await?;
-            announce(ctx, t, &next).await;
-            Ok((status(&next, None), true))
+            announce(ctx, t, target, &next).await;
+            Ok((status(target, &next, None), true))
         }
     }
 }
@@ -733,7 +925,7 @@ async fn tell_pods(
 
 /// Replace the secret's keys and rotation annotations with `keys`, only if it is still the
 /// version read (a concurrent writer makes the pass start again).
-async fn write(api: &Api<Secret>, secret: &Secret, keys: &SaKeys) -> Result<(), Error> {
+async fn write(api: &Api<Secret>, secret: &Secret, keys: &Keys) -> Result<(), Error> {
     let mut s = secret.clone();
     let data = s.data.get_or_insert_with(Default::default);
     data.insert(
@@ -776,33 +968,61 @@ async fn write(api: &Api<Secret>, secret: &Secret, keys: &SaKeys) -> Result<(), 
     Ok(())
 }
 
-async fn announce(ctx: &Context, t: &Tenant, keys: &SaKeys) {
+async fn announce(ctx: &Context, t: &Tenant, target: Target, keys: &Keys) {
     let id = clean(keys.id.as_deref().unwrap_or_default());
-    let (reason, note) = match keys.phase {
-        Some(Phase::Trusting) => (
+    let what = target.what();
+    let (reason, note) = match (target, keys.phase) {
+        (_, Some(Phase::Trusting)) => (
             ROTATION_PROGRESSING,
-            format!("service-account key rotation {id:?}: a new key is trusted beside the old one"),
+            format!(
+                "{what} rotation {id:?}: a new {} is trusted beside the old one",
+                target.noun()
+            ),
         ),
-        Some(Phase::Signing) => (
+        (Target::SaKey, Some(Phase::Signing)) => (
             ROTATION_PROGRESSING,
-            format!("service-account key rotation {id:?}: the new key signs; both verify"),
+            format!("{what} rotation {id:?}: the new key signs; both verify"),
         ),
-        Some(Phase::Started) => (
+        (Target::Ca, Some(Phase::Signing)) => (
+            ROTATION_PROGRESSING,
+            format!(
+                "{what} rotation {id:?}: the new CA signs client certificates, which are reissued; both CAs are trusted"
+            ),
+        ),
+        (Target::SaKey, Some(Phase::Started)) => (
             ROTATION_STARTED,
             format!(
-                "service-account key rotation {id:?}: every API server and controller manager runs the new key, which signs; tokens the old key signed are accepted until the rotation is completed"
+                "{what} rotation {id:?}: every API server and controller manager runs the new key, which signs; tokens the old key signed are accepted until the rotation is completed"
             ),
         ),
-        Some(Phase::Completing) => (
+        (Target::Ca, Some(Phase::Started)) => (
+            ROTATION_STARTED,
+            format!(
+                "{what} rotation {id:?}: every component trusts both CAs and holds a client certificate from the new one; kubeconfigs from before are accepted until the rotation is completed"
+            ),
+        ),
+        (Target::SaKey, Some(Phase::Completing)) => (
             ROTATION_PROGRESSING,
             format!(
-                "service-account key rotation {id:?}: the cluster's token Secrets are re-signed with the new key; the old key is being dropped"
+                "{what} rotation {id:?}: the cluster's token Secrets are re-signed with the new key; the old key is being dropped"
             ),
         ),
-        Some(Phase::Completed) | None => (
+        (Target::Ca, Some(Phase::Completing)) => (
+            ROTATION_PROGRESSING,
+            format!(
+                "{what} rotation {id:?}: the old CA is being dropped; serving certificates are reissued from the new one"
+            ),
+        ),
+        (Target::SaKey, Some(Phase::Completed) | None) => (
             ROTATION_COMPLETED,
             format!(
-                "service-account key rotation {id:?} completed: only the new key verifies; tokens the old key signed are refused"
+                "{what} rotation {id:?} completed: only the new key verifies; tokens the old key signed are refused"
+            ),
+        ),
+        (Target::Ca, Some(Phase::Completed) | None) => (
+            ROTATION_COMPLETED,
+            format!(
+                "{what} rotation {id:?} completed: only the new CA is trusted; certificates the old one signed are refused"
             ),
         ),
     };
@@ -817,12 +1037,19 @@ async fn announce(ctx: &Context, t: &Tenant, keys: &SaKeys) {
 
 /// A Warning once per message: a blocked rotation is looked at on every pass of its control
 /// plane, and says so once.
-async fn event_once(ctx: &Context, t: &Tenant, type_: EventType, reason: &str, note: &str) {
+async fn event_once(
+    ctx: &Context,
+    t: &Tenant,
+    target: Target,
+    type_: EventType,
+    reason: &str,
+    note: &str,
+) {
     let said = t
         .ncp
         .status
         .as_ref()
-        .and_then(|s| s.rotations.iter().find(|r| r.target == SA_KEY))
+        .and_then(|s| s.rotations.iter().find(|r| r.target == target.as_str()))
         .and_then(|r| r.message.as_deref())
         == Some(note);
     if !said {
@@ -836,9 +1063,9 @@ async fn event_once(ctx: &Context, t: &Tenant, type_: EventType, reason: &str, n
 mod tests {
     use super::*;
 
-    fn fresh() -> SaKeys {
+    fn fresh() -> Keys {
         let k = pki::generate_service_account_key().unwrap();
-        SaKeys {
+        Keys {
             verify: k.cert_pem,
             signing: k.key_pem,
             next: None,
@@ -869,7 +1096,7 @@ mod tests {
             .collect()
     }
 
-    fn written(d: Decision) -> SaKeys {
+    fn written(d: Decision) -> Keys {
         match d {
             Decision::Write(k) | Decision::Resign(k) => k,
             other => panic!("expected a write, got {other:?}"),
@@ -882,12 +1109,19 @@ mod tests {
         let old_kid = kid_of_private(&old.signing);
         let none: &[String] = &[];
         assert_eq!(
-            decide(&old, &Ask::default(), none, || unreachable!()),
+            decide(
+                Target::SaKey,
+                &old,
+                &Ask::default(),
+                none,
+                || unreachable!()
+            ),
             Decision::Idle
         );
 
         // Trusting: both public keys verify, the old key still signs.
         let t = written(decide(
+            Target::SaKey,
             &old,
             &ask("r1", ""),
             none,
@@ -897,7 +1131,7 @@ mod tests {
         assert_eq!(t.signing, old.signing);
         let new_kid = kid_of_private(t.next.as_deref().unwrap());
         assert_eq!(kids(&t.verify), vec![old_kid.clone(), new_kid.clone()]);
-        let st = status(&t, None).unwrap();
+        let st = status(Target::SaKey, &t, None).unwrap();
         assert_eq!(
             (
                 st.phase.as_str(),
@@ -909,13 +1143,20 @@ mod tests {
 
         // Not before every API server runs it.
         let late = vec!["NestedAPIServer".to_string()];
-        let Decision::Wait(m) = decide(&t, &ask("r1", ""), &late, || unreachable!()) else {
+        let Decision::Wait(m) = decide(Target::SaKey, &t, &ask("r1", ""), &late, || unreachable!())
+        else {
             panic!()
         };
         assert!(m.contains("NestedAPIServer"), "{m}");
 
         // Signing: the new key signs, both verify (new first); no key waits any more.
-        let s = written(decide(&t, &ask("r1", ""), none, || unreachable!()));
+        let s = written(decide(
+            Target::SaKey,
+            &t,
+            &ask("r1", ""),
+            none,
+            || unreachable!(),
+        ));
         assert_eq!(s.phase, Some(Phase::Signing));
         assert_eq!(kid_of_private(&s.signing), new_kid);
         assert_eq!(s.next, None);
@@ -923,40 +1164,66 @@ mod tests {
 
         // Once it runs everywhere: Started, nothing else changed.
         assert!(matches!(
-            decide(&s, &ask("r1", ""), none, || unreachable!()),
+            decide(Target::SaKey, &s, &ask("r1", ""), none, || unreachable!()),
             Decision::Write(_)
         ));
-        let started = written(decide(&s, &ask("r1", ""), none, || unreachable!()));
+        let started = written(decide(
+            Target::SaKey,
+            &s,
+            &ask("r1", ""),
+            none,
+            || unreachable!(),
+        ));
         assert_eq!(started.phase, Some(Phase::Started));
         assert_eq!(started.verify, s.verify);
 
         // Started waits for its completion; a completion of another request is not it, and a
         // new request waits.
         for a in [ask("r1", ""), ask("r1", "r0"), ask("r2", "")] {
-            let Decision::Wait(m) = decide(&started, &a, none, || unreachable!()) else {
+            let Decision::Wait(m) = decide(Target::SaKey, &started, &a, none, || unreachable!())
+            else {
                 panic!()
             };
             assert!(m.contains("complete"), "{m}");
         }
         // Completion: the legacy tokens are re-signed first, then only the new key verifies.
-        let d = decide(&started, &ask("r1", "r1"), none, || unreachable!());
+        let d = decide(
+            Target::SaKey,
+            &started,
+            &ask("r1", "r1"),
+            none,
+            || unreachable!(),
+        );
         assert!(matches!(d, Decision::Resign(_)), "{d:?}");
         let c = written(d);
         assert_eq!(c.phase, Some(Phase::Completing));
         assert_eq!(kids(&c.verify), vec![new_kid.clone()]);
-        let done = written(decide(&c, &ask("r1", "r1"), none, || unreachable!()));
+        let done = written(decide(
+            Target::SaKey,
+            &c,
+            &ask("r1", "r1"),
+            none,
+            || unreachable!(),
+        ));
         assert_eq!(done.phase, Some(Phase::Completed));
-        let st = status(&done, None).unwrap();
+        let st = status(Target::SaKey, &done, None).unwrap();
         assert_eq!(st.previous_key_id, None);
         assert_eq!(st.key_id.as_deref(), Some(new_kid.as_str()));
 
         // Done is done: the same request again changes nothing; a new one starts over from
         // the new key.
         assert_eq!(
-            decide(&done, &ask("r1", "r1"), none, || unreachable!()),
+            decide(
+                Target::SaKey,
+                &done,
+                &ask("r1", "r1"),
+                none,
+                || unreachable!()
+            ),
             Decision::Idle
         );
         let again = written(decide(
+            Target::SaKey,
             &done,
             &ask("r2", ""),
             none,
@@ -984,10 +1251,22 @@ mod tests {
             ..Ask::default()
         };
         // Started records when.
-        let started = written(decide(&k, &at(1000, "1h"), &[], || unreachable!()));
+        let started = written(decide(
+            Target::SaKey,
+            &k,
+            &at(1000, "1h"),
+            &[],
+            || unreachable!(),
+        ));
         assert_eq!(started.started_at, Some(1000));
         // Before the delay it waits, saying when it completes; at it, it completes.
-        let Decision::Wait(m) = decide(&started, &at(4599, "1h"), &[], || unreachable!()) else {
+        let Decision::Wait(m) = decide(
+            Target::SaKey,
+            &started,
+            &at(4599, "1h"),
+            &[],
+            || unreachable!(),
+        ) else {
             panic!()
         };
         assert!(
@@ -995,26 +1274,48 @@ mod tests {
             "{m}"
         );
         assert!(matches!(
-            decide(&started, &at(4600, "1h"), &[], || unreachable!()),
+            decide(
+                Target::SaKey,
+                &started,
+                &at(4600, "1h"),
+                &[],
+                || unreachable!()
+            ),
             Decision::Resign(_)
         ));
         // No delay: it waits for ever; a delay that does not parse is said.
         assert!(matches!(
-            decide(&started, &at(1_000_000, ""), &[], || unreachable!()),
+            decide(
+                Target::SaKey,
+                &started,
+                &at(1_000_000, ""),
+                &[],
+                || unreachable!()
+            ),
             Decision::Wait(_)
         ));
-        let Decision::Wait(m) = decide(&started, &at(1_000_000, "soon"), &[], || unreachable!())
-        else {
+        let Decision::Wait(m) = decide(
+            Target::SaKey,
+            &started,
+            &at(1_000_000, "soon"),
+            &[],
+            || unreachable!(),
+        ) else {
             panic!()
         };
         assert!(m.contains("not a duration"), "{m}");
         // Started before the time was recorded: never by itself, and said so.
-        let unknown = SaKeys {
+        let unknown = Keys {
             started_at: None,
             ..started.clone()
         };
-        let Decision::Wait(m) = decide(&unknown, &at(1_000_000, "1h"), &[], || unreachable!())
-        else {
+        let Decision::Wait(m) = decide(
+            Target::SaKey,
+            &unknown,
+            &at(1_000_000, "1h"),
+            &[],
+            || unreachable!(),
+        ) else {
             panic!()
         };
         assert!(m.contains("cannot complete by itself"), "{m}");
@@ -1026,13 +1327,13 @@ mod tests {
         k.phase = Some(Phase::Trusting);
         k.id = Some("r1".into());
         assert!(matches!(
-            decide(&k, &ask("r1", ""), &[], || unreachable!()),
+            decide(Target::SaKey, &k, &ask("r1", ""), &[], || unreachable!()),
             Decision::Blocked(m) if m.contains("next.key")
         ));
         // A request's name goes into status, Events and pods: bounded and printable.
         for bad in ["x".repeat(MAX_ID + 1), "a\nb".to_string()] {
             assert!(matches!(
-                decide(&fresh(), &ask(&bad, ""), &[], || unreachable!()),
+                decide(Target::SaKey, &fresh(), &ask(&bad, ""), &[], || unreachable!()),
                 Decision::Blocked(m) if m.contains("printable")
             ));
         }
@@ -1042,20 +1343,166 @@ mod tests {
         let ca = pki::generate_ca("x", time::OffsetDateTime::now_utc()).unwrap();
         k.verify = format!("{}{}", k.verify, ca.cert_pem);
         assert!(matches!(
-            decide(&k, &ask("r1", ""), &[], pki::generate_service_account_key),
+            decide(Target::SaKey, &k, &ask("r1", ""), &[], pki::generate_service_account_key),
             Decision::Blocked(m) if m.contains("CERTIFICATE")
         ));
         let mut k = fresh();
         k.verify = pki::generate_service_account_key().unwrap().cert_pem;
         assert!(matches!(
-            decide(&k, &ask("r1", ""), &[], pki::generate_service_account_key),
+            decide(Target::SaKey, &k, &ask("r1", ""), &[], pki::generate_service_account_key),
             Decision::Blocked(m) if m.contains("public key of tls.key")
         ));
         let mut k = fresh();
         k.verify = "not a key".into();
         assert!(matches!(
-            decide(&k, &ask("r1", ""), &[], pki::generate_service_account_key),
+            decide(
+                Target::SaKey,
+                &k,
+                &ask("r1", ""),
+                &[],
+                pki::generate_service_account_key
+            ),
             Decision::Blocked(_)
+        ));
+    }
+
+    fn fresh_ca() -> Keys {
+        let ca = pki::generate_ca("c-ca", time::OffsetDateTime::now_utc()).unwrap();
+        Keys {
+            verify: ca.cert_pem,
+            signing: ca.key_pem,
+            next: None,
+            id: None,
+            phase: None,
+            started_at: None,
+        }
+    }
+
+    fn ca_ids(bundle: &str) -> Vec<String> {
+        pki::certificates(bundle)
+            .unwrap()
+            .iter()
+            .map(|c| pki::certificate_id(c).unwrap())
+            .collect()
+    }
+
+    fn new_ca() -> Result<pki::CertKey, pki::PkiError> {
+        pki::generate_ca("c-ca-2", time::OffsetDateTime::now_utc())
+    }
+
+    #[test]
+    fn a_ca_rotation_trusts_both_then_signs_with_the_new_one_first_then_drops_the_old_one() {
+        let old = fresh_ca();
+        let old_id = ca_ids(&old.verify)[0].clone();
+        let none: &[String] = &[];
+        let t = written(decide(Target::Ca, &old, &ask("r1", ""), none, new_ca));
+        assert_eq!(t.phase, Some(Phase::Trusting));
+        // The old CA still signs, so it stays first (Kubernetes signs with a CA file's first
+        // certificate); the new one is trusted after it.
+        let ids = ca_ids(&t.verify);
+        assert_eq!(ids[0], old_id);
+        assert_eq!(ids.len(), 2);
+        let new_id = ids[1].clone();
+        assert_eq!(t.signing, old.signing);
+        let st = status(Target::Ca, &t, None).unwrap();
+        assert_eq!(
+            (
+                st.target.as_str(),
+                st.key_id.as_deref(),
+                st.previous_key_id.as_deref()
+            ),
+            ("ca", Some(new_id.as_str()), Some(old_id.as_str()))
+        );
+        let late = vec!["NestedScheduler".to_string()];
+        assert!(matches!(
+            decide(Target::Ca, &t, &ask("r1", ""), &late, || unreachable!()),
+            Decision::Wait(m) if m.contains("NestedScheduler")
+        ));
+        let s = written(decide(
+            Target::Ca,
+            &t,
+            &ask("r1", ""),
+            none,
+            || unreachable!(),
+        ));
+        assert_eq!(s.phase, Some(Phase::Signing));
+        assert_eq!(ca_ids(&s.verify), vec![new_id.clone(), old_id.clone()]);
+        assert!(pki::key_matches(&s.verify, &s.signing).unwrap());
+        let started = written(decide(
+            Target::Ca,
+            &s,
+            &ask("r1", ""),
+            none,
+            || unreachable!(),
+        ));
+        assert_eq!(started.phase, Some(Phase::Started));
+        let Decision::Wait(m) = decide(
+            Target::Ca,
+            &started,
+            &ask("r1", ""),
+            none,
+            || unreachable!(),
+        ) else {
+            panic!()
+        };
+        assert!(m.contains("rotate ca --complete"), "{m}");
+        // Something that would be cut off holds the completion, and says what.
+        let mut held = ask("r1", "r1");
+        held.hold = Some("node n1".into());
+        assert!(matches!(
+            decide(Target::Ca, &started, &held, none, || unreachable!()),
+            Decision::Wait(m) if m.contains("cannot complete: node n1")
+        ));
+        // Completion drops the old CA at once (no tokens to re-sign).
+        let d = decide(
+            Target::Ca,
+            &started,
+            &ask("r1", "r1"),
+            none,
+            || unreachable!(),
+        );
+        assert!(matches!(d, Decision::Write(_)), "{d:?}");
+        let c = written(d);
+        assert_eq!(c.phase, Some(Phase::Completing));
+        assert_eq!(ca_ids(&c.verify), vec![new_id.clone()]);
+        let done = written(decide(
+            Target::Ca,
+            &c,
+            &ask("r1", "r1"),
+            none,
+            || unreachable!(),
+        ));
+        assert_eq!(done.phase, Some(Phase::Completed));
+        assert_eq!(
+            status(Target::Ca, &done, None).unwrap().previous_key_id,
+            None
+        );
+    }
+
+    #[test]
+    fn a_ca_bundle_that_does_not_begin_with_the_signer_or_holds_a_key_is_left_alone() {
+        let mut k = fresh_ca();
+        let other = new_ca().unwrap();
+        k.verify = format!("{}{}", other.cert_pem, k.verify);
+        assert!(matches!(
+            decide(Target::Ca, &k, &ask("r1", ""), &[], new_ca),
+            Decision::Blocked(m) if m.contains("does not begin with")
+        ));
+        let mut k = fresh_ca();
+        k.verify = format!(
+            "{}{}",
+            k.verify,
+            pki::generate_service_account_key().unwrap().cert_pem
+        );
+        assert!(matches!(
+            decide(Target::Ca, &k, &ask("r1", ""), &[], new_ca),
+            Decision::Blocked(m) if m.contains("PUBLIC KEY")
+        ));
+        let mut k = fresh_ca();
+        k.signing = other.key_pem;
+        assert!(matches!(
+            decide(Target::Ca, &k, &ask("r1", ""), &[], new_ca),
+            Decision::Blocked(m) if m.contains("certificate of tls.key")
         ));
     }
 }

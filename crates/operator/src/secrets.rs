@@ -72,6 +72,8 @@ pub struct ClusterSecrets {
     /// The kubeconfigs this pass verified or issued, by secret name: what [`Self::data`]
     /// hands out, whatever the cache holds by then.
     verified: std::sync::Arc<std::sync::Mutex<BTreeMap<String, String>>>,
+    /// The fingerprints of the [`TRUST`] secrets this pass issued from, by suffix.
+    used: std::sync::Arc<std::sync::Mutex<BTreeMap<String, String>>>,
 }
 
 /// What is known of a secret before asking the API server.
@@ -138,6 +140,7 @@ impl ClusterSecrets {
             written: Default::default(),
             replaced: Default::default(),
             verified: Default::default(),
+            used: Default::default(),
         }
     }
 
@@ -387,9 +390,17 @@ impl ClusterSecrets {
         self.apply(&secret).await
     }
 
-    /// Keep a leaf certificate current; returns it.
+    /// Keep a leaf certificate current; returns it. `ca.cert_pem` is the CA secret's
+    /// `tls.crt`: the CA that signs first, then (during a rotation) the others trusted.
+    ///
+    /// A client certificate must be signed by the CA that signs now. A serving certificate may
+    /// be signed by any CA still trusted: a rotation replaces it only when it drops the CA that
+    /// signed it, so that a client trusting only the old CA keeps verifying the server until
+    /// the rotation is completed; meanwhile only its `ca.crt` follows the bundle.
     pub async fn leaf(&self, leaf: &Leaf, ca: &CertKey) -> Result<CertKey, SecretError> {
-        let want_hash = ca_hash(&ca.cert_pem);
+        let bundle = &ca.cert_pem;
+        let want_hash = ca_hash(bundle);
+        let serving = leaf.spec.usage != Usage::Client;
         let same_ca = |s: &Secret| {
             s.metadata
                 .annotations
@@ -397,23 +408,45 @@ impl ClusterSecrets {
                 .and_then(|a| a.get(CA_HASH_ANNOTATION))
                 == Some(&want_hash)
         };
+        let signed = |cert_pem: &str| {
+            if serving {
+                pki::verify_signed_by_any(cert_pem, bundle)
+            } else {
+                pki::verify_signed_by(cert_pem, bundle).unwrap_or(false)
+            }
+        };
         // What nestplane issued: signed by the CA, with the key that belongs to it.
         let genuine = |s: &Secret| -> Option<CertKey> {
             let (cert_pem, key_pem) = (text(s, names::TLS_CRT)?, text(s, names::TLS_KEY)?);
-            (pki::verify_signed_by(&cert_pem, &ca.cert_pem).ok()?
-                && pki::key_matches(&cert_pem, &key_pem).ok()?
-                && text(s, names::CA_CRT).as_deref() == Some(ca.cert_pem.as_str()))
-            .then_some(CertKey { cert_pem, key_pem })
+            (signed(&cert_pem) && pki::key_matches(&cert_pem, &key_pem).ok()?)
+                .then_some(CertKey { cert_pem, key_pem })
         };
+        let trusts_bundle = |s: &Secret| text(s, names::CA_CRT).as_deref() == Some(bundle.as_str());
         let current = |s: &Secret| -> Option<CertKey> {
             genuine(s).filter(|ck| {
-                same_ca(s)
+                (serving || (same_ca(s) && trusts_bundle(s)))
                     && !pki::needs_renewal(&ck.cert_pem, self.clock.now())
                     && sans_match(&ck.cert_pem, &leaf.spec)
             })
         };
+        let written = |ck: &CertKey| {
+            self.secret(
+                leaf.purpose,
+                BTreeMap::from([
+                    (names::TLS_CRT.to_string(), ck.cert_pem.clone().into_bytes()),
+                    (names::TLS_KEY.to_string(), ck.key_pem.clone().into_bytes()),
+                    (names::CA_CRT.to_string(), bundle.clone().into_bytes()),
+                ]),
+                BTreeMap::from([(CA_HASH_ANNOTATION.to_string(), want_hash.clone())]),
+            )
+        };
         let (existing, create) = self.existing(leaf.purpose).await?;
-        if let Some(ck) = existing.as_ref().and_then(current) {
+        if let Some((s, ck)) = existing.as_ref().and_then(|s| Some((s, current(s)?))) {
+            if !(same_ca(s) && trusts_bundle(s)) {
+                // A serving certificate still valid under a changed bundle: only what it
+                // says it is verified with follows.
+                self.apply(&written(&ck)).await?;
+            }
             return Ok(ck);
         }
         if existing
@@ -423,17 +456,12 @@ impl ClusterSecrets {
             self.note_replaced(leaf.purpose, "certificate");
         }
         let ck = pki::issue(ca, &leaf.spec, time::OffsetDateTime::now_utc())?;
-        let secret = self.secret(
-            leaf.purpose,
-            BTreeMap::from([
-                (names::TLS_CRT.to_string(), ck.cert_pem.clone().into_bytes()),
-                (names::TLS_KEY.to_string(), ck.key_pem.clone().into_bytes()),
-                (names::CA_CRT.to_string(), ca.cert_pem.clone().into_bytes()),
-            ]),
-            BTreeMap::from([(CA_HASH_ANNOTATION.to_string(), want_hash.clone())]),
-        );
+        let secret = written(&ck);
         if let Some(theirs) = self.put(&secret, create).await? {
-            if let Some(ck) = current(&theirs) {
+            if let Some(ck) = current(&theirs)
+                && same_ca(&theirs)
+                && trusts_bundle(&theirs)
+            {
                 return Ok(ck);
             }
             self.apply(&secret).await?;
@@ -549,6 +577,16 @@ impl ClusterSecrets {
             match item {
                 Issue::Ca(p) => {
                     let ca = self.ca(*p).await?;
+                    if TRUST.contains(p) {
+                        let data = BTreeMap::from([
+                            (names::TLS_CRT.to_string(), ca.cert_pem.clone().into_bytes()),
+                            (names::TLS_KEY.to_string(), ca.key_pem.clone().into_bytes()),
+                        ]);
+                        self.used
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(p.suffix().to_string(), fingerprint(&data));
+                    }
                     cas.insert(*p, ca);
                 }
                 Issue::Leaf { purpose, ca, spec } => {
@@ -583,6 +621,19 @@ impl ClusterSecrets {
             .health_ca
             .and_then(|p| cas.get(&p))
             .map(|ca| ca.cert_pem.clone()))
+    }
+
+    /// The trust a component is handed this pass (`status.credentials` once it runs it): the
+    /// fingerprints of the [`TRUST`] secrets among `data` (what it mounts) and of those its
+    /// certificates and kubeconfigs were issued from this pass (a kube-scheduler mounts no CA,
+    /// but its kubeconfig carries the cluster CA's bundle and a certificate it signed).
+    pub fn credentials(
+        &self,
+        data: &nestplane_runtime::process::SecretData,
+    ) -> BTreeMap<String, String> {
+        let mut out = self.used.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        out.extend(credentials(&self.cluster, data));
+        out
     }
 
     /// The data of the named secrets (for mounting).

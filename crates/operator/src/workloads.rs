@@ -295,7 +295,7 @@ async fn run(
     let hosts = api_service.map(service_addresses).unwrap_or_default();
     let (secrets, _) = pass.issue(&input, &hosts).await?;
     let data = secrets.data(&rendered.secrets).await?;
-    let credentials = crate::secrets::credentials(&input.cluster, &data);
+    let credentials = secrets.credentials(&data);
     let annotations = &mut objects.workload["spec"]["template"]["metadata"]["annotations"];
     if !annotations.is_object() {
         *annotations = json!({});

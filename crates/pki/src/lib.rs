@@ -374,6 +374,34 @@ pub fn verify_signed_by(cert_pem: &str, ca_cert_pem: &str) -> Result<bool, PkiEr
     })
 }
 
+/// Each certificate of a CA bundle (what `--client-ca-file` reads: the CA that signs first,
+/// during a rotation the others it trusts after it), as a PEM of its own. Any other block or
+/// an unreadable one is an error: a rotation rewrites the bundle and must not drop what it
+/// does not understand. Pure.
+pub fn certificates(bundle: &str) -> Result<Vec<String>, PkiError> {
+    let certs = sa::blocks(bundle, "CERTIFICATE", "a CA bundle")?;
+    for c in &certs {
+        with_cert(c, |_| Ok(()))?;
+    }
+    Ok(certs)
+}
+
+/// Whether `cert_pem` is signed by one of the certificates of `bundle`. Pure.
+pub fn verify_signed_by_any(cert_pem: &str, bundle: &str) -> bool {
+    certificates(bundle)
+        .unwrap_or_default()
+        .iter()
+        .any(|ca| verify_signed_by(cert_pem, ca).unwrap_or(false))
+}
+
+/// A short fingerprint of a certificate: the first 16 hex digits of the SHA-256 of its DER
+/// (what a CA rotation's status names a CA by). Pure.
+pub fn certificate_id(cert_pem: &str) -> Result<String, PkiError> {
+    use sha2::Digest as _;
+    let der = der_of(cert_pem)?;
+    Ok(format!("{:x}", sha2::Sha256::digest(&der))[..16].to_string())
+}
+
 /// Renewal policy: renew once half the lifetime has passed, when expired, or when the
 /// certificate cannot be read.
 pub fn needs_renewal(cert_pem: &str, now: OffsetDateTime) -> bool {

@@ -36,27 +36,32 @@ pub fn service_account_public_key(key_pem: &str) -> Result<String, PkiError> {
 /// Any other block (a certificate, an RSA key) or an unreadable one is an error: a rotation
 /// rewrites the bundle and must not drop what it does not understand.
 pub fn public_keys(bundle: &str) -> Result<Vec<String>, PkiError> {
+    blocks(bundle, "PUBLIC KEY", "a public key bundle")
+}
+
+/// Each block of `bundle`, re-encoded as a `label` PEM; a block of another label or an
+/// unreadable one is an error.
+pub(crate) fn blocks(
+    bundle: &str,
+    label: &str,
+    what: &'static str,
+) -> Result<Vec<String>, PkiError> {
     let mut out = Vec::new();
     for pem in x509_parser::pem::Pem::iter_from_buffer(bundle.as_bytes()) {
-        let pem = pem.map_err(|e| parse("a public key bundle", e))?;
-        if pem.label != "PUBLIC KEY" {
-            return Err(parse(
-                "a public key bundle",
-                format!("it holds a {} block", pem.label),
-            ));
+        let pem = pem.map_err(|e| parse(what, e))?;
+        if pem.label != label {
+            return Err(parse(what, format!("it holds a {} block", pem.label)));
         }
-        {
-            let body = base64::engine::general_purpose::STANDARD.encode(&pem.contents);
-            let lines: Vec<&str> = body
-                .as_bytes()
-                .chunks(64)
-                .map(|c| std::str::from_utf8(c).unwrap_or_default())
-                .collect();
-            out.push(format!(
-                "-----BEGIN PUBLIC KEY-----\n{}\n-----END PUBLIC KEY-----\n",
-                lines.join("\n")
-            ));
-        }
+        let body = base64::engine::general_purpose::STANDARD.encode(&pem.contents);
+        let lines: Vec<&str> = body
+            .as_bytes()
+            .chunks(64)
+            .map(|c| std::str::from_utf8(c).unwrap_or_default())
+            .collect();
+        out.push(format!(
+            "-----BEGIN {label}-----\n{}\n-----END {label}-----\n",
+            lines.join("\n")
+        ));
     }
     Ok(out)
 }

@@ -261,3 +261,37 @@ fn a_request_with_two_common_names_is_refused() {
     let err = csr_info(TWO_COMMON_NAMES).unwrap_err().to_string();
     assert!(err.contains("more than one common name"), "{err}");
 }
+
+#[test]
+fn a_ca_bundle_signs_with_its_first_certificate_and_trusts_every_one() {
+    let (old, new) = (ca(), generate_ca("test-ca-2", now()).unwrap());
+    let bundle = format!("{}{}", new.cert_pem, old.cert_pem);
+    let certs = certificates(&bundle).unwrap();
+    assert_eq!(certs.len(), 2);
+    assert_eq!(
+        certificate_id(&certs[0]).unwrap(),
+        certificate_id(&new.cert_pem).unwrap()
+    );
+    assert_ne!(
+        certificate_id(&certs[1]).unwrap(),
+        certificate_id(&certs[0]).unwrap()
+    );
+    // The bundle with the new CA's key signs as the new CA.
+    let signer = CertKey {
+        cert_pem: bundle.clone(),
+        key_pem: new.key_pem.clone(),
+    };
+    assert!(key_matches(&signer.cert_pem, &signer.key_pem).unwrap());
+    let leaf = issue(&signer, &server_spec(), now()).unwrap();
+    assert!(verify_signed_by(&leaf.cert_pem, &new.cert_pem).unwrap());
+    assert!(!verify_signed_by(&leaf.cert_pem, &old.cert_pem).unwrap());
+    let from_old = issue(&old, &server_spec(), now()).unwrap();
+    assert!(verify_signed_by_any(&from_old.cert_pem, &bundle));
+    assert!(!verify_signed_by_any(&from_old.cert_pem, &new.cert_pem));
+    // Anything but certificates is refused, never dropped.
+    let k = generate_service_account_key().unwrap();
+    assert!(certificates(&format!("{}{}", old.cert_pem, k.cert_pem)).is_err());
+    assert!(
+        certificates("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n").is_err()
+    );
+}

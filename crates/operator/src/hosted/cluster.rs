@@ -475,17 +475,20 @@ fn rotation_annotations(
     let get = |m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta, k: &str| {
         m.annotations.as_ref().and_then(|a| a.get(k)).cloned()
     };
-    [
-        names::ROTATE_SA_KEY_ANNOTATION,
-        names::ROTATE_SA_KEY_COMPLETE_ANNOTATION,
-        names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION,
-    ]
-    .into_iter()
-    .filter_map(|k| {
-        let v = get(from, k);
-        (get(to, k) != v).then(|| (k.to_string(), v))
-    })
-    .collect()
+    crate::rotation::Target::ALL
+        .into_iter()
+        .flat_map(|t| {
+            [
+                t.start_annotation(),
+                t.complete_annotation(),
+                t.complete_after_annotation(),
+            ]
+        })
+        .filter_map(|k| {
+            let v = get(from, k);
+            (get(to, k) != v).then(|| (k.to_string(), v))
+        })
+        .collect()
 }
 
 /// The API server component, published as the HostedCluster's `APIServer` service says;
@@ -1101,7 +1104,11 @@ mod tests {
             ),
             ..Default::default()
         };
-        let hc = meta(&[(names::ROTATE_SA_KEY_ANNOTATION, "r2"), ("unrelated", "x")]);
+        let hc = meta(&[
+            (names::ROTATE_SA_KEY_ANNOTATION, "r2"),
+            (names::ROTATE_CA_COMPLETE_ANNOTATION, "c1"),
+            ("unrelated", "x"),
+        ]);
         let ncp = meta(&[
             (names::ROTATE_SA_KEY_ANNOTATION, "r1"),
             (names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION, "1h"),
@@ -1117,6 +1124,10 @@ mod tests {
                 (
                     names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION.to_string(),
                     None
+                ),
+                (
+                    names::ROTATE_CA_COMPLETE_ANNOTATION.to_string(),
+                    Some("c1".to_string())
                 ),
             ])
         );
