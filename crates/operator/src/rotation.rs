@@ -50,6 +50,15 @@ pub const ID_ANNOTATION: &str = "nestplane.io/rotation-id";
 pub const PHASE_ANNOTATION: &str = "nestplane.io/rotation-phase";
 /// Annotation on the `<cluster>-sa` secret: when the rotation reached `Started`.
 pub const STARTED_AT_ANNOTATION: &str = "nestplane.io/rotation-started-at";
+/// Annotation on the rotated CA secret: when every component was seen running it as it is in
+/// its phase.
+pub const SINCE_ANNOTATION: &str = "nestplane.io/rotation-phase-since";
+/// How long a CA file change takes to reach a running API server at most: Kubernetes re-reads
+/// `--client-ca-file` (and kubelets their `clientCAFile`) once a minute, so a reported rollout
+/// of the new file is not yet proof that the API server verifies with it. Once every component
+/// runs the bundle, a CA rotation waits this long before it lets the new CA sign, and after
+/// dropping the old one before it says so.
+pub const CA_FILE_RELOAD_SECONDS: i64 = 65;
 /// Reason of the Events of a rotation's phases.
 pub const ROTATION_PROGRESSING: &str = "RotationProgressing";
 /// Reason of the Event of a rotation that reached `Started`.
@@ -224,6 +233,9 @@ pub struct Keys {
     pub phase: Option<Phase>,
     /// When it reached `Started` (seconds since the epoch).
     pub started_at: Option<i64>,
+    /// When every consumer was seen running the secret of this phase (seconds since the
+    /// epoch; a CA rotation waits for the API servers to re-read their CA file after).
+    pub since: Option<i64>,
 }
 
 impl std::fmt::Debug for Keys {
@@ -235,6 +247,7 @@ impl std::fmt::Debug for Keys {
             .field("id", &self.id)
             .field("phase", &self.phase)
             .field("started_at", &self.started_at)
+            .field("since", &self.since)
             .finish()
     }
 }
@@ -317,6 +330,44 @@ pub fn decide(
     lagging: &[String],
     new: impl FnOnce() -> Result<pki::CertKey, pki::PkiError>,
 ) -> Decision {
+    // A CA file reaches a running API server within a minute of its rollout: the CA
+    // rotation's phases that change what the API servers trust note when every consumer runs
+    // the file, and wait that long after.
+    let settling = target == Target::Ca
+        && lagging.is_empty()
+        && matches!(keys.phase, Some(Phase::Trusting) | Some(Phase::Completing));
+    if settling {
+        match keys.since {
+            None => {
+                return Decision::Write(Keys {
+                    since: Some(ask.now),
+                    ..keys.clone()
+                });
+            }
+            Some(since) => {
+                let left = since.saturating_add(CA_FILE_RELOAD_SECONDS) - ask.now;
+                if left > 0 {
+                    return Decision::Wait(format!(
+                        "every component runs the CA bundle as it is now; waiting {left} s more for the API servers to re-read it (they do once a minute)"
+                    ));
+                }
+            }
+        }
+    }
+    match decide_phase(target, keys, ask, lagging, new) {
+        Decision::Write(k) => Decision::Write(Keys { since: None, ..k }),
+        Decision::Resign(k) => Decision::Resign(Keys { since: None, ..k }),
+        d => d,
+    }
+}
+
+fn decide_phase(
+    target: Target,
+    keys: &Keys,
+    ask: &Ask,
+    lagging: &[String],
+    new: impl FnOnce() -> Result<pki::CertKey, pki::PkiError>,
+) -> Decision {
     let noun = target.noun();
     let waiting_for = || format!("waiting for {} to run it", lagging.join(" and "));
     // The bundle is rewritten whole: what it holds must be understood, and hold what signs,
@@ -371,6 +422,7 @@ pub fn decide(
                     id: Some(r.clone()),
                     phase: Some(Phase::Trusting),
                     started_at: None,
+                    since: None,
                 })
             }
             _ => Decision::Idle,
@@ -412,6 +464,7 @@ pub fn decide(
                 id: keys.id.clone(),
                 phase: Some(Phase::Signing),
                 started_at: None,
+                since: None,
             })
         }
         Some(Phase::Signing) => {
@@ -543,6 +596,9 @@ pub fn read(s: &Secret) -> Option<Keys> {
         id: ann(ID_ANNOTATION),
         phase: ann(PHASE_ANNOTATION).and_then(|p| Phase::parse(&p)),
         started_at: ann(STARTED_AT_ANNOTATION)
+            .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
+            .map(|t| t.as_second()),
+        since: ann(SINCE_ANNOTATION)
             .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
             .map(|t| t.as_second()),
     })
@@ -728,7 +784,9 @@ async fn step(
         }
         Decision::Write(next) => {
             write(&api, &secret, &next).await?;
-            announce(ctx, t, target, &next).await;
+            if next.phase != keys.phase {
+                announce(ctx, t, target, &next).await;
+            }
             Ok((
                 status(target, &next, None),
                 next.phase != Some(Phase::Completed),
@@ -962,6 +1020,17 @@ async fn write(api: &Api<Secret>, secret: &Secret, keys: &Keys) -> Result<(), Er
             ann.remove(STARTED_AT_ANNOTATION);
         }
     }
+    match keys
+        .since
+        .and_then(|t| k8s_openapi::jiff::Timestamp::from_second(t).ok())
+    {
+        Some(t) => {
+            ann.insert(SINCE_ANNOTATION.into(), t.to_string());
+        }
+        None => {
+            ann.remove(SINCE_ANNOTATION);
+        }
+    }
     s.metadata.managed_fields = None;
     api.replace(&secret.name_any(), &PostParams::default(), &s)
         .await?;
@@ -1072,6 +1141,7 @@ mod tests {
             id: None,
             phase: None,
             started_at: None,
+            since: None,
         }
     }
 
@@ -1375,6 +1445,7 @@ mod tests {
             id: None,
             phase: None,
             started_at: None,
+            since: None,
         }
     }
 
@@ -1418,10 +1489,29 @@ mod tests {
             decide(Target::Ca, &t, &ask("r1", ""), &late, || unreachable!()),
             Decision::Wait(m) if m.contains("NestedScheduler")
         ));
-        let s = written(decide(
+        // Every consumer runs it (noted when), but the API servers re-read a CA file once a
+        // minute.
+        let seen = written(decide(
             Target::Ca,
             &t,
             &ask("r1", ""),
+            none,
+            || unreachable!(),
+        ));
+        assert_eq!((seen.phase, seen.since), (Some(Phase::Trusting), Some(0)));
+        let t = seen;
+        assert!(matches!(
+            decide(Target::Ca, &t, &ask("r1", ""), none, || unreachable!()),
+            Decision::Wait(m) if m.contains("re-read")
+        ));
+        let later = |a: Ask| Ask {
+            now: CA_FILE_RELOAD_SECONDS,
+            ..a
+        };
+        let s = written(decide(
+            Target::Ca,
+            &t,
+            &later(ask("r1", "")),
             none,
             || unreachable!(),
         ));
@@ -1465,10 +1555,22 @@ mod tests {
         let c = written(d);
         assert_eq!(c.phase, Some(Phase::Completing));
         assert_eq!(ca_ids(&c.verify), vec![new_id.clone()]);
-        let done = written(decide(
+        let c = written(decide(
             Target::Ca,
             &c,
             &ask("r1", "r1"),
+            none,
+            || unreachable!(),
+        ));
+        assert_eq!((c.phase, c.since), (Some(Phase::Completing), Some(0)));
+        assert!(matches!(
+            decide(Target::Ca, &c, &ask("r1", "r1"), none, || unreachable!()),
+            Decision::Wait(m) if m.contains("re-read")
+        ));
+        let done = written(decide(
+            Target::Ca,
+            &c,
+            &later(ask("r1", "r1")),
             none,
             || unreachable!(),
         ));
