@@ -500,7 +500,7 @@ pub struct NestedControlPlaneStatus {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RotationStatus {
-    /// What is rotated: `sa-key` (the service-account signing key).
+    /// What is rotated: `sa-key` (the service-account signing key) or `ca` (the cluster CA).
     pub target: String,
     /// The request this rotation answers (the annotation's value).
     pub id: String,
@@ -510,10 +510,11 @@ pub struct RotationStatus {
     /// What happens now, or what the user may do next.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
-    /// The new key's ID (the `kid` of the tokens it signs).
+    /// The new key's ID (the `kid` of the tokens it signs), or the new CA's fingerprint (16
+    /// hex digits of the SHA-256 of its certificate).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_id: Option<String>,
-    /// The old key's ID, while it is still trusted.
+    /// The old key's ID (or CA's fingerprint), while it is still trusted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous_key_id: Option<String>,
 }

@@ -478,3 +478,233 @@ async fn a_service_account_key_rotation_refuses_no_token_until_it_completes_and_
         .collect();
     assert!(claimed.is_empty(), "node slots still held: {claimed:?}");
 }
+
+/// `phase|keyId|previousKeyId` of the cluster CA rotation of control plane `default/name`.
+fn ca_rotation(kc: &Path, name: &str) -> String {
+    jsonpath(
+        kc,
+        &["ncp", name, "-n", "default"],
+        "{.status.rotations[?(@.target==\"ca\")].phase}|{.status.rotations[?(@.target==\"ca\")].keyId}|{.status.rotations[?(@.target==\"ca\")].previousKeyId}",
+    )
+}
+
+/// The certificates of a PEM bundle, by fingerprint.
+fn ca_ids(pem: &str) -> Vec<String> {
+    nestplane_pki::certificates(pem)
+        .unwrap()
+        .iter()
+        .map(|c| nestplane_pki::certificate_id(c).unwrap())
+        .collect()
+}
+
+/// What the server of `kubeconfig` presents, as the CA that signed it verifies: the issuer's
+/// fingerprint among `cas`.
+fn serving_issuer(env: &Env, ns: &str, name: &str, cas: &[String]) -> Option<String> {
+    let _ = env;
+    let secret = kubectl_ok(
+        env.kubeconfig(),
+        &[
+            "get",
+            "secret",
+            "-n",
+            ns,
+            &format!("{name}-apiserver"),
+            "-o",
+            "jsonpath={.data.tls\\.crt}",
+        ],
+    );
+    use base64::Engine as _;
+    let cert = String::from_utf8(
+        base64::engine::general_purpose::STANDARD
+            .decode(secret.trim())
+            .unwrap(),
+    )
+    .unwrap();
+    cas.iter()
+        .find(|ca| nestplane_pki::verify_signed_by(&cert, ca).unwrap())
+        .map(|ca| nestplane_pki::certificate_id(ca).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ca_rotation_keeps_kubeconfigs_from_before_working_until_it_completes_and_then_refuses_the_old_ca()
+ {
+    let env = Env::start(true).await;
+    let kc = env.kubeconfig().to_path_buf();
+    let dir = env.state.path().to_path_buf();
+    env.create_ncp("default", "rca").await;
+    env.wait_ready("default", "rca", Duration::from_secs(180))
+        .await;
+    let before = dir.join("before.kubeconfig");
+    std::fs::rename(env.tenant_kubeconfig("default", "rca").await, &before).unwrap();
+    kubectl_ok(&before, &["get", "ns", "default"]);
+    let ca_secret = |env: &Env| {
+        let v = kubectl_ok(
+            env.kubeconfig(),
+            &[
+                "get",
+                "secret",
+                "-n",
+                "default",
+                "rca-ca",
+                "-o",
+                "jsonpath={.data.tls\\.crt}",
+            ],
+        );
+        use base64::Engine as _;
+        String::from_utf8(
+            base64::engine::general_purpose::STANDARD
+                .decode(v.trim())
+                .unwrap(),
+        )
+        .unwrap()
+    };
+    let old_ca = ca_secret(&env);
+    let old_id = ca_ids(&old_ca)[0].clone();
+
+    // A client with the kubeconfig from before asks all along the start phase.
+    let stop = Arc::new(AtomicBool::new(false));
+    let client = {
+        let (stop, before) = (stop.clone(), before.clone());
+        std::thread::spawn(move || {
+            let mut results = Vec::new();
+            while !stop.load(Ordering::Relaxed) && results.len() < 3000 {
+                let started = Instant::now();
+                let out = kubectl(&before, &["--request-timeout=20s", "get", "ns", "default"]);
+                let failed = (!out.status.success())
+                    .then(|| String::from_utf8_lossy(&out.stderr).to_string());
+                results.push((started.elapsed(), failed));
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            results
+        })
+    };
+    let asked = Instant::now();
+    let out = nestplane()
+        .args(["rotate", "ca", "rca", "-n", "default", "--timeout", "400"])
+        .args(["--kubeconfig", kc.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        env.tenant_logs("default", "rca")
+    );
+    eprintln!("CA rotation: asked → Started in {:?}", asked.elapsed());
+    let said = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        said.contains("Trusting") && said.contains("Signing") && said.contains("Started"),
+        "{said}"
+    );
+    let started = ca_rotation(&kc, "rca");
+    let parts: Vec<&str> = started.split('|').collect();
+    assert_eq!(parts[0], "Started", "{started}");
+    let new_id = parts[1].to_string();
+    assert_eq!(parts[2], old_id, "the old CA is still trusted: {started}");
+    assert_ne!(new_id, old_id);
+    // Both CAs are trusted, the new one first (it signs).
+    let bundle = ca_secret(&env);
+    assert_eq!(ca_ids(&bundle), vec![new_id.clone(), old_id.clone()]);
+    let cas = nestplane_pki::certificates(&bundle).unwrap();
+    // The published kubeconfig trusts both and holds a certificate the new CA signed; the
+    // API server still presents what the old CA signed (a client trusting only it verifies).
+    let now = env.tenant_kubeconfig("default", "rca").await;
+    let kcfg = kube::config::Kubeconfig::read_from(&now).unwrap();
+    use base64::Engine as _;
+    let b64 = |s: &str| {
+        String::from_utf8(base64::engine::general_purpose::STANDARD.decode(s).unwrap()).unwrap()
+    };
+    let trusted = b64(kcfg.clusters[0]
+        .cluster
+        .as_ref()
+        .unwrap()
+        .certificate_authority_data
+        .as_deref()
+        .unwrap());
+    assert_eq!(ca_ids(&trusted), vec![new_id.clone(), old_id.clone()]);
+    let client_cert = b64(kcfg.auth_infos[0]
+        .auth_info
+        .as_ref()
+        .unwrap()
+        .client_certificate_data
+        .as_deref()
+        .unwrap());
+    assert!(nestplane_pki::verify_signed_by(&client_cert, &cas[0]).unwrap());
+    assert_eq!(
+        serving_issuer(&env, "default", "rca", &cas).as_deref(),
+        Some(old_id.as_str())
+    );
+    kubectl_ok(&now, &["get", "ns", "default"]);
+    kubectl_ok(&before, &["get", "ns", "default"]);
+    stop.store(true, Ordering::Relaxed);
+    let results = client.join().unwrap();
+    let failed: Vec<&String> = results.iter().filter_map(|(_, f)| f.as_ref()).collect();
+    let worst = results.iter().map(|(d, _)| *d).max().unwrap_or_default();
+    eprintln!(
+        "CA rotation start phase: {} requests with the kubeconfig from before, {} failed, worst {worst:?}",
+        results.len(),
+        failed.len()
+    );
+    assert!(results.len() >= 20, "{}", results.len());
+    assert!(failed.is_empty(), "{failed:?}");
+
+    // Completion: the serving certificate is reissued from the new CA, the old one dropped.
+    let completing = Instant::now();
+    let out = nestplane()
+        .args(["rotate", "ca", "rca", "-n", "default", "--complete"])
+        .args(["--timeout", "400", "--kubeconfig", kc.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!(
+        "CA rotation: complete → Completed in {:?}",
+        completing.elapsed()
+    );
+    let done = ca_rotation(&kc, "rca");
+    assert!(done.starts_with(&format!("Completed|{new_id}|")), "{done}");
+    assert_eq!(ca_ids(&ca_secret(&env)), vec![new_id.clone()]);
+    assert_eq!(
+        serving_issuer(&env, "default", "rca", &cas).as_deref(),
+        Some(new_id.as_str())
+    );
+    // The kubeconfig from before is refused (its certificate and its CA are the old one's);
+    // a kubeconfig published now works, and trusts the new CA alone.
+    let refused = kubectl(&before, &["--request-timeout=20s", "get", "ns", "default"]);
+    assert!(!refused.status.success());
+    let now = env.tenant_kubeconfig("default", "rca").await;
+    kubectl_ok(&now, &["get", "ns", "default"]);
+    let kcfg = kube::config::Kubeconfig::read_from(&now).unwrap();
+    let trusted = b64(kcfg.clusters[0]
+        .cluster
+        .as_ref()
+        .unwrap()
+        .certificate_authority_data
+        .as_deref()
+        .unwrap());
+    assert_eq!(ca_ids(&trusted), vec![new_id.clone()]);
+    // The old client certificate is refused by the API server itself, whatever the client
+    // trusts.
+    let mut old_client = kube::config::Kubeconfig::read_from(&before).unwrap();
+    old_client.clusters = kcfg.clusters.clone();
+    let old_client_path = dir.join("old-client.kubeconfig");
+    std::fs::write(&old_client_path, serde_json::to_vec(&old_client).unwrap()).unwrap();
+    let out = kubectl(
+        &old_client_path,
+        &["--request-timeout=20s", "get", "ns", "default"],
+    );
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Unauthorized"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let events = events_for(&kc, "default", "rca");
+    assert!(
+        events.contains("RotationStarted") && events.contains("RotationCompleted"),
+        "{events}"
+    );
+}

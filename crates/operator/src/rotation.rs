@@ -1,5 +1,6 @@
-//! Rotation of a tenant's service-account key, in phases, with no moment at which a token in
-//! use is refused.
+//! Rotation of a tenant's service-account key, and of its cluster CA ([`Target`]), in phases,
+//! with no moment at which a token or certificate in use is refused. The CA goes through the
+//! same phases (docs/operations.md, "Rotating the cluster CA"); what follows is the key's.
 //!
 //! Asked for with annotation [`names::ROTATE_SA_KEY_ANNOTATION`] on the control plane (or its
 //! HostedCluster; `nestplane rotate sa-key`), completed with

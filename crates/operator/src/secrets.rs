@@ -393,14 +393,18 @@ impl ClusterSecrets {
     /// Keep a leaf certificate current; returns it. `ca.cert_pem` is the CA secret's
     /// `tls.crt`: the CA that signs first, then (during a rotation) the others trusted.
     ///
-    /// A client certificate must be signed by the CA that signs now. A serving certificate may
-    /// be signed by any CA still trusted: a rotation replaces it only when it drops the CA that
+    /// A client certificate must be signed by the CA that signs now. A serving certificate (and
+    /// the API server's client certificate to kubelets, which they verify) may be signed by
+    /// any CA still trusted: a rotation replaces it only when it drops the CA that
     /// signed it, so that a client trusting only the old CA keeps verifying the server until
     /// the rotation is completed; meanwhile only its `ca.crt` follows the bundle.
     pub async fn leaf(&self, leaf: &Leaf, ca: &CertKey) -> Result<CertKey, SecretError> {
         let bundle = &ca.cert_pem;
         let want_hash = ca_hash(bundle);
-        let serving = leaf.spec.usage != Usage::Client;
+        // Serving certificates, and the API server's client certificate to kubelets (which
+        // may trust the old CA alone until a rotation completes), are kept while trusted.
+        let serving = leaf.spec.usage != Usage::Client
+            || leaf.purpose == SecretPurpose::ApiServerKubeletClient;
         let same_ca = |s: &Secret| {
             s.metadata
                 .annotations
