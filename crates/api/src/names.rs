@@ -36,6 +36,14 @@ pub const ROTATE_CA_COMPLETE_ANNOTATION: &str = "nestplane.io/rotate-ca-complete
 /// Annotation completing a cluster CA rotation by itself this long after it reached
 /// `Started`.
 pub const ROTATE_CA_COMPLETE_AFTER_ANNOTATION: &str = "nestplane.io/rotate-ca-complete-after";
+/// Key, in the `<cluster>-ca` secret, of the certificate of the CA that signs alone (the first
+/// of `tls.crt`): the controller manager's `--cluster-signing-cert-file`, which must hold
+/// exactly one certificate. Derived from `tls.crt`; nestplane keeps it so.
+pub const SIGNER_CRT: &str = "signer.crt";
+/// Key, in the `<cluster>-ca` secret during a rotation's `Signing` and `Started` phases, of
+/// the CA being replaced: serving certificates it signed are kept until the rotation is
+/// completed (a client that trusts only it keeps verifying the API server).
+pub const PREVIOUS_CRT: &str = "previous.crt";
 /// Key, in the `<cluster>-sa` or `<cluster>-ca` secret, of the new private key while it is
 /// trusted but does not sign yet (a rotation's `Trusting` phase).
 pub const NEXT_KEY: &str = "next.key";

@@ -635,6 +635,32 @@ async fn a_ca_rotation_keeps_kubeconfigs_from_before_working_until_it_completes_
         Some(old_id.as_str())
     );
     kubectl_ok(&now, &["get", "ns", "default"]);
+    // Pods see both CAs: the controller manager (signing with the new CA, a file of one
+    // certificate) runs and publishes kube-root-ca.crt, in a namespace made now too.
+    kubectl_ok(&now, &["create", "ns", "fresh"]);
+    for ns in ["default", "fresh"] {
+        eventually(
+            &format!("kube-root-ca.crt in {ns} holds both CAs"),
+            Duration::from_secs(60),
+            || {
+                let out = kubectl(
+                    &now,
+                    &[
+                        "get",
+                        "cm",
+                        "kube-root-ca.crt",
+                        "-n",
+                        ns,
+                        "-o",
+                        "jsonpath={.data.ca\\.crt}",
+                    ],
+                );
+                let root = String::from_utf8_lossy(&out.stdout).to_string();
+                (!root.is_empty() && ca_ids(&root) == vec![new_id.clone(), old_id.clone()])
+                    .then_some(())
+            },
+        );
+    }
     kubectl_ok(&before, &["get", "ns", "default"]);
     stop.store(true, Ordering::Relaxed);
     let results = client.join().unwrap();
@@ -686,6 +712,17 @@ async fn a_ca_rotation_keeps_kubeconfigs_from_before_working_until_it_completes_
         .as_deref()
         .unwrap());
     assert_eq!(ca_ids(&trusted), vec![new_id.clone()]);
+    let root = kubectl_ok(
+        &now,
+        &[
+            "get",
+            "cm",
+            "kube-root-ca.crt",
+            "-o",
+            "jsonpath={.data.ca\\.crt}",
+        ],
+    );
+    assert_eq!(ca_ids(&root), vec![new_id.clone()]);
     // The old client certificate is refused by the API server itself, whatever the client
     // trusts.
     let mut old_client = kube::config::Kubeconfig::read_from(&before).unwrap();

@@ -51,6 +51,8 @@ pub const ID_ANNOTATION: &str = "nestplane.io/rotation-id";
 pub const PHASE_ANNOTATION: &str = "nestplane.io/rotation-phase";
 /// Annotation on the `<cluster>-sa` secret: when the rotation reached `Started`.
 pub const STARTED_AT_ANNOTATION: &str = "nestplane.io/rotation-started-at";
+/// Annotation on the rotated CA secret: the fingerprint of the CA being replaced.
+pub const RETIRING_ANNOTATION: &str = "nestplane.io/rotation-retiring";
 /// Annotation on the rotated CA secret: when every component was seen running it as it is in
 /// its phase.
 pub const SINCE_ANNOTATION: &str = "nestplane.io/rotation-phase-since";
@@ -237,6 +239,12 @@ pub struct Keys {
     /// When every consumer was seen running the secret of this phase (seconds since the
     /// epoch; a CA rotation waits for the API servers to re-read their CA file after).
     pub since: Option<i64>,
+    /// `previous.crt` of a CA rotation in `Signing` and `Started`: the CA replaced, whose
+    /// serving certificates are kept meanwhile.
+    pub previous: Option<String>,
+    /// The fingerprint of the CA a CA rotation drops once its serving certificates have been
+    /// reissued (from `Signing` until it is dropped in `Completing`).
+    pub retiring: Option<String>,
 }
 
 impl std::fmt::Debug for Keys {
@@ -249,6 +257,8 @@ impl std::fmt::Debug for Keys {
             .field("phase", &self.phase)
             .field("started_at", &self.started_at)
             .field("since", &self.since)
+            .field("previous", &self.previous)
+            .field("retiring", &self.retiring)
             .finish()
     }
 }
@@ -346,10 +356,13 @@ pub fn decide(
                 });
             }
             Some(since) => {
-                let left = since.saturating_add(CA_FILE_RELOAD_SECONDS) - ask.now;
-                if left > 0 {
+                let at = since.saturating_add(CA_FILE_RELOAD_SECONDS);
+                if ask.now < at {
+                    let t = k8s_openapi::jiff::Timestamp::from_second(at)
+                        .map(|t| t.to_string())
+                        .unwrap_or_default();
                     return Decision::Wait(format!(
-                        "every component runs the CA bundle as it is now; waiting {left} s more for the API servers to re-read it (they do once a minute)"
+                        "every component runs the CA bundle as it is now; the API servers re-read it (they do once a minute): going on at {t}"
                     ));
                 }
             }
@@ -424,6 +437,8 @@ fn decide_phase(
                     phase: Some(Phase::Trusting),
                     started_at: None,
                     since: None,
+                    previous: None,
+                    retiring: None,
                 })
             }
             _ => Decision::Idle,
@@ -458,6 +473,16 @@ fn decide_phase(
             let (new_items, others): (Vec<String>, Vec<String>) = items
                 .into_iter()
                 .partition(|i| target.ident(i).as_ref() == Some(&new_id));
+            // A CA rotation keeps the serving certificates the old CA signed until it
+            // completes (a client that trusts only the old CA verifies them).
+            let old_item = others
+                .iter()
+                .find(|i| target.ident(i).as_ref() == Some(&signer))
+                .cloned();
+            let (previous, retiring) = match target {
+                Target::SaKey => (None, None),
+                Target::Ca => (old_item, Some(signer.clone())),
+            };
             Decision::Write(Keys {
                 verify: bundle(&[new_items, others].concat()),
                 signing: next.clone(),
@@ -466,6 +491,8 @@ fn decide_phase(
                 phase: Some(Phase::Signing),
                 started_at: None,
                 since: None,
+                previous,
+                retiring,
             })
         }
         Some(Phase::Signing) => {
@@ -506,22 +533,28 @@ fn decide_phase(
                 if let Some(hold) = &ask.hold {
                     return Decision::Wait(format!("cannot complete: {hold}"));
                 }
-                let signer_item: Vec<String> = items
-                    .into_iter()
-                    .filter(|i| target.ident(i).as_ref() == Some(&signer))
-                    .collect();
-                let next = Keys {
-                    verify: bundle(&signer_item),
-                    phase: Some(Phase::Completing),
-                    next: None,
-                    ..keys.clone()
-                };
                 return match target {
                     // The legacy tokens the old key signed are re-signed first, then it goes.
-                    Target::SaKey => Decision::Resign(next),
-                    // Serving certificates the old CA signed are reissued by the components'
-                    // passes once it is no longer trusted.
-                    Target::Ca => Decision::Write(next),
+                    Target::SaKey => {
+                        let signer_item: Vec<String> = items
+                            .into_iter()
+                            .filter(|i| target.ident(i).as_ref() == Some(&signer))
+                            .collect();
+                        Decision::Resign(Keys {
+                            verify: bundle(&signer_item),
+                            phase: Some(Phase::Completing),
+                            next: None,
+                            ..keys.clone()
+                        })
+                    }
+                    // The serving certificates the old CA signed are reissued from the new
+                    // one first, while both are trusted; the old CA is dropped after.
+                    Target::Ca => Decision::Write(Keys {
+                        phase: Some(Phase::Completing),
+                        next: None,
+                        previous: None,
+                        ..keys.clone()
+                    }),
                 };
             }
             let queued = match &ask.start {
@@ -549,11 +582,34 @@ fn decide_phase(
             Decision::Wait(format!("{then}{by_itself}{queued}"))
         }
         Some(Phase::Completing) => {
+            let retiring = keys
+                .retiring
+                .as_ref()
+                .filter(|r| items.iter().any(|i| target.ident(i).as_ref() == Some(*r)));
             if !lagging.is_empty() {
-                return Decision::Wait(format!("the old {noun} is dropped; {}", waiting_for()));
+                return Decision::Wait(match retiring {
+                    Some(_) => format!(
+                        "the serving certificates are reissued from the new CA while both are trusted; {}",
+                        waiting_for()
+                    ),
+                    None => format!("the old {noun} is dropped; {}", waiting_for()),
+                });
+            }
+            if let Some(r) = retiring {
+                // Only the CA replaced goes: any other the bundle held before stays.
+                let kept: Vec<String> = items
+                    .into_iter()
+                    .filter(|i| target.ident(i).as_ref() != Some(r))
+                    .collect();
+                return Decision::Write(Keys {
+                    verify: bundle(&kept),
+                    retiring: None,
+                    ..keys.clone()
+                });
             }
             Decision::Write(Keys {
                 phase: Some(Phase::Completed),
+                retiring: None,
                 ..keys.clone()
             })
         }
@@ -566,10 +622,12 @@ pub fn status(target: Target, keys: &Keys, message: Option<String>) -> Option<Ro
     let (id, phase) = (clean(keys.id.as_deref()?), keys.phase?);
     let items = target.items(&keys.verify).unwrap_or_default();
     let key_id = target.ident_of_key(keys.next.as_deref().unwrap_or(&keys.signing), &items);
-    let previous_key_id = items
-        .iter()
-        .filter_map(|i| target.ident(i))
-        .find(|k| Some(k) != key_id.as_ref());
+    let previous_key_id = keys.retiring.clone().or_else(|| {
+        items
+            .iter()
+            .filter_map(|i| target.ident(i))
+            .find(|k| Some(k) != key_id.as_ref())
+    });
     Some(RotationStatus {
         target: target.as_str().into(),
         id,
@@ -602,6 +660,8 @@ pub fn read(s: &Secret) -> Option<Keys> {
         since: ann(SINCE_ANNOTATION)
             .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
             .map(|t| t.as_second()),
+        previous: text(s, names::PREVIOUS_CRT),
+        retiring: ann(RETIRING_ANNOTATION),
     })
 }
 
@@ -696,6 +756,33 @@ pub async fn advance(ctx: &Context, t: &Tenant) -> (Vec<RotationStatus>, bool) {
     (out, busy)
 }
 
+/// Whether the tenant's controller manager publishes `bundle` as `kube-root-ca.crt` (what pods
+/// verify the API server with): read from `kube-system`, which it publishes to like every
+/// namespace, once it leads.
+async fn root_ca_published(ctx: &Context, t: &Tenant, bundle: &str) -> Result<bool, Error> {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    let admin = SecretPurpose::AdminKubeconfig.secret_name(&t.cluster());
+    let Some(client) = crate::hosted::target::admin_client(ctx, &t.namespace(), &admin).await?
+    else {
+        return Ok(false);
+    };
+    let published = Api::<ConfigMap>::namespaced(client, "kube-system")
+        .get_opt("kube-root-ca.crt")
+        .await?
+        .and_then(|c| c.data)
+        .and_then(|d| d.get("ca.crt").cloned());
+    let ids = |pem: &str| {
+        pki::certificates(pem)
+            .map(|c| {
+                c.iter()
+                    .filter_map(|c| pki::certificate_id(c).ok())
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+    };
+    Ok(published.is_some_and(|p| ids(&p) == ids(bundle)))
+}
+
 /// Why a CA rotation may not complete yet (`None`: it may): the cluster's nodes. Their
 /// kubelets were given the old CA only, and present certificates it signed; nestplane does
 /// not move a kubelet to a new CA yet, so dropping the old one would cut them off.
@@ -751,8 +838,14 @@ async fn step(
         .into_iter()
         .map(|(k, v)| (k, v.0))
         .collect();
+    let due = ask
+        .complete_after
+        .as_deref()
+        .and_then(parse_duration)
+        .zip(keys.started_at)
+        .is_some_and(|(d, at)| ask.now >= at.saturating_add(d));
     let completing = keys.phase == Some(Phase::Started)
-        && (ask.complete.is_some() && ask.complete == keys.id || ask.complete_after.is_some());
+        && (ask.complete.is_some() && ask.complete == keys.id || due);
     if target == Target::Ca && completing {
         ask.hold = nodes_hold(ctx, t).await?;
     }
@@ -765,7 +858,20 @@ async fn step(
         }
     };
     let decision = match lagging(ctx, t, target, &data) {
-        Ok(late) => decide(target, &keys, &ask, &late, new),
+        Ok(mut late) => {
+            let trust_changes = matches!(keys.phase, Some(Phase::Trusting | Phase::Completing));
+            if target == Target::Ca
+                && late.is_empty()
+                && trust_changes
+                && !root_ca_published(ctx, t, &keys.verify).await?
+            {
+                late.push(format!(
+                    "{} (to publish it as kube-root-ca.crt)",
+                    tenant::kind_of(Component::ControllerManager)
+                ));
+            }
+            decide(target, &keys, &ask, &late, new)
+        }
         Err(m) if keys.phase.is_some_and(|p| p != Phase::Completed) => Decision::Blocked(m),
         // Nothing begins that could not finish.
         Err(m) if ask.start.is_some() && ask.start != keys.id => Decision::Blocked(m),
@@ -784,7 +890,7 @@ async fn step(
             Ok((Some(st), false))
         }
         Decision::Write(next) => {
-            write(&api, &secret, &next).await?;
+            write(&api, &secret, target, &next).await?;
             if next.phase != keys.phase {
                 announce(ctx, t, target, &next).await;
             }
@@ -825,7 +931,7 @@ async fn step(
                 );
                 return Ok((status(target, &keys, Some(m)), true));
             }
-            write(&api, &secret, &next).await?;
+            write(&api, &secret, target, &next).await?;
             announce(ctx, t, target, &next).await;
             Ok((status(target, &next, None), true))
         }
@@ -984,9 +1090,35 @@ async fn tell_pods(
 
 /// Replace the secret's keys and rotation annotations with `keys`, only if it is still the
 /// version read (a concurrent writer makes the pass start again).
-async fn write(api: &Api<Secret>, secret: &Secret, keys: &Keys) -> Result<(), Error> {
+async fn write(
+    api: &Api<Secret>,
+    secret: &Secret,
+    target: Target,
+    keys: &Keys,
+) -> Result<(), Error> {
     let mut s = secret.clone();
     let data = s.data.get_or_insert_with(Default::default);
+    if target == Target::Ca {
+        // The controller manager's signing file: the signer alone.
+        if let Some(first) = target
+            .items(&keys.verify)
+            .ok()
+            .and_then(|i| i.into_iter().next())
+        {
+            data.insert(names::SIGNER_CRT.into(), ByteString(first.into_bytes()));
+        }
+        match &keys.previous {
+            Some(p) => {
+                data.insert(
+                    names::PREVIOUS_CRT.into(),
+                    ByteString(p.clone().into_bytes()),
+                );
+            }
+            None => {
+                data.remove(names::PREVIOUS_CRT);
+            }
+        }
+    }
     data.insert(
         names::TLS_CRT.into(),
         ByteString(keys.verify.clone().into_bytes()),
@@ -1019,6 +1151,14 @@ async fn write(api: &Api<Secret>, secret: &Secret, keys: &Keys) -> Result<(), Er
         }
         None => {
             ann.remove(STARTED_AT_ANNOTATION);
+        }
+    }
+    match &keys.retiring {
+        Some(r) => {
+            ann.insert(RETIRING_ANNOTATION.into(), r.clone());
+        }
+        None => {
+            ann.remove(RETIRING_ANNOTATION);
         }
     }
     match keys
@@ -1143,6 +1283,8 @@ mod tests {
             phase: None,
             started_at: None,
             since: None,
+            previous: None,
+            retiring: None,
         }
     }
 
@@ -1447,6 +1589,8 @@ mod tests {
             phase: None,
             started_at: None,
             since: None,
+            previous: None,
+            retiring: None,
         }
     }
 
@@ -1519,6 +1663,9 @@ mod tests {
         assert_eq!(s.phase, Some(Phase::Signing));
         assert_eq!(ca_ids(&s.verify), vec![new_id.clone(), old_id.clone()]);
         assert!(pki::key_matches(&s.verify, &s.signing).unwrap());
+        // The old CA's serving certificates are kept; it is the one to drop.
+        assert_eq!(ca_ids(s.previous.as_deref().unwrap()), vec![old_id.clone()]);
+        assert_eq!(s.retiring.as_deref(), Some(old_id.as_str()));
         let started = written(decide(
             Target::Ca,
             &s,
@@ -1544,7 +1691,8 @@ mod tests {
             decide(Target::Ca, &started, &held, none, || unreachable!()),
             Decision::Wait(m) if m.contains("cannot complete: node n1")
         ));
-        // Completion drops the old CA at once (no tokens to re-sign).
+        // Completion: first the serving certificates are reissued from the new CA while both
+        // are trusted (no tokens to re-sign)...
         let d = decide(
             Target::Ca,
             &started,
@@ -1555,19 +1703,36 @@ mod tests {
         assert!(matches!(d, Decision::Write(_)), "{d:?}");
         let c = written(d);
         assert_eq!(c.phase, Some(Phase::Completing));
-        assert_eq!(ca_ids(&c.verify), vec![new_id.clone()]);
+        assert_eq!(ca_ids(&c.verify), vec![new_id.clone(), old_id.clone()]);
+        assert_eq!(c.previous, None);
+        let settle = |k: &Keys| {
+            let k = written(decide(
+                Target::Ca,
+                k,
+                &ask("r1", "r1"),
+                none,
+                || unreachable!(),
+            ));
+            assert_eq!((k.phase, k.since), (Some(Phase::Completing), Some(0)));
+            assert!(matches!(
+                decide(Target::Ca, &k, &ask("r1", "r1"), none, || unreachable!()),
+                Decision::Wait(m) if m.contains("re-read")
+            ));
+            k
+        };
+        let c = settle(&c);
+        // ... then the old CA, and only it, is dropped.
         let c = written(decide(
             Target::Ca,
             &c,
-            &ask("r1", "r1"),
+            &later(ask("r1", "r1")),
             none,
             || unreachable!(),
         ));
-        assert_eq!((c.phase, c.since), (Some(Phase::Completing), Some(0)));
-        assert!(matches!(
-            decide(Target::Ca, &c, &ask("r1", "r1"), none, || unreachable!()),
-            Decision::Wait(m) if m.contains("re-read")
-        ));
+        assert_eq!(c.phase, Some(Phase::Completing));
+        assert_eq!(ca_ids(&c.verify), vec![new_id.clone()]);
+        assert_eq!(c.retiring, None);
+        let c = settle(&c);
         let done = written(decide(
             Target::Ca,
             &c,

@@ -74,6 +74,9 @@ pub struct ClusterSecrets {
     verified: std::sync::Arc<std::sync::Mutex<BTreeMap<String, String>>>,
     /// The fingerprints of the [`TRUST`] secrets this pass issued from, by suffix.
     used: std::sync::Arc<std::sync::Mutex<BTreeMap<String, String>>>,
+    /// The CA a rotation replaces (`previous.crt` of a CA secret), by CA: serving
+    /// certificates it signed are kept meanwhile.
+    previous: std::sync::Arc<std::sync::Mutex<BTreeMap<SecretPurpose, String>>>,
 }
 
 /// What is known of a secret before asking the API server.
@@ -141,6 +144,7 @@ impl ClusterSecrets {
             replaced: Default::default(),
             verified: Default::default(),
             used: Default::default(),
+            previous: Default::default(),
         }
     }
 
@@ -302,23 +306,38 @@ impl ClusterSecrets {
     pub async fn ca(&self, purpose: SecretPurpose) -> Result<CertKey, SecretError> {
         let name = purpose.secret_name(&self.cluster);
         if let Some(existing) = self.get(purpose).await? {
-            return Self::read_ca(&name, purpose, &existing);
+            let ck = Self::read_ca(&name, purpose, &existing)?;
+            self.note_used(purpose, &existing);
+            if purpose == SecretPurpose::ClusterCa {
+                self.keep_signer(&name, &existing, &ck).await?;
+                if let Some(p) = text(&existing, names::PREVIOUS_CRT) {
+                    self.previous
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(purpose, p);
+                }
+            }
+            return Ok(ck);
         }
         let now = time::OffsetDateTime::now_utc();
         let ck = match purpose {
             SecretPurpose::ServiceAccount => pki::generate_service_account_key()?,
             _ => pki::generate_ca(&format!("{}-{}", self.cluster, purpose.suffix()), now)?,
         };
-        let secret = self.secret(
-            purpose,
-            BTreeMap::from([
-                (names::TLS_CRT.to_string(), ck.cert_pem.clone().into_bytes()),
-                (names::TLS_KEY.to_string(), ck.key_pem.clone().into_bytes()),
-            ]),
-            BTreeMap::new(),
-        );
+        let mut data = BTreeMap::from([
+            (names::TLS_CRT.to_string(), ck.cert_pem.clone().into_bytes()),
+            (names::TLS_KEY.to_string(), ck.key_pem.clone().into_bytes()),
+        ]);
+        if purpose == SecretPurpose::ClusterCa {
+            data.insert(
+                names::SIGNER_CRT.to_string(),
+                ck.cert_pem.clone().into_bytes(),
+            );
+        }
+        let secret = self.secret(purpose, data, BTreeMap::new());
         match self.api.create(&PostParams::default(), &secret).await {
             Ok(created) => {
+                self.note_used(purpose, &created);
                 self.remember(created);
                 Ok(ck)
             }
@@ -331,6 +350,58 @@ impl ClusterSecrets {
                 }),
             },
             Err(source) => Err(SecretError::Kube { name, source }),
+        }
+    }
+
+    /// Record the fingerprint of a [`TRUST`] secret this pass issues from.
+    fn note_used(&self, purpose: SecretPurpose, s: &Secret) {
+        if TRUST.contains(&purpose) {
+            let data: BTreeMap<String, Vec<u8>> = s
+                .data
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (k, v.0))
+                .collect();
+            self.used
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(purpose.suffix().to_string(), fingerprint(&data));
+        }
+    }
+
+    /// Keep `signer.crt` of the cluster CA secret the first certificate of its `tls.crt` (the
+    /// controller manager signs with it; a file of one certificate). Only that key is written.
+    async fn keep_signer(&self, name: &str, s: &Secret, ck: &CertKey) -> Result<(), SecretError> {
+        let Some(signer) = pki::certificates(&ck.cert_pem)
+            .ok()
+            .and_then(|c| c.into_iter().next())
+        else {
+            // `read_ca` parsed its first certificate; one that only it reads is used alone.
+            return Ok(());
+        };
+        if text(s, names::SIGNER_CRT).as_deref() == Some(signer.as_str()) {
+            return Ok(());
+        }
+        let patch = serde_json::json!({
+            "metadata": {"resourceVersion": s.metadata.resource_version},
+            "data": {names::SIGNER_CRT: pki::base64(signer.as_bytes())}
+        });
+        match self
+            .api
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(written) => {
+                self.remember(written);
+                Ok(())
+            }
+            // Changed meanwhile: judged again by the next pass.
+            Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+            Err(source) => Err(SecretError::Kube {
+                name: name.into(),
+                source,
+            }),
         }
     }
 
@@ -393,11 +464,12 @@ impl ClusterSecrets {
     /// Keep a leaf certificate current; returns it. `ca.cert_pem` is the CA secret's
     /// `tls.crt`: the CA that signs first, then (during a rotation) the others trusted.
     ///
-    /// A client certificate must be signed by the CA that signs now. A serving certificate (and
-    /// the API server's client certificate to kubelets, which they verify) may be signed by
-    /// any CA still trusted: a rotation replaces it only when it drops the CA that
-    /// signed it, so that a client trusting only the old CA keeps verifying the server until
-    /// the rotation is completed; meanwhile only its `ca.crt` follows the bundle.
+    /// Every certificate must be signed by the CA that signs now (the bundle's first), but for
+    /// one thing: while a rotation of the CA keeps `previous.crt` (its `Signing` and `Started`
+    /// phases), a serving certificate (and the API server's client certificate to kubelets,
+    /// which they verify) that the previous CA signed is kept, so that a client trusting only
+    /// that CA keeps verifying the server until the rotation is completed; meanwhile only its
+    /// `ca.crt` follows the bundle.
     pub async fn leaf(&self, leaf: &Leaf, ca: &CertKey) -> Result<CertKey, SecretError> {
         let bundle = &ca.cert_pem;
         let want_hash = ca_hash(bundle);
@@ -412,12 +484,19 @@ impl ClusterSecrets {
                 .and_then(|a| a.get(CA_HASH_ANNOTATION))
                 == Some(&want_hash)
         };
+        // The CA a rotation replaces, while its serving certificates are kept.
+        let previous = self
+            .previous
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&leaf.ca)
+            .cloned()
+            .filter(|_| serving);
         let signed = |cert_pem: &str| {
-            if serving {
-                pki::verify_signed_by_any(cert_pem, bundle)
-            } else {
-                pki::verify_signed_by(cert_pem, bundle).unwrap_or(false)
-            }
+            pki::verify_signed_by(cert_pem, bundle).unwrap_or(false)
+                || previous
+                    .as_deref()
+                    .is_some_and(|p| pki::verify_signed_by(cert_pem, p).unwrap_or(false))
         };
         // What nestplane issued: signed by the CA, with the key that belongs to it.
         let genuine = |s: &Secret| -> Option<CertKey> {
@@ -581,16 +660,6 @@ impl ClusterSecrets {
             match item {
                 Issue::Ca(p) => {
                     let ca = self.ca(*p).await?;
-                    if TRUST.contains(p) {
-                        let data = BTreeMap::from([
-                            (names::TLS_CRT.to_string(), ca.cert_pem.clone().into_bytes()),
-                            (names::TLS_KEY.to_string(), ca.key_pem.clone().into_bytes()),
-                        ]);
-                        self.used
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .insert(p.suffix().to_string(), fingerprint(&data));
-                    }
                     cas.insert(*p, ca);
                 }
                 Issue::Leaf { purpose, ca, spec } => {
@@ -689,8 +758,9 @@ pub const TRUST: [SecretPurpose; 4] = [
     SecretPurpose::ServiceAccount,
 ];
 
-/// A fingerprint of a CA or service-account key secret: its `tls.crt` and the public key of
-/// its `tls.key` (what a component trusts and signs with; public material only). Pure.
+/// A fingerprint of a CA or service-account key secret: its `tls.crt`, the public key of its
+/// `tls.key` (what a component trusts and signs with; public material only), and during a CA
+/// rotation its `previous.crt`. Pure.
 pub fn fingerprint(data: &BTreeMap<String, Vec<u8>>) -> String {
     let text = |k: &str| {
         String::from_utf8_lossy(data.get(k).map(Vec::as_slice).unwrap_or_default()).into_owned()
@@ -698,6 +768,14 @@ pub fn fingerprint(data: &BTreeMap<String, Vec<u8>>) -> String {
     let signer = pki::service_account_public_key(&text(names::TLS_KEY)).unwrap_or_default();
     let mut h = Sha256::new();
     for v in [text(names::TLS_CRT), signer] {
+        h.update((v.len() as u64).to_be_bytes());
+        h.update(v.as_bytes());
+    }
+    // The CA whose serving certificates a rotation keeps: its removal reissues them, and a
+    // component runs the secret as it is only once it runs those.
+    if data.contains_key(names::PREVIOUS_CRT) {
+        let v = text(names::PREVIOUS_CRT);
+        h.update(names::PREVIOUS_CRT.as_bytes());
         h.update((v.len() as u64).to_be_bytes());
         h.update(v.as_bytes());
     }

@@ -117,7 +117,9 @@ fn checksum(data: &nestplane_runtime::process::SecretData) -> String {
     let mut h = Sha256::new();
     for (name, keys) in data {
         h.update(name.as_bytes());
-        for (k, v) in keys {
+        // `signer.crt` is derived from `tls.crt`, which is hashed: it adds nothing (and an
+        // operator that began to write it restarts no workload for it).
+        for (k, v) in keys.iter().filter(|(k, _)| *k != names::SIGNER_CRT) {
             h.update(b"\0");
             h.update(k.as_bytes());
             h.update(b"\0");

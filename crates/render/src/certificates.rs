@@ -48,9 +48,9 @@ pub struct Plan {
 }
 
 /// Whether `c` picks up renewed certificates from its files without a restart. etcd reads its
-/// serving, peer and client certificates on every TLS handshake; kube-apiserver watches its
-/// serving certificate and client CA files, and its etcd client (etcd's transport) reads its
-/// certificate on every new connection. kube-controller-manager and kube-scheduler load their
+/// serving, peer and client certificates on every TLS handshake; kube-apiserver re-reads its
+/// serving certificate and client CA files once a minute (1.20 polls them), and its etcd
+/// client (etcd's transport) reads its certificate on every new connection. kube-controller-manager and kube-scheduler load their
 /// kubeconfig's client certificate once, so they are restarted (one replica at a time).
 pub fn reloads_certificates(c: Component) -> bool {
     matches!(c, Component::Etcd | Component::ApiServer)

@@ -298,9 +298,11 @@ fn controller_manager(input: &RenderInput) -> Part {
         m.file(SecretPurpose::FrontProxyCa, TLS_CRT),
     );
     f.set("cluster-name", input.cluster.clone());
+    // The signer alone: 1.20's signer refuses a file of more than one certificate, and
+    // `tls.crt` holds two during a rotation of the CA.
     f.set(
         "cluster-signing-cert-file",
-        m.file(SecretPurpose::ClusterCa, TLS_CRT),
+        m.file(SecretPurpose::ClusterCa, nestplane_api::names::SIGNER_CRT),
     );
     f.set(
         "cluster-signing-key-file",

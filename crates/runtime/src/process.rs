@@ -412,8 +412,9 @@ impl ProcessRuntime {
     /// - Template changed: replicas are replaced one at a time, each waiting (up to
     ///   [`ROLL_WAIT`]) until the new one answers `probe` before the next stops, so a
     ///   multi-replica component never loses more than one replica (etcd keeps quorum).
-    /// - Only secrets changed: the files are rewritten in place; etcd and kube-apiserver read
-    ///   their certificates from the files on every new connection, so they keep running
+    /// - Only secrets changed: the files are rewritten in place; etcd and kube-apiserver
+    ///   re-read their certificates from the files (the API server within a minute), so they
+    ///   keep running
     ///   ([`Ensured::Reloaded`]), unless a secret they read only at start changed (the API
     ///   server's service-account keys); other components roll as above.
     /// - Replica count changed: missing replicas start, extra ones stop; the others stay.
