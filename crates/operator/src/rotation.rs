@@ -758,7 +758,7 @@ pub async fn advance(ctx: &Context, t: &Tenant) -> (Vec<RotationStatus>, bool) {
 
 /// Whether the tenant's controller manager publishes `bundle` as `kube-root-ca.crt` (what pods
 /// verify the API server with): read from `kube-system`, which it publishes to like every
-/// namespace, once it leads.
+/// namespace, once it leads. A cluster without one has nothing to wait for.
 async fn root_ca_published(ctx: &Context, t: &Tenant, bundle: &str) -> Result<bool, Error> {
     use k8s_openapi::api::core::v1::ConfigMap;
     let admin = SecretPurpose::AdminKubeconfig.secret_name(&t.cluster());
@@ -780,7 +780,9 @@ async fn root_ca_published(ctx: &Context, t: &Tenant, bundle: &str) -> Result<bo
             })
             .unwrap_or_default()
     };
-    Ok(published.is_some_and(|p| ids(&p) == ids(bundle)))
+    // None at all: nothing publishes it (a controller manager without its publisher), and
+    // nothing waits for it.
+    Ok(published.is_none_or(|p| ids(&p) == ids(bundle)))
 }
 
 /// Why a CA rotation may not complete yet (`None`: it may): the cluster's nodes. Their
@@ -1100,11 +1102,7 @@ async fn write(
     let data = s.data.get_or_insert_with(Default::default);
     if target == Target::Ca {
         // The controller manager's signing file: the signer alone.
-        if let Some(first) = target
-            .items(&keys.verify)
-            .ok()
-            .and_then(|i| i.into_iter().next())
-        {
+        if let Ok(first) = pki::first_certificate(&keys.verify) {
             data.insert(names::SIGNER_CRT.into(), ByteString(first.into_bytes()));
         }
         match &keys.previous {

@@ -373,13 +373,8 @@ impl ClusterSecrets {
     /// Keep `signer.crt` of the cluster CA secret the first certificate of its `tls.crt` (the
     /// controller manager signs with it; a file of one certificate). Only that key is written.
     async fn keep_signer(&self, name: &str, s: &Secret, ck: &CertKey) -> Result<(), SecretError> {
-        let Some(signer) = pki::certificates(&ck.cert_pem)
-            .ok()
-            .and_then(|c| c.into_iter().next())
-        else {
-            // `read_ca` parsed its first certificate; one that only it reads is used alone.
-            return Ok(());
-        };
+        // `read_ca` checked that the first certificate belongs to the key.
+        let signer = pki::first_certificate(&ck.cert_pem)?;
         if text(s, names::SIGNER_CRT).as_deref() == Some(signer.as_str()) {
             return Ok(());
         }
@@ -392,17 +387,21 @@ impl ClusterSecrets {
             .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
         {
-            Ok(written) => {
-                self.remember(written);
-                Ok(())
+            Ok(written) => self.remember(written),
+            // Changed meanwhile (another component's pass wrote it, most likely): what is
+            // there now is what this pass hands out; judged again by the next pass.
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                if let Some(fresh) = self.get_fresh(name).await? {
+                    self.remember(fresh);
+                }
             }
-            // Changed meanwhile: judged again by the next pass.
-            Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
-            Err(source) => Err(SecretError::Kube {
-                name: name.into(),
-                source,
-            }),
+            // A secret nestplane may not write (immutable, another owner): the controller
+            // manager, which needs the key, says it is missing; nothing else stops.
+            Err(e) => {
+                tracing::warn!(secret = %name, error = %e, "cannot add signer.crt to the CA secret");
+            }
         }
+        Ok(())
     }
 
     fn read_ca(name: &str, purpose: SecretPurpose, s: &Secret) -> Result<CertKey, SecretError> {

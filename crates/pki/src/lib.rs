@@ -386,6 +386,23 @@ pub fn certificates(bundle: &str) -> Result<Vec<String>, PkiError> {
     Ok(certs)
 }
 
+/// The first certificate of `bundle`, as a PEM of its own (what Kubernetes signs with, and
+/// what [`issue`] signs as), whatever follows it. Pure.
+pub fn first_certificate(bundle: &str) -> Result<String, PkiError> {
+    let der = der_of(bundle)?;
+    with_cert(bundle, |_| Ok(()))?;
+    let body = base64(&der);
+    let lines: Vec<&str> = body
+        .as_bytes()
+        .chunks(64)
+        .map(|c| std::str::from_utf8(c).unwrap_or_default())
+        .collect();
+    Ok(format!(
+        "-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n",
+        lines.join("\n")
+    ))
+}
+
 /// Whether `cert_pem` is signed by one of the certificates of `bundle`. Pure.
 pub fn verify_signed_by_any(cert_pem: &str, bundle: &str) -> bool {
     certificates(bundle)

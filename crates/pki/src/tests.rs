@@ -288,6 +288,17 @@ fn a_ca_bundle_signs_with_its_first_certificate_and_trusts_every_one() {
     let from_old = issue(&old, &server_spec(), now()).unwrap();
     assert!(verify_signed_by_any(&from_old.cert_pem, &bundle));
     assert!(!verify_signed_by_any(&from_old.cert_pem, &new.cert_pem));
+    // The signer alone, whatever follows it (a block only Kubernetes skips among them).
+    assert_eq!(first_certificate(&bundle).unwrap(), certs[0]);
+    let odd = format!(
+        "{}-----BEGIN X509 CRL-----\nAAAA\n-----END X509 CRL-----\n",
+        old.cert_pem
+    );
+    assert!(certificates(&odd).is_err());
+    assert_eq!(
+        certificate_id(&first_certificate(&odd).unwrap()).unwrap(),
+        certificate_id(&old.cert_pem).unwrap()
+    );
     // Anything but certificates is refused, never dropped.
     let k = generate_service_account_key().unwrap();
     assert!(certificates(&format!("{}{}", old.cert_pem, k.cert_pem)).is_err());
