@@ -1,8 +1,16 @@
-//! Rotation of a hosted cluster's service-account key (`nestplane rotate sa-key`) with a real
-//! node and a running pod: nothing issued before the rotation is refused until it is
-//! completed, the pod's token Secret is re-signed in place, a client through the gateway with
-//! the kubeconfig from before never fails, and after completion what the old key signed is
-//! refused. Nothing here writes what a kubelet or controller would.
+//! Rotations of a hosted cluster's credentials, one after the other on one cluster (2 API
+//! server replicas behind the gateway, a real node, a running pod):
+//!
+//! - the service-account key (`nestplane rotate sa-key`): nothing issued before is refused
+//!   until it is completed, the pod's token Secret is re-signed in place, a client through the
+//!   gateway with the kubeconfig from before never fails, and after completion what the old
+//!   key signed is refused;
+//! - then the cluster CA (`nestplane rotate ca`): kubeconfigs from before keep working, pods
+//!   are given both CAs, the API servers' handshakes show both; completion waits while the
+//!   cluster has nodes and says so; once they are gone it completes, and what the old CA
+//!   signed is refused.
+//!
+//! Nothing here writes what a kubelet or controller would.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -46,6 +54,52 @@ spec:
       sources:
       - serviceAccountToken: {path: api, expirationSeconds: 3600}
 "#;
+
+/// A client that runs `kubectl --kubeconfig kubeconfig ARGS` again and again (every
+/// `pause`) until told to stop; its results: how long each took, and what a failed one said.
+struct Asking {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(Duration, Option<String>)>>,
+}
+
+impl Asking {
+    fn start(kubeconfig: &Path, args: &'static [&'static str], pause: Duration) -> Asking {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (flag, kubeconfig) = (stop.clone(), kubeconfig.to_path_buf());
+        let thread = std::thread::spawn(move || {
+            let mut results = Vec::new();
+            while !flag.load(Ordering::Relaxed) && results.len() < 3000 {
+                let started = Instant::now();
+                let out = kubectl(&kubeconfig, args);
+                let failed = (!out.status.success())
+                    .then(|| String::from_utf8_lossy(&out.stderr).to_string());
+                results.push((started.elapsed(), failed));
+                std::thread::sleep(pause);
+            }
+            results
+        });
+        Asking { stop, thread }
+    }
+
+    /// Stop; every request it made, which must number at least `at_least`, answered.
+    fn stop_all_answered(self, what: &str, at_least: usize) {
+        self.stop.store(true, Ordering::Relaxed);
+        let results = self.thread.join().unwrap();
+        let failures: Vec<&String> = results.iter().filter_map(|(_, f)| f.as_ref()).collect();
+        let worst = results.iter().map(|(d, _)| *d).max().unwrap_or_default();
+        eprintln!(
+            "{what}: {} requests, {} failed, the worst {worst:?}",
+            results.len(),
+            failures.len()
+        );
+        assert!(
+            results.len() >= at_least,
+            "{what}: the client ran {} times",
+            results.len()
+        );
+        assert!(failures.is_empty(), "{what}: requests failed: {failures:?}");
+    }
+}
 
 /// A kubeconfig for the cluster of `admin` that authenticates with `token` alone.
 fn token_kubeconfig(admin: &Path, token: &str, path: PathBuf) -> PathBuf {
@@ -103,7 +157,7 @@ fn rotation(kc: &Path) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_service_account_key_rotation_refuses_no_token_until_it_completes_and_then_the_old_key_is_refused()
+async fn rotating_the_service_account_key_then_the_ca_refuses_nothing_from_before_until_each_completes()
  {
     nestplane_nodes::check_prerequisites("v1.20.2").expect("node prerequisites");
     let _ = images();
@@ -223,31 +277,15 @@ async fn a_service_account_key_rotation_refuses_no_token_until_it_completes_and_
             "{.status.gateway.server} {.status.gateway.serverName}",
         )
     );
-    let stop = Arc::new(AtomicBool::new(false));
-    let client = {
-        let (stop, gateway_kc) = (stop.clone(), gateway_kc.clone());
-        std::thread::spawn(move || {
-            let mut results = Vec::new();
-            while !stop.load(Ordering::Relaxed) && results.len() < 3000 {
-                let started = Instant::now();
-                let out = kubectl(
-                    &gateway_kc,
-                    &[
-                        "--request-timeout=20s",
-                        "get",
-                        "ns",
-                        "default",
-                        "-o",
-                        "name",
-                    ],
-                );
-                let failed = (!out.status.success())
-                    .then(|| String::from_utf8_lossy(&out.stderr).to_string());
-                results.push((started.elapsed(), failed));
-            }
-            results
-        })
-    };
+    const ASK: &[&str] = &[
+        "--request-timeout=20s",
+        "get",
+        "ns",
+        "default",
+        "-o",
+        "name",
+    ];
+    let client = Asking::start(&gateway_kc, ASK, Duration::ZERO);
     let pids_before: Vec<Option<u32>> = (0..2)
         .map(|i| env.pid("default-rot", "rot", "apiserver", i))
         .collect();
@@ -366,8 +404,7 @@ async fn a_service_account_key_rotation_refuses_no_token_until_it_completes_and_
         Duration::from_secs(60),
         || (legacy_kid() == new_kid).then_some(()),
     );
-    stop.store(true, Ordering::Relaxed);
-    let results = client.join().unwrap();
+    client.stop_all_answered("rotation: through the gateway", 10);
 
     // The old key's token is refused; the new ones are not.
     assert!(!authenticates(&hosted, &before, &dir));
@@ -449,24 +486,20 @@ async fn a_service_account_key_rotation_refuses_no_token_until_it_completes_and_
         },
     );
 
-    let failures: Vec<&String> = results.iter().filter_map(|(_, f)| f.as_ref()).collect();
-    let worst = results.iter().map(|(d, _)| *d).max().unwrap_or_default();
-    eprintln!(
-        "rotation: {} requests through the gateway, worst {worst:?}",
-        results.len()
-    );
-    assert!(
-        results.len() >= 10,
-        "the client loop ran: {}",
-        results.len()
-    );
-    assert!(
-        failures.is_empty(),
-        "requests failed during the rotation: {failures:?}"
-    );
+    // Then the cluster CA, on the same cluster.
+    rotate_the_ca_of_a_cluster_with_nodes(&env, &gateway_kc).await;
 
     // Torn down: the pool's node leaves nothing on the machine (its slot is free again).
-    kubectl_ok(&kc, &["delete", "nodepool", "rot", "--timeout=240s"]);
+    kubectl_ok(
+        &kc,
+        &[
+            "delete",
+            "nodepool",
+            "rot",
+            "--ignore-not-found",
+            "--timeout=240s",
+        ],
+    );
     kubectl_ok(&kc, &["delete", "hostedcluster", "rot", "--timeout=240s"]);
     let nodes = env.state.path().join("nodes");
     let claimed: Vec<String> = std::fs::read_dir(nestplane_nodes::net::slots_dir())
@@ -479,11 +512,11 @@ async fn a_service_account_key_rotation_refuses_no_token_until_it_completes_and_
     assert!(claimed.is_empty(), "node slots still held: {claimed:?}");
 }
 
-/// `phase|keyId|previousKeyId` of the cluster CA rotation of control plane `default/name`.
-fn ca_rotation(kc: &Path, name: &str) -> String {
+/// `phase|keyId|previousKeyId` of the cluster CA rotation of control plane `ns/name`.
+fn ca_rotation(kc: &Path, ns: &str, name: &str) -> String {
     jsonpath(
         kc,
-        &["ncp", name, "-n", "default"],
+        &["ncp", name, "-n", ns],
         "{.status.rotations[?(@.target==\"ca\")].phase}|{.status.rotations[?(@.target==\"ca\")].keyId}|{.status.rotations[?(@.target==\"ca\")].previousKeyId}",
     )
 }
@@ -525,17 +558,59 @@ fn serving_issuer(env: &Env, ns: &str, name: &str, cas: &[String]) -> Option<Str
         .map(|ca| nestplane_pki::certificate_id(ca).unwrap())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_ca_rotation_keeps_kubeconfigs_from_before_working_until_it_completes_and_then_refuses_the_old_ca()
- {
-    let env = Env::start(true).await;
+/// What the API server replicas of control plane `default-rot/rot` present in their TLS
+/// handshakes: per replica, the CAs they ask client certificates of (by fingerprint, among
+/// `cas`, or "other") and the fingerprint of the CA that signed their certificate.
+async fn handshakes(env: &Env, cas: &[String]) -> Vec<(Vec<String>, Option<String>)> {
+    // The replicas' addresses: the first is the control plane's endpoint, `127.a.b.1`.
+    let first: std::net::Ipv4Addr = jsonpath(
+        env.kubeconfig(),
+        &["ncp", "rot", "-n", "default-rot"],
+        "{.spec.controlPlaneEndpoint.host}",
+    )
+    .parse()
+    .unwrap();
+    let mut out = Vec::new();
+    for i in 0..2u8 {
+        let o = first.octets();
+        let addr = std::net::SocketAddr::from(([o[0], o[1], o[2], o[3] + i], 6443));
+        let p = nestplane_operator::handshake::presented(addr, Duration::from_secs(5))
+            .await
+            .unwrap();
+        let named = p
+            .client_cas
+            .iter()
+            .map(|subject| {
+                cas.iter()
+                    .find(|ca| nestplane_pki::subjects(ca).unwrap()[0] == *subject)
+                    .map(|ca| nestplane_pki::certificate_id(ca).unwrap())
+                    .unwrap_or_else(|| "other".into())
+            })
+            .collect();
+        use base64::Engine as _;
+        let pem = format!(
+            "-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n",
+            base64::engine::general_purpose::STANDARD.encode(&p.certificate)
+        );
+        let issuer = cas
+            .iter()
+            .find(|ca| nestplane_pki::verify_signed_by(&pem, ca).unwrap())
+            .map(|ca| nestplane_pki::certificate_id(ca).unwrap());
+        out.push((named, issuer));
+    }
+    out
+}
+
+/// The cluster CA of HostedCluster `default/rot` (control plane `default-rot/rot`, a node, 2
+/// API server replicas) rotated: kubeconfigs from before (direct, and `gateway_kc` through
+/// the gateway) work all along the start; completion waits while the cluster has nodes, and
+/// goes on once its pool is deleted; then what the old CA signed is refused.
+async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
     let kc = env.kubeconfig().to_path_buf();
     let dir = env.state.path().to_path_buf();
-    env.create_ncp("default", "rca").await;
-    env.wait_ready("default", "rca", Duration::from_secs(180))
-        .await;
-    let before = dir.join("before.kubeconfig");
-    std::fs::rename(env.tenant_kubeconfig("default", "rca").await, &before).unwrap();
+    let (ns, hc) = ("default-rot", "rot");
+    let before = dir.join("before-ca.kubeconfig");
+    std::fs::rename(env.tenant_kubeconfig(ns, hc).await, &before).unwrap();
     kubectl_ok(&before, &["get", "ns", "default"]);
     let ca_secret = |env: &Env| {
         let v = kubectl_ok(
@@ -544,8 +619,8 @@ async fn a_ca_rotation_keeps_kubeconfigs_from_before_working_until_it_completes_
                 "get",
                 "secret",
                 "-n",
-                "default",
-                "rca-ca",
+                ns,
+                "rot-ca",
                 "-o",
                 "jsonpath={.data.tls\\.crt}",
             ],
@@ -558,29 +633,17 @@ async fn a_ca_rotation_keeps_kubeconfigs_from_before_working_until_it_completes_
         )
         .unwrap()
     };
-    let old_ca = ca_secret(&env);
+    let old_ca = ca_secret(env);
     let old_id = ca_ids(&old_ca)[0].clone();
 
-    // A client with the kubeconfig from before asks all along the start phase.
-    let stop = Arc::new(AtomicBool::new(false));
-    let client = {
-        let (stop, before) = (stop.clone(), before.clone());
-        std::thread::spawn(move || {
-            let mut results = Vec::new();
-            while !stop.load(Ordering::Relaxed) && results.len() < 3000 {
-                let started = Instant::now();
-                let out = kubectl(&before, &["--request-timeout=20s", "get", "ns", "default"]);
-                let failed = (!out.status.success())
-                    .then(|| String::from_utf8_lossy(&out.stderr).to_string());
-                results.push((started.elapsed(), failed));
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            results
-        })
-    };
+    // Clients with kubeconfigs from before ask all along the start: one at the control
+    // plane's endpoint, one through the gateway.
+    const ASK: &[&str] = &["--request-timeout=20s", "get", "ns", "default"];
+    let direct = Asking::start(&before, ASK, Duration::from_millis(200));
+    let through = Asking::start(gateway_kc, ASK, Duration::from_millis(200));
     let asked = Instant::now();
     let out = nestplane()
-        .args(["rotate", "ca", "rca", "-n", "default", "--timeout", "400"])
+        .args(["rotate", "ca", "rot", "-n", "default", "--timeout", "400"])
         .args(["--kubeconfig", kc.to_str().unwrap()])
         .output()
         .unwrap();
@@ -588,7 +651,7 @@ async fn a_ca_rotation_keeps_kubeconfigs_from_before_working_until_it_completes_
         out.status.success(),
         "{}\n{}",
         String::from_utf8_lossy(&out.stderr),
-        env.tenant_logs("default", "rca")
+        env.tenant_logs(ns, hc)
     );
     eprintln!("CA rotation: asked → Started in {:?}", asked.elapsed());
     let said = String::from_utf8_lossy(&out.stderr).to_string();
@@ -596,19 +659,29 @@ async fn a_ca_rotation_keeps_kubeconfigs_from_before_working_until_it_completes_
         said.contains("Trusting") && said.contains("Signing") && said.contains("Started"),
         "{said}"
     );
-    let started = ca_rotation(&kc, "rca");
+    let started = ca_rotation(&kc, ns, hc);
     let parts: Vec<&str> = started.split('|').collect();
     assert_eq!(parts[0], "Started", "{started}");
     let new_id = parts[1].to_string();
     assert_eq!(parts[2], old_id, "the old CA is still trusted: {started}");
     assert_ne!(new_id, old_id);
     // Both CAs are trusted, the new one first (it signs).
-    let bundle = ca_secret(&env);
+    let bundle = ca_secret(env);
     assert_eq!(ca_ids(&bundle), vec![new_id.clone(), old_id.clone()]);
     let cas = nestplane_pki::certificates(&bundle).unwrap();
+    // Each API server replica asks client certificates of both (and of the front-proxy CA),
+    // and still presents what the old CA signed.
+    for (i, (asks, issuer)) in handshakes(env, &cas).await.into_iter().enumerate() {
+        let mut asks = asks;
+        asks.sort();
+        let mut want = vec![new_id.clone(), old_id.clone(), "other".to_string()];
+        want.sort();
+        assert_eq!(asks, want, "replica {i}");
+        assert_eq!(issuer.as_deref(), Some(old_id.as_str()), "replica {i}");
+    }
     // The published kubeconfig trusts both and holds a certificate the new CA signed; the
     // API server still presents what the old CA signed (a client trusting only it verifies).
-    let now = env.tenant_kubeconfig("default", "rca").await;
+    let now = env.tenant_kubeconfig(ns, hc).await;
     let kcfg = kube::config::Kubeconfig::read_from(&now).unwrap();
     use base64::Engine as _;
     let b64 = |s: &str| {
@@ -631,16 +704,31 @@ async fn a_ca_rotation_keeps_kubeconfigs_from_before_working_until_it_completes_
         .unwrap());
     assert!(nestplane_pki::verify_signed_by(&client_cert, &cas[0]).unwrap());
     assert_eq!(
-        serving_issuer(&env, "default", "rca", &cas).as_deref(),
+        serving_issuer(env, ns, hc, &cas).as_deref(),
         Some(old_id.as_str())
     );
     kubectl_ok(&now, &["get", "ns", "default"]);
+    // The HostedCluster's admin kubeconfig follows.
+    eventually(
+        "the HostedCluster's kubeconfig trusts both CAs",
+        Duration::from_secs(60),
+        || {
+            let hosted = hosted_kubeconfig(&kc, hc, &dir);
+            let kcfg = kube::config::Kubeconfig::read_from(&hosted).ok()?;
+            let trusted = b64(kcfg.clusters[0]
+                .cluster
+                .as_ref()?
+                .certificate_authority_data
+                .as_deref()?);
+            (ca_ids(&trusted) == vec![new_id.clone(), old_id.clone()]).then_some(())
+        },
+    );
     // Pods see both CAs: the controller manager (signing with the new CA, a file of one
     // certificate) runs and publishes kube-root-ca.crt, in a namespace made now too.
     kubectl_ok(&now, &["create", "ns", "fresh"]);
-    for ns in ["default", "fresh"] {
+    for n in ["default", "fresh"] {
         eventually(
-            &format!("kube-root-ca.crt in {ns} holds both CAs"),
+            &format!("kube-root-ca.crt in {n} holds both CAs"),
             Duration::from_secs(60),
             || {
                 let out = kubectl(
@@ -650,7 +738,7 @@ async fn a_ca_rotation_keeps_kubeconfigs_from_before_working_until_it_completes_
                         "cm",
                         "kube-root-ca.crt",
                         "-n",
-                        ns,
+                        n,
                         "-o",
                         "jsonpath={.data.ca\\.crt}",
                     ],
@@ -662,22 +750,55 @@ async fn a_ca_rotation_keeps_kubeconfigs_from_before_working_until_it_completes_
         );
     }
     kubectl_ok(&before, &["get", "ns", "default"]);
-    stop.store(true, Ordering::Relaxed);
-    let results = client.join().unwrap();
-    let failed: Vec<&String> = results.iter().filter_map(|(_, f)| f.as_ref()).collect();
-    let worst = results.iter().map(|(d, _)| *d).max().unwrap_or_default();
-    eprintln!(
-        "CA rotation start phase: {} requests with the kubeconfig from before, {} failed, worst {worst:?}",
-        results.len(),
-        failed.len()
-    );
-    assert!(results.len() >= 20, "{}", results.len());
-    assert!(failed.is_empty(), "{failed:?}");
+    direct.stop_all_answered("CA rotation start, with the kubeconfig from before", 20);
+    through.stop_all_answered("CA rotation start, through the gateway", 20);
 
-    // Completion: the serving certificate is reissued from the new CA, the old one dropped.
+    // Completion waits while the cluster has nodes (their kubelets trust the old CA only),
+    // and says so; everything keeps working.
+    let out = nestplane()
+        .args([
+            "rotate",
+            "ca",
+            "rot",
+            "-n",
+            "default",
+            "--complete",
+            "--no-wait",
+        ])
+        .args(["--kubeconfig", kc.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let held = eventually(
+        "completion held by the node",
+        Duration::from_secs(60),
+        || {
+            let m = jsonpath(
+                &kc,
+                &["ncp", hc, "-n", ns],
+                "{.status.rotations[?(@.target==\"ca\")].message}",
+            );
+            m.contains("has nodes").then_some(m)
+        },
+    );
+    eprintln!("CA rotation: {held}");
+    assert!(ca_rotation(&kc, ns, hc).starts_with("Started|"));
+    kubectl_ok(&before, &["get", "ns", "default"]);
+    assert_eq!(
+        ca_ids(&ca_secret(env)),
+        vec![new_id.clone(), old_id.clone()]
+    );
+
+    // The pool gone, completion goes on: the serving certificates are reissued from the new
+    // CA, the old one dropped.
+    kubectl_ok(&kc, &["delete", "nodepool", "rot", "--timeout=240s"]);
     let completing = Instant::now();
     let out = nestplane()
-        .args(["rotate", "ca", "rca", "-n", "default", "--complete"])
+        .args(["rotate", "ca", "rot", "-n", "default", "--complete"])
         .args(["--timeout", "400", "--kubeconfig", kc.to_str().unwrap()])
         .output()
         .unwrap();
@@ -687,21 +808,34 @@ async fn a_ca_rotation_keeps_kubeconfigs_from_before_working_until_it_completes_
         String::from_utf8_lossy(&out.stderr)
     );
     eprintln!(
-        "CA rotation: complete → Completed in {:?}",
+        "CA rotation: pool deleted → Completed in {:?}",
         completing.elapsed()
     );
-    let done = ca_rotation(&kc, "rca");
+    let done = ca_rotation(&kc, ns, hc);
     assert!(done.starts_with(&format!("Completed|{new_id}|")), "{done}");
-    assert_eq!(ca_ids(&ca_secret(&env)), vec![new_id.clone()]);
+    assert_eq!(ca_ids(&ca_secret(env)), vec![new_id.clone()]);
     assert_eq!(
-        serving_issuer(&env, "default", "rca", &cas).as_deref(),
+        serving_issuer(env, ns, hc, &cas).as_deref(),
         Some(new_id.as_str())
     );
+    for (i, (asks, issuer)) in handshakes(env, &cas).await.into_iter().enumerate() {
+        let mut asks = asks;
+        asks.sort();
+        let mut want = vec![new_id.clone(), "other".to_string()];
+        want.sort();
+        assert_eq!(asks, want, "replica {i}");
+        assert_eq!(issuer.as_deref(), Some(new_id.as_str()), "replica {i}");
+    }
     // The kubeconfig from before is refused (its certificate and its CA are the old one's);
     // a kubeconfig published now works, and trusts the new CA alone.
     let refused = kubectl(&before, &["--request-timeout=20s", "get", "ns", "default"]);
     assert!(!refused.status.success());
-    let now = env.tenant_kubeconfig("default", "rca").await;
+    let refused = kubectl(
+        gateway_kc,
+        &["--request-timeout=20s", "get", "ns", "default"],
+    );
+    assert!(!refused.status.success());
+    let now = env.tenant_kubeconfig(ns, hc).await;
     kubectl_ok(&now, &["get", "ns", "default"]);
     let kcfg = kube::config::Kubeconfig::read_from(&now).unwrap();
     let trusted = b64(kcfg.clusters[0]
@@ -739,9 +873,21 @@ async fn a_ca_rotation_keeps_kubeconfigs_from_before_working_until_it_completes_
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let events = events_for(&kc, "default", "rca");
+    let events = events_for(&kc, ns, hc);
     assert!(
         events.contains("RotationStarted") && events.contains("RotationCompleted"),
         "{events}"
+    );
+    eventually(
+        "the HostedCluster's CA rotation",
+        Duration::from_secs(30),
+        || {
+            (jsonpath(
+                &kc,
+                &["hostedcluster", hc],
+                "{.status.rotations[?(@.target==\"ca\")].phase}",
+            ) == "Completed")
+                .then_some(())
+        },
     );
 }

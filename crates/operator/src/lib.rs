@@ -18,6 +18,7 @@ pub mod egress;
 pub mod endpoint;
 pub mod error;
 pub mod finalizer;
+pub mod handshake;
 pub mod hosted;
 pub mod leader;
 pub mod ncp;

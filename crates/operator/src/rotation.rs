@@ -39,6 +39,7 @@ use nestplane_pki as pki;
 
 use crate::context::Context;
 use crate::error::Error;
+use crate::handshake::Presented;
 use crate::tenant::{self, Tenant};
 
 /// The rotation target of the service-account key (`status.rotations[].target`).
@@ -276,6 +277,9 @@ pub struct Ask {
     pub now: i64,
     /// What stops the rotation from completing, for now (it waits, saying so).
     pub hold: Option<String>,
+    /// Every API server was seen serving the secrets as they are now, in its TLS handshake
+    /// ([`serves`]): a CA rotation need not wait for them to re-read their files.
+    pub served: bool,
 }
 
 /// `90s`, `30m`, `24h`, `2d` in seconds (`None`: not such a duration). Pure.
@@ -347,7 +351,7 @@ pub fn decide(
     let settling = target == Target::Ca
         && lagging.is_empty()
         && matches!(keys.phase, Some(Phase::Trusting) | Some(Phase::Completing));
-    if settling {
+    if settling && !ask.served {
         match keys.since {
             None => {
                 return Decision::Write(Keys {
@@ -362,7 +366,7 @@ pub fn decide(
                         .map(|t| t.to_string())
                         .unwrap_or_default();
                     return Decision::Wait(format!(
-                        "every component runs the CA bundle as it is now; the API servers re-read it (they do once a minute): going on at {t}"
+                        "every component runs the CA bundle as it is now; waiting for the API servers to re-read it (they do once a minute; their TLS handshakes show when): going on at {t} at the latest"
                     ));
                 }
             }
@@ -681,7 +685,57 @@ pub fn ask(target: Target, ncp: &NestedControlPlane) -> Ask {
         complete_after: ann(target.complete_after_annotation()),
         now: k8s_openapi::jiff::Timestamp::now().as_second(),
         hold: None,
+        served: false,
     }
+}
+
+/// Whether every API server replica's handshake (`presented`, one per replica) shows it runs
+/// the files as they are now: it presents `serving` (its certificate's DER), and asks client
+/// certificates of exactly the CAs of `client_ca` and `front_proxy_ca` (its
+/// `--client-ca-file` and `--requestheader-client-ca-file`), as many of each subject as
+/// those files hold. A CA rotation's phase adds or drops a CA, so a server that has not
+/// re-read its file names one too many or too few. No replica: not seen. Pure.
+pub fn serves(
+    presented: &[Presented],
+    client_ca: &str,
+    front_proxy_ca: &str,
+    serving: &str,
+) -> bool {
+    let (Ok(mut want), Ok(proxy), Ok(cert)) = (
+        pki::subjects(client_ca),
+        pki::subjects(front_proxy_ca),
+        pki::first_certificate(serving).and_then(|c| pki::certificate_der(&c)),
+    ) else {
+        return false;
+    };
+    want.extend(proxy);
+    want.sort();
+    !presented.is_empty()
+        && presented.iter().all(|p| {
+            let mut asked = p.client_cas.clone();
+            asked.sort();
+            p.certificate == cert && asked == want
+        })
+}
+
+/// What every API server replica of `t` presents now ([`serves`]); `None` where one is not
+/// known (a runtime that does not say where its replicas are) or does not answer.
+async fn presented_by_api_servers(ctx: &Context, t: &Tenant) -> Option<Vec<Presented>> {
+    let replicas = ctx.runtime.apiserver_replicas(&t.ncp);
+    if replicas.is_empty() {
+        return None;
+    }
+    let mut out = Vec::new();
+    for addr in replicas {
+        match crate::handshake::presented(addr, std::time::Duration::from_secs(3)).await {
+            Ok(p) => out.push(p),
+            Err(e) => {
+                tracing::debug!(error = %e, "an API server's handshake");
+                return None;
+            }
+        }
+    }
+    Some(out)
 }
 
 /// The consumers (by kind) whose status does not say they run the secret `data` as it is (one
@@ -785,6 +839,25 @@ async fn root_ca_published(ctx: &Context, t: &Tenant, bundle: &str) -> Result<bo
     Ok(published.is_none_or(|p| ids(&p) == ids(bundle)))
 }
 
+/// Whether every API server of `t` was seen, in its handshake, serving the cluster CA bundle
+/// `bundle`, the front-proxy CA and the serving certificate as their secrets hold them now.
+async fn api_servers_serve(ctx: &Context, t: &Tenant, bundle: &str) -> Result<bool, Error> {
+    let Some(presented) = presented_by_api_servers(ctx, t).await else {
+        return Ok(false);
+    };
+    let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &t.namespace());
+    let cluster = t.cluster();
+    let mut pem = Vec::new();
+    for purpose in [SecretPurpose::FrontProxyCa, SecretPurpose::ApiServer] {
+        let secret = api.get_opt(&purpose.secret_name(&cluster)).await?;
+        let Some(crt) = secret.as_ref().and_then(|s| text(s, "tls.crt")) else {
+            return Ok(false);
+        };
+        pem.push(crt);
+    }
+    Ok(serves(&presented, bundle, &pem[0], &pem[1]))
+}
+
 /// Why a CA rotation may not complete yet (`None`: it may): the cluster's nodes. Their
 /// kubelets were given the old CA only, and present certificates it signed; nestplane does
 /// not move a kubelet to a new CA yet, so dropping the old one would cut them off.
@@ -871,6 +944,9 @@ async fn step(
                     "{} (to publish it as kube-root-ca.crt)",
                     tenant::kind_of(Component::ControllerManager)
                 ));
+            }
+            if target == Target::Ca && late.is_empty() && trust_changes {
+                ask.served = api_servers_serve(ctx, t, &keys.verify).await?;
             }
             decide(target, &keys, &ask, &late, new)
         }
@@ -1743,6 +1819,117 @@ mod tests {
             status(Target::Ca, &done, None).unwrap().previous_key_id,
             None
         );
+    }
+
+    #[test]
+    fn an_api_server_seen_serving_the_bundle_ends_the_wait_for_its_reload() {
+        let t = written(decide(Target::Ca, &fresh_ca(), &ask("r1", ""), &[], new_ca));
+        let seen = written(decide(
+            Target::Ca,
+            &t,
+            &ask("r1", ""),
+            &[],
+            || unreachable!(),
+        ));
+        assert_eq!(seen.since, Some(0));
+        // Seen before the minute is up: it goes on at once.
+        let served = Ask {
+            served: true,
+            ..ask("r1", "")
+        };
+        let s = written(decide(Target::Ca, &seen, &served, &[], || unreachable!()));
+        assert_eq!((s.phase, s.since), (Some(Phase::Signing), None));
+        // But never past a consumer that does not run it yet.
+        let late = vec!["NestedAPIServer".to_string()];
+        assert!(matches!(
+            decide(Target::Ca, &t, &served, &late, || unreachable!()),
+            Decision::Wait(m) if m.contains("NestedAPIServer")
+        ));
+    }
+
+    #[test]
+    fn a_handshake_shows_whether_an_api_server_reread_its_ca_and_certificate_files() {
+        let now = time::OffsetDateTime::now_utc();
+        let old = pki::generate_ca("c-ca", now).unwrap();
+        let new = pki::generate_ca("c-ca-2", now).unwrap();
+        let proxy = pki::generate_ca("c-proxy", now).unwrap();
+        let serving = |ca: &pki::CertKey| {
+            pki::issue(
+                ca,
+                &pki::LeafSpec {
+                    common_name: "kube-apiserver".into(),
+                    ..Default::default()
+                },
+                now,
+            )
+            .unwrap()
+            .cert_pem
+        };
+        let (old_leaf, new_leaf) = (serving(&old), serving(&new));
+        let shake = |cas: &[&pki::CertKey], leaf: &str| Presented {
+            certificate: pki::certificate_der(leaf).unwrap(),
+            client_cas: cas
+                .iter()
+                .flat_map(|c| pki::subjects(&c.cert_pem).unwrap())
+                .collect(),
+        };
+        let both = format!("{}{}", old.cert_pem, new.cert_pem);
+        // Trusting: the file holds both; a server still on the old file names one CA less.
+        let before = shake(&[&old, &proxy], &old_leaf);
+        let after = shake(&[&old, &new, &proxy], &old_leaf);
+        assert!(!serves(
+            std::slice::from_ref(&before),
+            &both,
+            &proxy.cert_pem,
+            &old_leaf
+        ));
+        assert!(serves(
+            std::slice::from_ref(&after),
+            &both,
+            &proxy.cert_pem,
+            &old_leaf
+        ));
+        // Every replica must have: one that has not holds it back.
+        assert!(!serves(
+            &[after.clone(), before],
+            &both,
+            &proxy.cert_pem,
+            &old_leaf
+        ));
+        // The serving certificate reissued: the server presents the one its secret holds.
+        assert!(!serves(
+            std::slice::from_ref(&after),
+            &both,
+            &proxy.cert_pem,
+            &new_leaf
+        ));
+        let reissued = shake(&[&new, &old, &proxy], &new_leaf);
+        assert!(serves(
+            std::slice::from_ref(&reissued),
+            &both,
+            &proxy.cert_pem,
+            &new_leaf
+        ));
+        // The old CA dropped: naming it still is not serving the file. Even if a CA of the
+        // same subject were left, one too many is seen.
+        assert!(!serves(
+            &[reissued],
+            &new.cert_pem,
+            &proxy.cert_pem,
+            &new_leaf
+        ));
+        let twin = pki::generate_ca("c-ca-2", now).unwrap();
+        let alike = shake(&[&new, &twin, &proxy], &new_leaf);
+        assert!(!serves(&[alike], &new.cert_pem, &proxy.cert_pem, &new_leaf));
+        let dropped = shake(&[&new, &proxy], &new_leaf);
+        assert!(serves(
+            &[dropped],
+            &new.cert_pem,
+            &proxy.cert_pem,
+            &new_leaf
+        ));
+        // Nothing seen is not served.
+        assert!(!serves(&[], &new.cert_pem, &proxy.cert_pem, &new_leaf));
     }
 
     #[test]

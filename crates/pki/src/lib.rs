@@ -419,6 +419,21 @@ pub fn certificate_id(cert_pem: &str) -> Result<String, PkiError> {
     Ok(format!("{:x}", sha2::Sha256::digest(&der))[..16].to_string())
 }
 
+/// The DER of a certificate (what a TLS server presents). Pure.
+pub fn certificate_der(cert_pem: &str) -> Result<Vec<u8>, PkiError> {
+    with_cert(cert_pem, |_| Ok(()))?;
+    der_of(cert_pem)
+}
+
+/// The DER of each certificate's subject in `bundle`, in order: what a TLS server that trusts
+/// `bundle` for client certificates names in its certificate request. Pure.
+pub fn subjects(bundle: &str) -> Result<Vec<Vec<u8>>, PkiError> {
+    certificates(bundle)?
+        .iter()
+        .map(|c| with_cert(c, |c| Ok(c.subject().as_raw().to_vec())))
+        .collect()
+}
+
 /// Renewal policy: renew once half the lifetime has passed, when expired, or when the
 /// certificate cannot be read.
 pub fn needs_renewal(cert_pem: &str, now: OffsetDateTime) -> bool {
