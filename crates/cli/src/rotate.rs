@@ -178,7 +178,8 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
     if args.no_wait {
         return Ok(());
     }
-    let deadline = Instant::now() + Duration::from_secs(args.timeout);
+    let asked = Instant::now();
+    let deadline = asked + Duration::from_secs(args.timeout);
     let mut said = None;
     loop {
         let ncp = ncps.get(&located.ncp.1).await?;
@@ -192,7 +193,8 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
                     .unwrap_or_default()
             );
             if said.as_ref() != Some(&line) {
-                eprintln!("{line}");
+                // Seconds since it was asked for: how long each phase took.
+                eprintln!("[{:>3} s] {line}", asked.elapsed().as_secs());
                 said = Some(line);
             }
             if r.phase == until || r.phase == "Completed" {

@@ -7,8 +7,8 @@
 //!   key signed is refused;
 //! - then the cluster CA (`nestplane rotate ca`): kubeconfigs from before keep working, pods
 //!   are given both CAs, the API servers' handshakes show both; completion waits while the
-//!   cluster has nodes and says so; once they are gone it completes, and what the old CA
-//!   signed is refused.
+//!   cluster has nodes, or a machine may be joining it (a bootstrap token), and says so; once
+//!   neither is left it completes, and what the old CA signed is refused.
 //!
 //! Nothing here writes what a kubelet or controller would.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -653,8 +653,11 @@ async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
         String::from_utf8_lossy(&out.stderr),
         env.tenant_logs(ns, hc)
     );
-    eprintln!("CA rotation: asked → Started in {:?}", asked.elapsed());
     let said = String::from_utf8_lossy(&out.stderr).to_string();
+    eprintln!(
+        "CA rotation: asked → Started in {:?}:\n{said}",
+        asked.elapsed()
+    );
     assert!(
         said.contains("Trusting") && said.contains("Signing") && said.contains("Started"),
         "{said}"
@@ -793,9 +796,40 @@ async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
         vec![new_id.clone(), old_id.clone()]
     );
 
-    // The pool gone, completion goes on: the serving certificates are reissued from the new
-    // CA, the old one dropped.
+    // A machine joining by a bootstrap token of the tenant admin's (or a pool's node not
+    // registered yet) holds it too, once the pool and its node are gone.
+    kubectl_apply(
+        &now,
+        "apiVersion: v1\nkind: Secret\nmetadata: {name: bootstrap-token-abcdef, namespace: kube-system}\ntype: bootstrap.kubernetes.io/token\nstringData: {token-id: abcdef, token-secret: 0123456789abcdef, usage-bootstrap-authentication: 'true'}\n",
+    );
     kubectl_ok(&kc, &["delete", "nodepool", "rot", "--timeout=240s"]);
+    let held = eventually(
+        "completion held by the joining machine",
+        Duration::from_secs(120),
+        || {
+            let m = jsonpath(
+                &kc,
+                &["ncp", hc, "-n", ns],
+                "{.status.rotations[?(@.target==\"ca\")].message}",
+            );
+            m.contains("bootstrap token").then_some(m)
+        },
+    );
+    eprintln!("CA rotation: {held}");
+    assert!(ca_rotation(&kc, ns, hc).starts_with("Started|"));
+
+    // Nothing joining, completion goes on: the serving certificates are reissued from the new
+    // CA, the old one dropped.
+    kubectl_ok(
+        &now,
+        &[
+            "delete",
+            "secret",
+            "-n",
+            "kube-system",
+            "bootstrap-token-abcdef",
+        ],
+    );
     let completing = Instant::now();
     let out = nestplane()
         .args(["rotate", "ca", "rot", "-n", "default", "--complete"])
@@ -808,8 +842,9 @@ async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
         String::from_utf8_lossy(&out.stderr)
     );
     eprintln!(
-        "CA rotation: pool deleted → Completed in {:?}",
-        completing.elapsed()
+        "CA rotation: nothing joining → Completed in {:?}:\n{}",
+        completing.elapsed(),
+        String::from_utf8_lossy(&out.stderr)
     );
     let done = ca_rotation(&kc, ns, hc);
     assert!(done.starts_with(&format!("Completed|{new_id}|")), "{done}");

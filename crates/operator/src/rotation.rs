@@ -858,9 +858,12 @@ async fn api_servers_serve(ctx: &Context, t: &Tenant, bundle: &str) -> Result<bo
     Ok(serves(&presented, bundle, &pem[0], &pem[1]))
 }
 
-/// Why a CA rotation may not complete yet (`None`: it may): the cluster's nodes. Their
-/// kubelets were given the old CA only, and present certificates it signed; nestplane does
-/// not move a kubelet to a new CA yet, so dropping the old one would cut them off.
+/// Why a CA rotation may not complete yet (`None`: it may): the cluster's nodes, and the
+/// machines joining it. Their kubelets were given the old CA only, and present certificates
+/// it signed; nestplane does not move a kubelet to a new CA yet, so dropping the old one would
+/// cut them off. A machine that has not registered yet is seen by its bootstrap token (a
+/// NodePool makes one per node and deletes it once the node has registered; a tenant admin
+/// joining a machine of their own makes one too).
 async fn nodes_hold(ctx: &Context, t: &Tenant) -> Result<Option<String>, Error> {
     use k8s_openapi::api::core::v1::Node;
     let admin = SecretPurpose::AdminKubeconfig.secret_name(&t.cluster());
@@ -868,13 +871,27 @@ async fn nodes_hold(ctx: &Context, t: &Tenant) -> Result<Option<String>, Error> 
     else {
         return Ok(Some("waiting for the admin kubeconfig".into()));
     };
-    let nodes = Api::<Node>::all(client)
+    const CUT_OFF: &str = "whose kubelets trust only the old CA and present certificates it signed; nestplane does not move a kubelet to a new CA yet, so completing would cut them off (the rotation stays Started: everything keeps working)";
+    let nodes = Api::<Node>::all(client.clone())
         .list_metadata(&ListParams::default().limit(1))
         .await?;
-    Ok(nodes.items.first().map(|n| {
-        format!(
-            "the cluster has nodes (node {:?} among them) whose kubelets trust only the old CA and present certificates it signed; nestplane does not move a kubelet to a new CA yet, so completing would cut them off (the rotation stays Started: everything keeps working)",
+    if let Some(n) = nodes.items.first() {
+        return Ok(Some(format!(
+            "the cluster has nodes (node {:?} among them) {CUT_OFF}",
             clean(&n.name_any())
+        )));
+    }
+    let tokens = Api::<Secret>::namespaced(client, "kube-system")
+        .list_metadata(
+            &ListParams::default()
+                .fields("type=bootstrap.kubernetes.io/token")
+                .limit(1),
+        )
+        .await?;
+    Ok(tokens.items.first().map(|s| {
+        format!(
+            "a machine may be joining the cluster (bootstrap token Secret kube-system/{:?}; a NodePool deletes a node's once it has registered, delete one that is not used) with the old CA, and so may become a node {CUT_OFF}",
+            clean(&s.name_any())
         )
     }))
 }
@@ -906,13 +923,7 @@ async fn step(
         event_once(ctx, t, target, EventType::Warning, ROTATION_BLOCKED, &m).await;
         return Ok((Some(blocked_status(m)), false));
     };
-    let data: BTreeMap<String, Vec<u8>> = secret
-        .data
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(k, v)| (k, v.0))
-        .collect();
+    let data = crate::secrets::secret_bytes(&secret);
     let due = ask
         .complete_after
         .as_deref()

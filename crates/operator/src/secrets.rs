@@ -356,13 +356,7 @@ impl ClusterSecrets {
     /// Record the fingerprint of a [`TRUST`] secret this pass issues from.
     fn note_used(&self, purpose: SecretPurpose, s: &Secret) {
         if TRUST.contains(&purpose) {
-            let data: BTreeMap<String, Vec<u8>> = s
-                .data
-                .clone()
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(k, v)| (k, v.0))
-                .collect();
+            let data = secret_bytes(s);
             self.used
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -717,15 +711,9 @@ impl ClusterSecrets {
         for p in purposes {
             let name = p.secret_name(&self.cluster);
             if let Some(s) = self.get(*p).await? {
-                let data: BTreeMap<String, Vec<u8>> = s
-                    .data
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|(k, v)| (k, v.0))
-                    .collect();
                 // A kubeconfig is handed out as this pass verified or issued it (an edit that
                 // reached the cache since is not), and never runs or reads anything.
-                let mut data = data;
+                let mut data = secret_bytes(&s);
                 if let Some(v) = self
                     .verified
                     .lock()
@@ -756,6 +744,15 @@ pub const TRUST: [SecretPurpose; 4] = [
     SecretPurpose::FrontProxyCa,
     SecretPurpose::ServiceAccount,
 ];
+
+/// A Secret's data as bytes by key (none: empty). Pure.
+pub fn secret_bytes(s: &Secret) -> BTreeMap<String, Vec<u8>> {
+    s.data
+        .iter()
+        .flatten()
+        .map(|(k, v)| (k.clone(), v.0.clone()))
+        .collect()
+}
 
 /// A fingerprint of a CA or service-account key secret: its `tls.crt`, the public key of its
 /// `tls.key` (what a component trusts and signs with; public material only), and during a CA
