@@ -193,7 +193,7 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
                     .unwrap_or_default()
             );
             if said.as_ref() != Some(&line) {
-                // Seconds since it was asked for: how long each phase took.
+                // Seconds since it was asked for, as seen here: when each step began.
                 eprintln!("[{:>3} s] {line}", asked.elapsed().as_secs());
                 said = Some(line);
             }

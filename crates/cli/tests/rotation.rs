@@ -812,7 +812,7 @@ async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
                 &["ncp", hc, "-n", ns],
                 "{.status.rotations[?(@.target==\"ca\")].message}",
             );
-            m.contains("bootstrap token").then_some(m)
+            m.contains("bootstrap-token-abcdef").then_some(m)
         },
     );
     eprintln!("CA rotation: {held}");
@@ -913,6 +913,17 @@ async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
         events.contains("RotationStarted") && events.contains("RotationCompleted"),
         "{events}"
     );
+    // The API servers were seen using the new files in their handshakes (no minute's wait):
+    // when the new CA began to sign, and when the old one was gone.
+    let seen = "every API server was seen using the CA files in its TLS handshake";
+    for reason in ["RotationProgressing", "RotationCompleted"] {
+        assert!(
+            events
+                .lines()
+                .any(|l| l.contains(reason) && l.contains("CA rotation") && l.contains(seen)),
+            "{reason}: {events}"
+        );
+    }
     eventually(
         "the HostedCluster's CA rotation",
         Duration::from_secs(30),

@@ -1,9 +1,9 @@
 //! What a TLS server presents in its handshake, read without sending it anything: its
 //! certificate, and the subjects of the CAs it asks client certificates of. A running API
 //! server re-reads its CA and certificate files only now and then (Kubernetes 1.20: once a
-//! minute); its handshake shows what it serves now, so a CA rotation waits exactly as long as
-//! it must (`rotation.rs`). Nothing is sent: no client certificate, no request, and the
-//! connection is closed once the handshake is done.
+//! minute); its handshake shows what it serves now, so a CA rotation need not wait longer
+//! than it must (`rotation.rs`). Only the handshake is sent (with an empty client certificate
+//! when one is asked for): no request, and the connection is closed once it is done.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

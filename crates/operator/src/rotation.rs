@@ -60,8 +60,8 @@ pub const SINCE_ANNOTATION: &str = "nestplane.io/rotation-phase-since";
 /// How long a CA file change takes to reach a running API server at most: Kubernetes re-reads
 /// `--client-ca-file` (and kubelets their `clientCAFile`) once a minute, so a reported rollout
 /// of the new file is not yet proof that the API server verifies with it. Once every component
-/// runs the bundle, a CA rotation waits this long before it lets the new CA sign, and after
-/// dropping the old one before it says so.
+/// runs the bundle, a CA rotation goes on when every API server's TLS handshake shows the
+/// files in use ([`serves`]), or this long after, whichever comes first.
 pub const CA_FILE_RELOAD_SECONDS: i64 = 65;
 /// Reason of the Events of a rotation's phases.
 pub const ROTATION_PROGRESSING: &str = "RotationProgressing";
@@ -244,7 +244,8 @@ pub struct Keys {
     /// serving certificates are kept meanwhile.
     pub previous: Option<String>,
     /// The fingerprint of the CA a CA rotation drops once its serving certificates have been
-    /// reissued (from `Signing` until it is dropped in `Completing`).
+    /// reissued (from `Signing` until `Completed`: after it is dropped from the bundle, the
+    /// API servers may trust it until they re-read the file).
     pub retiring: Option<String>,
 }
 
@@ -347,7 +348,7 @@ pub fn decide(
 ) -> Decision {
     // A CA file reaches a running API server within a minute of its rollout: the CA
     // rotation's phases that change what the API servers trust note when every consumer runs
-    // the file, and wait that long after.
+    // the file, and wait until the API servers' handshakes show it in use, or that long.
     let settling = target == Target::Ca
         && lagging.is_empty()
         && matches!(keys.phase, Some(Phase::Trusting) | Some(Phase::Completing));
@@ -605,9 +606,10 @@ fn decide_phase(
                     .into_iter()
                     .filter(|i| target.ident(i).as_ref() != Some(r))
                     .collect();
+                // `retiring` stays until Completed: the API servers may trust the CA until
+                // they re-read the file, and `serves` must know which one went.
                 return Decision::Write(Keys {
                     verify: bundle(&kept),
-                    retiring: None,
                     ..keys.clone()
                 });
             }
@@ -692,23 +694,42 @@ pub fn ask(target: Target, ncp: &NestedControlPlane) -> Ask {
 /// Whether every API server replica's handshake (`presented`, one per replica) shows it runs
 /// the files as they are now: it presents `serving` (its certificate's DER), and asks client
 /// certificates of exactly the CAs of `client_ca` and `front_proxy_ca` (its
-/// `--client-ca-file` and `--requestheader-client-ca-file`), as many of each subject as
-/// those files hold. A CA rotation's phase adds or drops a CA, so a server that has not
-/// re-read its file names one too many or too few. No replica: not seen. Pure.
+/// `--client-ca-file` and `--requestheader-client-ca-file`: one name per certificate, a
+/// certificate in both files named once, as Go's certificate pool keeps it). A CA rotation's
+/// phase adds or drops a CA, so a server that has not re-read its file names one too many or
+/// too few, unless the CA dropped (`retiring`, by fingerprint) is in the front-proxy file too:
+/// then nothing can be told apart, and this says no. No replica: not seen. Pure.
 pub fn serves(
     presented: &[Presented],
     client_ca: &str,
     front_proxy_ca: &str,
     serving: &str,
+    retiring: Option<&str>,
 ) -> bool {
-    let (Ok(mut want), Ok(proxy), Ok(cert)) = (
-        pki::subjects(client_ca),
-        pki::subjects(front_proxy_ca),
+    let (Ok(cluster), Ok(proxy), Ok(cert)) = (
+        pki::certificates(client_ca),
+        pki::certificates(front_proxy_ca),
         pki::first_certificate(serving).and_then(|c| pki::certificate_der(&c)),
     ) else {
         return false;
     };
-    want.extend(proxy);
+    if retiring.is_some_and(|r| {
+        proxy
+            .iter()
+            .any(|c| pki::certificate_id(c).ok().as_deref() == Some(r))
+    }) {
+        return false;
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    let mut want = Vec::new();
+    for c in cluster.iter().chain(&proxy) {
+        let (Ok(der), Ok(subject)) = (pki::certificate_der(c), pki::subjects(c)) else {
+            return false;
+        };
+        if seen.insert(der) {
+            want.extend(subject);
+        }
+    }
     want.sort();
     !presented.is_empty()
         && presented.iter().all(|p| {
@@ -722,12 +743,19 @@ pub fn serves(
 /// known (a runtime that does not say where its replicas are) or does not answer.
 async fn presented_by_api_servers(ctx: &Context, t: &Tenant) -> Option<Vec<Presented>> {
     let replicas = ctx.runtime.apiserver_replicas(&t.ncp);
-    if replicas.is_empty() {
+    // Fewer than the spec asks for (a scale-up its status does not say yet): one unseen.
+    if replicas.is_empty() || replicas.len() < t.replicas(Component::ApiServer) as usize {
         return None;
     }
+    let shakes = futures::future::join_all(
+        replicas
+            .into_iter()
+            .map(|a| crate::handshake::presented(a, std::time::Duration::from_secs(3))),
+    )
+    .await;
     let mut out = Vec::new();
-    for addr in replicas {
-        match crate::handshake::presented(addr, std::time::Duration::from_secs(3)).await {
+    for shake in shakes {
+        match shake {
             Ok(p) => out.push(p),
             Err(e) => {
                 tracing::debug!(error = %e, "an API server's handshake");
@@ -841,21 +869,29 @@ async fn root_ca_published(ctx: &Context, t: &Tenant, bundle: &str) -> Result<bo
 
 /// Whether every API server of `t` was seen, in its handshake, serving the cluster CA bundle
 /// `bundle`, the front-proxy CA and the serving certificate as their secrets hold them now.
-async fn api_servers_serve(ctx: &Context, t: &Tenant, bundle: &str) -> Result<bool, Error> {
+async fn api_servers_serve(ctx: &Context, t: &Tenant, keys: &Keys) -> Result<bool, Error> {
     let Some(presented) = presented_by_api_servers(ctx, t).await else {
         return Ok(false);
     };
     let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &t.namespace());
     let cluster = t.cluster();
-    let mut pem = Vec::new();
-    for purpose in [SecretPurpose::FrontProxyCa, SecretPurpose::ApiServer] {
-        let secret = api.get_opt(&purpose.secret_name(&cluster)).await?;
-        let Some(crt) = secret.as_ref().and_then(|s| text(s, "tls.crt")) else {
-            return Ok(false);
-        };
-        pem.push(crt);
-    }
-    Ok(serves(&presented, bundle, &pem[0], &pem[1]))
+    let crt = |s: Option<Secret>| s.as_ref().and_then(|s| text(s, names::TLS_CRT));
+    let front_proxy = crt(api
+        .get_opt(&SecretPurpose::FrontProxyCa.secret_name(&cluster))
+        .await?);
+    let serving = crt(api
+        .get_opt(&SecretPurpose::ApiServer.secret_name(&cluster))
+        .await?);
+    let (Some(front_proxy), Some(serving)) = (front_proxy, serving) else {
+        return Ok(false);
+    };
+    Ok(serves(
+        &presented,
+        &keys.verify,
+        &front_proxy,
+        &serving,
+        keys.retiring.as_deref(),
+    ))
 }
 
 /// Why a CA rotation may not complete yet (`None`: it may): the cluster's nodes, and the
@@ -872,7 +908,16 @@ async fn nodes_hold(ctx: &Context, t: &Tenant) -> Result<Option<String>, Error> 
         return Ok(Some("waiting for the admin kubeconfig".into()));
     };
     const CUT_OFF: &str = "whose kubelets trust only the old CA and present certificates it signed; nestplane does not move a kubelet to a new CA yet, so completing would cut them off (the rotation stays Started: everything keeps working)";
-    let nodes = Api::<Node>::all(client.clone())
+    // Tokens first: a node's token is deleted only once its Node exists, so a machine that
+    // registers between the two lists is seen by one of them.
+    let tokens = Api::<Secret>::namespaced(client.clone(), "kube-system")
+        .list_metadata(
+            &ListParams::default()
+                .fields("type=bootstrap.kubernetes.io/token")
+                .limit(1),
+        )
+        .await?;
+    let nodes = Api::<Node>::all(client)
         .list_metadata(&ListParams::default().limit(1))
         .await?;
     if let Some(n) = nodes.items.first() {
@@ -881,13 +926,6 @@ async fn nodes_hold(ctx: &Context, t: &Tenant) -> Result<Option<String>, Error> 
             clean(&n.name_any())
         )));
     }
-    let tokens = Api::<Secret>::namespaced(client, "kube-system")
-        .list_metadata(
-            &ListParams::default()
-                .fields("type=bootstrap.kubernetes.io/token")
-                .limit(1),
-        )
-        .await?;
     Ok(tokens.items.first().map(|s| {
         format!(
             "a machine may be joining the cluster (bootstrap token Secret kube-system/{:?}; a NodePool deletes a node's once it has registered, delete one that is not used) with the old CA, and so may become a node {CUT_OFF}",
@@ -957,7 +995,7 @@ async fn step(
                 ));
             }
             if target == Target::Ca && late.is_empty() && trust_changes {
-                ask.served = api_servers_serve(ctx, t, &keys.verify).await?;
+                ask.served = api_servers_serve(ctx, t, &keys).await?;
             }
             decide(target, &keys, &ask, &late, new)
         }
@@ -968,9 +1006,11 @@ async fn step(
     };
     match decision {
         Decision::Idle => Ok((status(target, &keys, None), false)),
+        // A held completion is looked at again soon too: what holds it (the tenant's nodes)
+        // changes without an event here.
         Decision::Wait(m) => Ok((
             status(target, &keys, Some(m)),
-            keys.phase != Some(Phase::Started),
+            keys.phase != Some(Phase::Started) || ask.hold.is_some(),
         )),
         Decision::Blocked(m) => {
             let m = format!("secret {name}: {m}");
@@ -981,7 +1021,12 @@ async fn step(
         Decision::Write(next) => {
             write(&api, &secret, target, &next).await?;
             if next.phase != keys.phase {
-                announce(ctx, t, target, &next).await;
+                let seen = if ask.served {
+                    "; every API server was seen using the CA files in its TLS handshake"
+                } else {
+                    ""
+                };
+                announce(ctx, t, target, &next, seen).await;
             }
             Ok((
                 status(target, &next, None),
@@ -1021,7 +1066,7 @@ async fn step(
                 return Ok((status(target, &keys, Some(m)), true));
             }
             write(&api, &secret, target, &next).await?;
-            announce(ctx, t, target, &next).await;
+            announce(ctx, t, target, &next, "").await;
             Ok((status(target, &next, None), true))
         }
     }
@@ -1263,7 +1308,7 @@ async fn write(
     Ok(())
 }
 
-async fn announce(ctx: &Context, t: &Tenant, target: Target, keys: &Keys) {
+async fn announce(ctx: &Context, t: &Tenant, target: Target, keys: &Keys, then: &str) {
     let id = clean(keys.id.as_deref().unwrap_or_default());
     let what = target.what();
     let (reason, note) = match (target, keys.phase) {
@@ -1325,7 +1370,7 @@ async fn announce(ctx: &Context, t: &Tenant, target: Target, keys: &Keys) {
         kube::Resource::object_ref(&t.ncp, &()),
         EventType::Normal,
         reason,
-        &note,
+        &format!("{note}{then}"),
     )
     .await;
 }
@@ -1816,7 +1861,9 @@ mod tests {
         ));
         assert_eq!(c.phase, Some(Phase::Completing));
         assert_eq!(ca_ids(&c.verify), vec![new_id.clone()]);
-        assert_eq!(c.retiring, None);
+        // Which CA went is kept until Completed (the API servers may trust it until they
+        // re-read the file).
+        assert_eq!(c.retiring.as_deref(), Some(old_id.as_str()));
         let c = settle(&c);
         let done = written(decide(
             Target::Ca,
@@ -1892,34 +1939,39 @@ mod tests {
             std::slice::from_ref(&before),
             &both,
             &proxy.cert_pem,
-            &old_leaf
+            &old_leaf,
+            None
         ));
         assert!(serves(
             std::slice::from_ref(&after),
             &both,
             &proxy.cert_pem,
-            &old_leaf
+            &old_leaf,
+            None
         ));
         // Every replica must have: one that has not holds it back.
         assert!(!serves(
             &[after.clone(), before],
             &both,
             &proxy.cert_pem,
-            &old_leaf
+            &old_leaf,
+            None
         ));
         // The serving certificate reissued: the server presents the one its secret holds.
         assert!(!serves(
             std::slice::from_ref(&after),
             &both,
             &proxy.cert_pem,
-            &new_leaf
+            &new_leaf,
+            None
         ));
         let reissued = shake(&[&new, &old, &proxy], &new_leaf);
         assert!(serves(
             std::slice::from_ref(&reissued),
             &both,
             &proxy.cert_pem,
-            &new_leaf
+            &new_leaf,
+            None
         ));
         // The old CA dropped: naming it still is not serving the file. Even if a CA of the
         // same subject were left, one too many is seen.
@@ -1927,20 +1979,63 @@ mod tests {
             &[reissued],
             &new.cert_pem,
             &proxy.cert_pem,
-            &new_leaf
+            &new_leaf,
+            None
         ));
         let twin = pki::generate_ca("c-ca-2", now).unwrap();
         let alike = shake(&[&new, &twin, &proxy], &new_leaf);
-        assert!(!serves(&[alike], &new.cert_pem, &proxy.cert_pem, &new_leaf));
+        assert!(!serves(
+            &[alike],
+            &new.cert_pem,
+            &proxy.cert_pem,
+            &new_leaf,
+            None
+        ));
         let dropped = shake(&[&new, &proxy], &new_leaf);
         assert!(serves(
             &[dropped],
             &new.cert_pem,
             &proxy.cert_pem,
-            &new_leaf
+            &new_leaf,
+            None
         ));
         // Nothing seen is not served.
-        assert!(!serves(&[], &new.cert_pem, &proxy.cert_pem, &new_leaf));
+        assert!(!serves(
+            &[],
+            &new.cert_pem,
+            &proxy.cert_pem,
+            &new_leaf,
+            None
+        ));
+        // A certificate in both files is named once (Go's pool keeps one of two alike).
+        let shared = format!("{}{}", proxy.cert_pem, new.cert_pem);
+        let once = shake(&[&new, &proxy], &new_leaf);
+        assert!(serves(
+            std::slice::from_ref(&once),
+            &new.cert_pem,
+            &shared,
+            &new_leaf,
+            None
+        ));
+        // The CA dropped is in the front-proxy file too (one CA brought for both): a server
+        // that still trusts it names the same CAs as one that re-read, so it is not told.
+        let old_for_both = format!("{}{}", proxy.cert_pem, old.cert_pem);
+        let old_id = pki::certificate_id(&old.cert_pem).unwrap();
+        let either = shake(&[&new, &old, &proxy], &new_leaf);
+        assert!(serves(
+            std::slice::from_ref(&either),
+            &new.cert_pem,
+            &old_for_both,
+            &new_leaf,
+            None
+        ));
+        assert!(!serves(
+            &[either],
+            &new.cert_pem,
+            &old_for_both,
+            &new_leaf,
+            Some(&old_id)
+        ));
     }
 
     #[test]
