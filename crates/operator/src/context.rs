@@ -597,12 +597,27 @@ impl Context {
         reason: &str,
         note: &str,
     ) {
+        self.event_as(reference, type_, reason, "Reconcile", note)
+            .await;
+    }
+
+    /// An Event whose `action` is `action`. Events of one object, type, reason and action are
+    /// one series (a later one counts, and its note is not shown): steps that must each be
+    /// seen (a rotation's phases) each name their action.
+    pub async fn event_as(
+        &self,
+        reference: ObjectReference,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: &str,
+    ) {
         let note = nestplane_api::conditions::cut(note, 1000);
         let ev = Event {
             type_,
             reason: reason.to_string(),
             note: Some(note),
-            action: "Reconcile".into(),
+            action: nestplane_api::conditions::cut(action, 128),
             secondary: None,
         };
         if let Err(e) = self.recorder.publish(&ev, &reference).await {

@@ -1366,10 +1366,17 @@ async fn announce(ctx: &Context, t: &Tenant, target: Target, keys: &Keys, then: 
             ),
         ),
     };
-    ctx.event(
+    // One action per rotation and phase: a phase's Event is never folded into another's.
+    let action = format!(
+        "Rotate/{}/{}",
+        target.as_str(),
+        keys.phase.map(|p| p.as_str()).unwrap_or("Completed")
+    );
+    ctx.event_as(
         kube::Resource::object_ref(&t.ncp, &()),
         EventType::Normal,
         reason,
+        &action,
         &format!("{note}{then}"),
     )
     .await;

@@ -525,10 +525,18 @@ impl ClusterSecrets {
             }
             return Ok(ck);
         }
-        if existing
-            .as_ref()
-            .is_some_and(|s| same_ca(s) && genuine(s).is_none())
-        {
+        // Signed by a CA of the bundle with its own key is nestplane's, reissued as planned (a
+        // rotation moving it to the CA that signs now); anything else was edited.
+        let ours = |s: &Secret| {
+            let (Some(cert_pem), Some(key_pem)) =
+                (text(s, names::TLS_CRT), text(s, names::TLS_KEY))
+            else {
+                return false;
+            };
+            (signed(&cert_pem) || pki::verify_signed_by_any(&cert_pem, bundle))
+                && pki::key_matches(&cert_pem, &key_pem).unwrap_or(false)
+        };
+        if existing.as_ref().is_some_and(|s| same_ca(s) && !ours(s)) {
             self.note_replaced(leaf.purpose, "certificate");
         }
         let ck = pki::issue(ca, &leaf.spec, time::OffsetDateTime::now_utc())?;
