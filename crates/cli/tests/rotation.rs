@@ -917,7 +917,7 @@ async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
     assert!(!events.contains("SecretReissued"), "{events}");
     // The API servers were seen using the new files in their handshakes (no minute's wait):
     // when the new CA began to sign, and when the old one was gone.
-    let seen = "every API server was seen using the CA files in its TLS handshake";
+    let seen = "every API server was seen using the CA files as they are now in its TLS handshake";
     for reason in ["RotationProgressing", "RotationCompleted"] {
         assert!(
             events

@@ -63,7 +63,7 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             });
     }
     // A rotation (of the service-account key, of the CA) goes one phase further when it can.
-    let mut rotating = false;
+    let mut rotating = None;
     let mut rotations = Vec::new();
     if problem.is_none() && !paused {
         (rotations, rotating) = crate::rotation::advance(&ctx, &tenant).await;
@@ -89,8 +89,8 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
     }
     Ok(if checking {
         Action::requeue(REMOVED_APIS_RECHECK)
-    } else if rotating {
-        Action::requeue(ROTATION_RECHECK)
+    } else if let Some(after) = rotating {
+        Action::requeue(after)
     } else if problem.is_none() && tenant.cluster_paused {
         // A Cluster's pause is not watched: look again shortly.
         Action::requeue(crate::component::CLUSTER_PAUSE_RECHECK)
@@ -100,10 +100,6 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         Action::requeue(RESYNC)
     })
 }
-
-/// How soon a rotation in progress is looked at again (its consumers' status changes bring
-/// it back sooner).
-const ROTATION_RECHECK: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// How soon a change waiting for its API server's metric is looked at again.
 const REMOVED_APIS_RECHECK: std::time::Duration = std::time::Duration::from_secs(3);

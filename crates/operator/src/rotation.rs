@@ -39,6 +39,8 @@ use nestplane_pki as pki;
 
 use crate::context::Context;
 use crate::error::Error;
+use std::time::Duration;
+
 use crate::handshake::Presented;
 use crate::tenant::{self, Tenant};
 
@@ -628,7 +630,11 @@ pub fn status(target: Target, keys: &Keys, message: Option<String>) -> Option<Ro
     let (id, phase) = (clean(keys.id.as_deref()?), keys.phase?);
     let items = target.items(&keys.verify).unwrap_or_default();
     let key_id = target.ident_of_key(keys.next.as_deref().unwrap_or(&keys.signing), &items);
-    let previous_key_id = keys.retiring.clone().or_else(|| {
+    let retiring = keys
+        .retiring
+        .clone()
+        .filter(|_| matches!(phase, Phase::Signing | Phase::Started | Phase::Completing));
+    let previous_key_id = retiring.or_else(|| {
         items
             .iter()
             .filter_map(|i| target.ident(i))
@@ -713,11 +719,12 @@ pub fn serves(
     ) else {
         return false;
     };
-    if retiring.is_some_and(|r| {
-        proxy
+    let has = |bundle: &[String], id: &str| {
+        bundle
             .iter()
-            .any(|c| pki::certificate_id(c).ok().as_deref() == Some(r))
-    }) {
+            .any(|c| pki::certificate_id(c).ok().as_deref() == Some(id))
+    };
+    if retiring.is_some_and(|r| !has(&cluster, r) && has(&proxy, r)) {
         return false;
     }
     let mut seen = std::collections::BTreeSet::new();
@@ -801,18 +808,32 @@ fn lagging(
     Ok(late)
 }
 
+/// How soon a rotation in progress is looked at again (its consumers' status changes bring
+/// it back sooner).
+pub const RECHECK: Duration = Duration::from_secs(5);
+/// How soon a completion held by the tenant's nodes is looked at again (their removal is no
+/// event here; each look lists the tenant's Nodes and bootstrap tokens).
+pub const HELD_RECHECK: Duration = Duration::from_secs(15);
+
+fn soonest(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// One step of each of the tenant's rotations that was ever asked for. Returns their status
 /// (a rotation never asked for has none; the last status of one stays), and whether one is in
-/// progress (look again soon). A failure (the management or the tenant's API, a slow tenant)
+/// progress (how soon to look again). A failure (the management or the tenant's API, a slow tenant)
 /// is said in the status and tried again; it never stops the control plane's pass.
-pub async fn advance(ctx: &Context, t: &Tenant) -> (Vec<RotationStatus>, bool) {
+pub async fn advance(ctx: &Context, t: &Tenant) -> (Vec<RotationStatus>, Option<Duration>) {
     let mut out = Vec::new();
-    let mut busy = false;
+    let mut soon: Option<Duration> = None;
     for target in Target::ALL {
         match step(ctx, t, target).await {
             Ok((st, again)) => {
                 out.extend(st);
-                busy |= again;
+                soon = soonest(soon, again);
             }
             Err(e) => {
                 tracing::warn!(error = %e, target = target.as_str(), "rotating");
@@ -831,11 +852,11 @@ pub async fn advance(ctx: &Context, t: &Tenant) -> (Vec<RotationStatus>, bool) {
                         r
                     });
                 out.extend(last);
-                busy = true;
+                soon = soonest(soon, Some(RECHECK));
             }
         }
     }
-    (out, busy)
+    (out, soon)
 }
 
 /// Whether the tenant's controller manager publishes `bundle` as `kube-root-ca.crt` (what pods
@@ -938,16 +959,16 @@ async fn step(
     ctx: &Context,
     t: &Tenant,
     target: Target,
-) -> Result<(Option<RotationStatus>, bool), Error> {
+) -> Result<(Option<RotationStatus>, Option<Duration>), Error> {
     let mut ask = ask(target, &t.ncp);
     if ask.start.is_none() {
-        return Ok((None, false));
+        return Ok((None, None));
     }
     let name = target.purpose().secret_name(&t.cluster());
     let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &t.namespace());
     let Some(secret) = api.get_opt(&name).await? else {
         // Made with the control plane's certificates: asked again once it exists.
-        return Ok((None, true));
+        return Ok((None, Some(RECHECK)));
     };
     let blocked_status = |m: String| RotationStatus {
         target: target.as_str().into(),
@@ -959,7 +980,7 @@ async fn step(
     let Some(keys) = read(&secret) else {
         let m = format!("secret {name} lacks tls.crt or tls.key; fix it");
         event_once(ctx, t, target, EventType::Warning, ROTATION_BLOCKED, &m).await;
-        return Ok((Some(blocked_status(m)), false));
+        return Ok((Some(blocked_status(m)), None));
     };
     let data = crate::secrets::secret_bytes(&secret);
     let due = ask
@@ -1005,24 +1026,28 @@ async fn step(
         Err(_) => Decision::Idle,
     };
     match decision {
-        Decision::Idle => Ok((status(target, &keys, None), false)),
-        // A held completion is looked at again soon too: what holds it (the tenant's nodes)
+        Decision::Idle => Ok((status(target, &keys, None), None)),
+        // A held completion is looked at again too: what holds it (the tenant's nodes)
         // changes without an event here.
         Decision::Wait(m) => Ok((
             status(target, &keys, Some(m)),
-            keys.phase != Some(Phase::Started) || ask.hold.is_some(),
+            if keys.phase != Some(Phase::Started) {
+                Some(RECHECK)
+            } else {
+                ask.hold.as_ref().map(|_| HELD_RECHECK)
+            },
         )),
         Decision::Blocked(m) => {
             let m = format!("secret {name}: {m}");
             event_once(ctx, t, target, EventType::Warning, ROTATION_BLOCKED, &m).await;
             let st = status(target, &keys, Some(m.clone())).unwrap_or_else(|| blocked_status(m));
-            Ok((Some(st), false))
+            Ok((Some(st), None))
         }
         Decision::Write(next) => {
             write(&api, &secret, target, &next).await?;
             if next.phase != keys.phase {
                 let seen = if ask.served {
-                    "; every API server was seen using the CA files in its TLS handshake"
+                    "; every API server was seen using the CA files as they are now in its TLS handshake"
                 } else {
                     ""
                 };
@@ -1030,7 +1055,7 @@ async fn step(
             }
             Ok((
                 status(target, &next, None),
-                next.phase != Some(Phase::Completed),
+                (next.phase != Some(Phase::Completed)).then_some(RECHECK),
             ))
         }
         Decision::Resign(next) => {
@@ -1048,7 +1073,7 @@ async fn step(
                         &keys,
                         Some("waiting for the admin kubeconfig".into()),
                     ),
-                    true,
+                    Some(RECHECK),
                 ));
             };
             let id = clean(next.id.as_deref().unwrap_or_default());
@@ -1063,11 +1088,11 @@ async fn step(
                 let m = format!(
                     "completing: {left} service-account token Secret(s) of the cluster are being re-signed with the new key by its tokens controller; the old key is dropped after"
                 );
-                return Ok((status(target, &keys, Some(m)), true));
+                return Ok((status(target, &keys, Some(m)), Some(RECHECK)));
             }
             write(&api, &secret, target, &next).await?;
             announce(ctx, t, target, &next, "").await;
-            Ok((status(target, &next, None), true))
+            Ok((status(target, &next, None), Some(RECHECK)))
         }
     }
 }
@@ -2039,6 +2064,15 @@ mod tests {
         assert!(!serves(
             &[either],
             &new.cert_pem,
+            &old_for_both,
+            &new_leaf,
+            Some(&old_id)
+        ));
+        // Before it is dropped (the serving certificate's step), the certificate tells.
+        let kept = shake(&[&new, &old, &proxy], &new_leaf);
+        assert!(serves(
+            &[kept],
+            &format!("{}{}", new.cert_pem, old.cert_pem),
             &old_for_both,
             &new_leaf,
             Some(&old_id)
