@@ -521,6 +521,25 @@ fn ca_rotation(kc: &Path, ns: &str, name: &str) -> String {
     )
 }
 
+/// Waits until the CA rotation of control plane `ns/name` says its completion is held by
+/// `what` (its message names `needle`), and checks it is still `Started`.
+fn held_by(kc: &Path, ns: &str, name: &str, what: &str, needle: &str, secs: u64) {
+    let held = eventually(
+        &format!("completion held by {what}"),
+        Duration::from_secs(secs),
+        || {
+            let m = jsonpath(
+                kc,
+                &["ncp", name, "-n", ns],
+                "{.status.rotations[?(@.target==\"ca\")].message}",
+            );
+            m.contains(needle).then_some(m)
+        },
+    );
+    eprintln!("CA rotation: {held}");
+    assert!(ca_rotation(kc, ns, name).starts_with("Started|"));
+}
+
 /// The certificates of a PEM bundle, by fingerprint.
 fn ca_ids(pem: &str) -> Vec<String> {
     nestplane_pki::certificates(pem)
@@ -776,20 +795,7 @@ async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let held = eventually(
-        "completion held by the node",
-        Duration::from_secs(60),
-        || {
-            let m = jsonpath(
-                &kc,
-                &["ncp", hc, "-n", ns],
-                "{.status.rotations[?(@.target==\"ca\")].message}",
-            );
-            m.contains("has nodes").then_some(m)
-        },
-    );
-    eprintln!("CA rotation: {held}");
-    assert!(ca_rotation(&kc, ns, hc).starts_with("Started|"));
+    held_by(&kc, ns, hc, "the node", "has nodes", 60);
     kubectl_ok(&before, &["get", "ns", "default"]);
     assert_eq!(
         ca_ids(&ca_secret(env)),
@@ -803,20 +809,14 @@ async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
         "apiVersion: v1\nkind: Secret\nmetadata: {name: bootstrap-token-abcdef, namespace: kube-system}\ntype: bootstrap.kubernetes.io/token\nstringData: {token-id: abcdef, token-secret: 0123456789abcdef, usage-bootstrap-authentication: 'true'}\n",
     );
     kubectl_ok(&kc, &["delete", "nodepool", "rot", "--timeout=240s"]);
-    let held = eventually(
-        "completion held by the joining machine",
-        Duration::from_secs(120),
-        || {
-            let m = jsonpath(
-                &kc,
-                &["ncp", hc, "-n", ns],
-                "{.status.rotations[?(@.target==\"ca\")].message}",
-            );
-            m.contains("bootstrap-token-abcdef").then_some(m)
-        },
+    held_by(
+        &kc,
+        ns,
+        hc,
+        "the joining machine",
+        "bootstrap-token-abcdef",
+        120,
     );
-    eprintln!("CA rotation: {held}");
-    assert!(ca_rotation(&kc, ns, hc).starts_with("Started|"));
 
     // Nothing joining, completion goes on: the serving certificates are reissued from the new
     // CA, the old one dropped.
