@@ -16,6 +16,8 @@ use nestplane_pki::{self as pki, CertKey, LeafSpec, Usage};
 use nestplane_runtime::binaries;
 use nestplane_runtime::child::{self, Child, Spec};
 
+pub mod seed;
+
 /// The Kubernetes version of the management plane's binaries (the ones the install script
 /// builds).
 pub const DEFAULT_VERSION: &str = "v1.20.2";
@@ -75,6 +77,11 @@ pub struct Options {
     /// Real nodes (containerd + kubelet + kube-proxy) joined to the plane; needs
     /// `controller_manager`.
     pub nodes: Option<NodeOptions>,
+    /// CustomResourceDefinitions the API server serves from its first start: stored in etcd
+    /// before it starts (those not stored yet), so that it builds its OpenAPI document once
+    /// rather than once per CRD (see `seed`, and what it does not do). For planes as short-lived
+    /// as a test.
+    pub crds: Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>,
 }
 
 /// The management plane's nodes.
@@ -455,6 +462,15 @@ impl LocalPlane {
         let mut etcd_child = Child::spawn(&etcd_spec(etcd_bin, &dir, etcd_client, etcd_peer))
             .map_err(io_err("starting etcd"))?;
         wait_tcp(&mut etcd_child, etcd_client, Duration::from_secs(30)).await?;
+        if !opts.crds.is_empty() {
+            seed::crds(
+                &dir.join("pki"),
+                etcd_client,
+                &opts.crds,
+                Duration::from_secs(30),
+            )
+            .await?;
+        }
         children.push(etcd_child);
 
         let port = free_port()?;

@@ -23,6 +23,7 @@ async fn starts_serves_and_stops_cleanly() {
         controller_manager: true,
         disabled_controllers: vec![],
         nodes: None,
+        crds: vec![],
     })
     .await
     .expect("management plane starts");
@@ -113,6 +114,7 @@ async fn data_and_ca_survive_a_restart_in_the_same_dir() {
         controller_manager: false,
         disabled_controllers: vec![],
         nodes: None,
+        crds: vec![],
     };
     let first = LocalPlane::start(opts.clone()).await.unwrap();
     let ca = first.ca_pem().to_string();
@@ -138,6 +140,7 @@ async fn service_account_kubeconfig_is_subject_to_rbac() {
         controller_manager: true,
         disabled_controllers: vec![],
         nodes: None,
+        crds: vec![],
     })
     .await
     .unwrap();
@@ -252,5 +255,142 @@ async fn the_management_etcd_answers_only_its_own_clients() {
             .mode()
             & 0o777;
         assert_eq!(mode, 0o600, "{key}");
+    }
+}
+
+/// The CRD a plane is asked to serve from its start.
+fn widget_crd()
+-> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": "widgets.example.com"},
+        "spec": {
+            "group": "example.com",
+            "names": {"kind": "Widget", "plural": "widgets"},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": "v1", "served": true, "storage": true,
+                "schema": {"openAPIV3Schema": {"type": "object", "properties": {
+                    "spec": {"type": "object", "properties": {"size": {"type": "integer"}}},
+                }}},
+            }],
+        },
+    }))
+    .unwrap()
+}
+
+async fn get_text(client: &kube::Client, path: &str) -> String {
+    client
+        .request_text(nestplane_localplane::http_get(path).unwrap())
+        .await
+        .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+}
+
+#[tokio::test]
+async fn crds_given_at_start_are_served_at_once_built_into_openapi_once_and_kept_on_restart() {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
+    let dir = tempfile::tempdir().unwrap();
+    let opts = Options {
+        dir: Some(dir.path().to_path_buf()),
+        controller_manager: false,
+        disabled_controllers: vec![],
+        nodes: None,
+        crds: vec![widget_crd()],
+    };
+    let first = LocalPlane::start(opts.clone()).await.unwrap();
+    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk("example.com", "v1", "Widget"));
+    let widgets: Api<DynamicObject> = Api::namespaced_with(first.client(), "default", &resource);
+    // Served without being installed through the API.
+    let widget: DynamicObject = serde_json::from_value(serde_json::json!({
+        "apiVersion": "example.com/v1", "kind": "Widget",
+        "metadata": {"name": "w1"}, "spec": {"size": 3},
+    }))
+    .unwrap();
+    let pp = PostParams::default();
+    retry("creating a Widget", || widgets.create(&pp, &widget)).await;
+    let crds: Api<CustomResourceDefinition> = Api::all(first.client());
+    let stored_version = crds
+        .get("widgets.example.com")
+        .await
+        .unwrap()
+        .metadata
+        .resource_version;
+    // The aggregated OpenAPI document takes the CRDs' part within a few seconds (it polls
+    // it); by then any rebuild for the CRD would have been counted.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !first
+        .client()
+        .request_text(nestplane_localplane::http_get("/openapi/v2").unwrap())
+        .await
+        .is_ok_and(|doc| doc.contains("com.example.v1.Widget"))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "Widget never reached the OpenAPI document"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let metrics = get_text(&first.client(), "/metrics").await;
+    let rebuilt: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("apiextensions_openapi_v2_regeneration_count"))
+        .filter(|l| l.contains("widgets.example.com"))
+        .collect();
+    assert!(
+        rebuilt.is_empty(),
+        "OpenAPI rebuilt for the CRD: {rebuilt:?}"
+    );
+    // Stored as the API server's controllers would leave it: none of them wrote it again.
+    let crd = crds.get("widgets.example.com").await.unwrap();
+    assert_eq!(crd.metadata.resource_version, stored_version);
+    let conditions: Vec<(String, String)> = crd
+        .status
+        .and_then(|s| s.conditions)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| (c.type_, c.status))
+        .collect();
+    for wanted in ["NamesAccepted", "Established"] {
+        assert!(
+            conditions.contains(&(wanted.to_string(), "True".to_string())),
+            "{wanted}: {conditions:?}"
+        );
+    }
+
+    // What the user changes in a CRD is theirs: a restart does not store it again.
+    crds.patch(
+        "widgets.example.com",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"spec": {"names": {"shortNames": ["wdg"]}}})),
+    )
+    .await
+    .unwrap();
+    drop(first);
+    let second = LocalPlane::start(opts).await.unwrap();
+    let crd = Api::<CustomResourceDefinition>::all(second.client())
+        .get("widgets.example.com")
+        .await
+        .unwrap();
+    assert_eq!(crd.spec.names.short_names, Some(vec!["wdg".to_string()]));
+    let widgets: Api<DynamicObject> = Api::namespaced_with(second.client(), "default", &resource);
+    let kept = retry("reading the Widget after a restart", || widgets.get("w1")).await;
+    assert_eq!(kept.data["spec"]["size"], serde_json::json!(3));
+}
+
+/// `call` until it succeeds, for up to 30 s; panics with its last error.
+async fn retry<T, F: std::future::Future<Output = Result<T, kube::Error>>>(
+    what: &str,
+    mut call: impl FnMut() -> F,
+) -> T {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        match call().await {
+            Ok(got) => return got,
+            Err(e) if std::time::Instant::now() > deadline => panic!("{what}: {e}"),
+            Err(e) => eprintln!("{what}: {e}; again"),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
 }
