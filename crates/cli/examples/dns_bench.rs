@@ -93,6 +93,7 @@ async fn main() {
         controller_manager: false,
         disabled_controllers: vec![],
         nodes: None,
+        crds: vec![],
     })
     .await
     .expect("management plane");

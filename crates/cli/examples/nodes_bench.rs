@@ -60,6 +60,7 @@ async fn main() {
             images: images.clone(),
             dns_image: Some(nestplane_nodes::images::OPERATOR_IMAGE.into()),
         }),
+        crds: nestplane_api::crds::all(),
     })
     .await
     .expect("management plane with a node");

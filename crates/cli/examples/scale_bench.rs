@@ -309,6 +309,7 @@ async fn main() -> anyhow::Result<()> {
         controller_manager: true,
         disabled_controllers: vec![],
         nodes: None,
+        crds: nestplane_api::crds::all(),
     })
     .await?;
     let client = plane.client();

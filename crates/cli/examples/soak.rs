@@ -92,6 +92,7 @@ async fn main() -> anyhow::Result<()> {
         controller_manager: true,
         disabled_controllers: vec![],
         nodes: None,
+        crds: nestplane_api::crds::all(),
     })
     .await?;
     nestplane_operator::crds::install(&plane.client(), Duration::from_secs(30)).await?;

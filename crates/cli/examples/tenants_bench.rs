@@ -148,6 +148,7 @@ async fn main() {
         controller_manager: false,
         disabled_controllers: vec![],
         nodes: None,
+        crds: nestplane_api::crds::all(),
     })
     .await
     .expect("management plane");

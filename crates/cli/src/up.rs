@@ -172,6 +172,9 @@ async fn start(
         controller_manager: true,
         disabled_controllers: vec![],
         nodes,
+        // Installed through the API below: this plane lives on, and its CRDs' fields stay
+        // owned by nestplane's apply (see `nestplane_localplane::seed`).
+        crds: vec![],
     })
     .await
     .context("starting the local management plane")?;

@@ -772,6 +772,7 @@ async fn management_plane_with_a_node() -> LocalPlane {
             images: images().into_values().collect(),
             dns_image: Some(nestplane_nodes::images::OPERATOR_IMAGE.into()),
         }),
+        crds: vec![],
     })
     .await
     .expect("management plane with a node")

@@ -113,6 +113,7 @@ impl Env {
             controller_manager: true,
             disabled_controllers: vec![],
             nodes: None,
+            crds: nestplane_api::crds::all(),
         })
         .await
         .expect("management plane");
