@@ -21,13 +21,17 @@
 #     (crates/cli/examples/scale_bench.rs; BENCH_SCALE_TENANTS, default 1000).
 #  8. The cost of measuring 100 tenants' usage on a shared datastore for their quotas: one
 #     pass's time and etcd's CPU (crates/cli/examples/quota_bench.rs).
+#  9. A management plane (as each test starts one) to nestplane's CRDs served, installed on a
+#     running API server or stored before it starts: seconds and the API server's CPU
+#     (crates/cli/examples/plane_bench.rs; BENCH_PLANE_RUNS, default 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin_line=$(scripts/install-deps.sh | grep '^NESTPLANE_BIN_DIR=')
 export "${bin_line?}"
 echo "bench: building nestplane (release)" >&2
 cargo build --release -p nestplane-cli --bin nestplane --example nodes_bench --example dns_bench \
-  --example startup_bench --example scale_bench --example tenants_bench --example quota_bench
+  --example startup_bench --example scale_bench --example tenants_bench --example quota_bench \
+  --example plane_bench
 runs="${1:-3}"
 for i in $(seq 1 "$runs"); do
   dir=$(mktemp -d)
@@ -54,3 +58,5 @@ echo "one operator, many control planes"
 target/release/examples/scale_bench "${BENCH_SCALE_TENANTS:-1000}" 60 | sed 's/^/  /'
 echo "measuring tenants on a shared datastore (quotas)"
 target/release/examples/quota_bench | sed 's/^/  /'
+echo "a management plane to nestplane's CRDs served (installed on a running API server, or stored first)"
+target/release/examples/plane_bench "${BENCH_PLANE_RUNS:-5}" | sed 's/^/  /'
