@@ -8,7 +8,7 @@
 //!
 //! - `installed`: the plane starts empty, the CRDs are created once it is ready;
 //! - `stored`: the plane stores the CRDs in etcd before its API server starts
-//!   (`Options::crds`), then the same install runs (and changes nothing).
+//!   (`Options::crds`), then the same install runs (it changes only the field owners).
 //!
 //! For each, `seconds` is the plane's start to every CRD Established, and `apiserver_cpu` the
 //! kube-apiserver's CPU-seconds until then and until 10 s later (the OpenAPI work a CRD
