@@ -104,10 +104,7 @@ async fn cluster_dns_answers_a_pod_on_a_real_node_by_the_specification() {
     // The pod asks the cluster DNS, with the cluster's search path (so `kubernetes.default`
     // is `kubernetes.default.svc.cluster.local`; busybox's nslookup ignores search paths, so
     // the names below are written out).
-    let resolv = kubectl_ok(
-        &hosted,
-        &["exec", "client", "--", "cat", "/etc/resolv.conf"],
-    );
+    let resolv = kubectl_exec_ok(&hosted, &["client", "--", "cat", "/etc/resolv.conf"]);
     assert!(resolv.contains("nameserver 10.96.0.10"), "{resolv}");
     assert!(
         resolv.contains("search default.svc.cluster.local svc.cluster.local cluster.local"),
@@ -255,10 +252,9 @@ async fn cluster_dns_answers_a_pod_on_a_real_node_by_the_specification() {
         &["pods", "-n", "kube-system", "-l", "k8s-app=kube-dns"],
         "{.items[0].status.podIP}",
     );
-    let metrics = kubectl_ok(
+    let metrics = kubectl_exec_ok(
         &hosted,
         &[
-            "exec",
             "client",
             "--",
             "wget",

@@ -889,10 +889,9 @@ async fn three_member_etcd_from_pods_and_a_tenant_node_running_a_pod() {
     .await;
 
     // Three pods of one StatefulSet formed one etcd cluster of three started members.
-    let members = kubectl_ok(
+    let members = kubectl_exec_ok(
         &kc,
         &[
-            "exec",
             "-n",
             NS,
             "trio-etcd-0",
@@ -912,10 +911,7 @@ async fn three_member_etcd_from_pods_and_a_tenant_node_running_a_pod() {
         .collect();
     assert_eq!(started.len(), 3, "{members}");
     // The etcd image holds a current etcd (older ones have authorization bypasses).
-    let version = kubectl_ok(
-        &kc,
-        &["exec", "-n", NS, "trio-etcd-0", "--", "etcd", "--version"],
-    );
+    let version = kubectl_exec_ok(&kc, &["-n", NS, "trio-etcd-0", "--", "etcd", "--version"]);
     let version = version
         .lines()
         .find_map(|l| l.strip_prefix("etcd Version: "))

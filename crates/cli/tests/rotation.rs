@@ -227,10 +227,9 @@ async fn rotating_the_service_account_key_then_the_ca_refuses_nothing_from_befor
     let before = request_token(&hosted, &dir);
     assert!(authenticates(&hosted, &before, &dir));
     let legacy_kid = || {
-        let token = kubectl_ok(
+        let token = kubectl_exec_ok(
             &hosted,
             &[
-                "exec",
                 "caller",
                 "--",
                 "cat",

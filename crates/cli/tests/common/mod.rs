@@ -63,6 +63,34 @@ pub fn kubectl_ok(kubeconfig: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// `kubectl exec ARGS` (ARGS start after `exec`), requiring success; returns stdout.
+///
+/// One answer is retried for up to 30 s: the kubelet's `Authorization error`, its 500 when it
+/// could not ask the API server whether the caller may exec. About 10 s after a kubelet starts
+/// without a client certificate (a node joined by bootstrap token), it gets its first one from
+/// the CSR and closes every connection to the API server to use it (kubelet 1.20: "certificate
+/// rotation detected, shutting down client connections"); an authorization request in flight
+/// at that moment fails, and the webhook authorizer does not retry a closed connection. Any
+/// other failure fails at once.
+pub fn kubectl_exec_ok(kubeconfig: &Path, args: &[&str]) -> String {
+    let mut all = vec!["exec"];
+    all.extend_from_slice(args);
+    eventually("kubectl exec", Duration::from_secs(30), || {
+        let out = kubectl(kubeconfig, &all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if out.status.success() {
+            return Some(String::from_utf8_lossy(&out.stdout).into_owned());
+        }
+        assert!(
+            stderr.contains("Authorization error (user="),
+            "kubectl {} failed:\n{}{stderr}",
+            all.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+        );
+        None
+    })
+}
+
 /// The `nestplane` binary built for these tests.
 pub fn nestplane() -> Command {
     Command::new(env!("CARGO_BIN_EXE_nestplane"))
@@ -678,7 +706,7 @@ pub fn wait_pod_running_and_logging(kubeconfig: &Path, name: &str, log_line: &st
             .contains(log_line)
             .then_some(())
     });
-    let hostname = kubectl_ok(kubeconfig, &["exec", name, "--", "cat", "/etc/hostname"]);
+    let hostname = kubectl_exec_ok(kubeconfig, &[name, "--", "cat", "/etc/hostname"]);
     assert_eq!(hostname.trim(), name);
 }
 
