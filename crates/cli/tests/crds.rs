@@ -158,6 +158,74 @@ async fn crds_install_samples_apply_scale_and_validate() {
     let _ = Duration::from_secs(0);
 }
 
+/// A CRD that another one keeps from being served (it holds the same kind in the group) is
+/// named by the install, which fails instead of going on as if it were served; the other
+/// CRD is left as it was.
+#[tokio::test]
+async fn install_names_a_crd_that_another_keeps_from_being_served() {
+    let plane = LocalPlane::start(Options::default())
+        .await
+        .expect("management plane");
+    let kc = plane.kubeconfig_path().to_path_buf();
+    let impostor = "apiVersion: apiextensions.k8s.io/v1\nkind: CustomResourceDefinition\nmetadata: {name: impostors.controlplane.cluster.x-k8s.io}\nspec:\n  group: controlplane.cluster.x-k8s.io\n  scope: Namespaced\n  names: {plural: impostors, singular: impostor, kind: NestedControlPlane, listKind: ImpostorList}\n  versions:\n  - name: v1alpha1\n    served: true\n    storage: true\n    schema: {openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}}\n";
+    let out = kubectl_stdin(&kc, &["apply", "-f", "-"], Some(impostor));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    kubectl_ok(
+        &kc,
+        &[
+            "wait",
+            "--for=condition=Established",
+            "crd/impostors.controlplane.cluster.x-k8s.io",
+            "--timeout=30s",
+        ],
+    );
+
+    let err = nestplane_operator::crds::install(&plane.client(), Duration::from_secs(5))
+        .await
+        .expect_err("installed although a CRD is not served");
+    match &err {
+        nestplane_operator::crds::InstallError::NotEstablished { names, .. } => {
+            assert_eq!(
+                names,
+                &["nestedcontrolplanes.controlplane.cluster.x-k8s.io"]
+            )
+        }
+        other => panic!("{other}"),
+    }
+    assert!(err.to_string().contains("NamesAccepted"), "{err}");
+    let accepted = kubectl_ok(
+        &kc,
+        &[
+            "get",
+            "crd",
+            "nestedcontrolplanes.controlplane.cluster.x-k8s.io",
+            "-o",
+            "jsonpath={.status.conditions[?(@.type==\"NamesAccepted\")].reason}",
+        ],
+    );
+    assert_eq!(accepted, "KindConflict");
+    // The others are served, and the impostor is untouched.
+    let served = kubectl_ok(
+        &kc,
+        &[
+            "get",
+            "crd",
+            "nestedetcds.controlplane.cluster.x-k8s.io",
+            "-o",
+            "jsonpath={.status.conditions[?(@.type==\"Established\")].status}",
+        ],
+    );
+    assert_eq!(served, "True");
+    kubectl_ok(
+        &kc,
+        &["get", "crd", "impostors.controlplane.cluster.x-k8s.io"],
+    );
+}
+
 /// The README's test command ends with the run that counts every test, so the last summary
 /// line CI reads is the real count (doc tests run first).
 #[test]

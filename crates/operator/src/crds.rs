@@ -8,8 +8,26 @@ use kube::api::{Api, Patch, PatchParams};
 /// The field manager nestplane applies with.
 pub const FIELD_MANAGER: &str = "nestplane";
 
-/// Server-side apply every CRD and wait until each is `Established`.
-pub async fn install(client: &kube::Client, timeout: Duration) -> Result<(), kube::Error> {
+/// Why the CRDs were not installed.
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    #[error(transparent)]
+    Kube(#[from] kube::Error),
+    /// Applied, but not served by the deadline: another CRD may hold one of their names
+    /// (`kubectl get crd NAME -o yaml`: the `NamesAccepted` condition says which).
+    #[error(
+        "CRDs not established within {timeout:?} (is another CRD using their names? see their NamesAccepted condition): {}",
+        names.join(", ")
+    )]
+    NotEstablished {
+        names: Vec<String>,
+        timeout: Duration,
+    },
+}
+
+/// Server-side apply every CRD and wait until each is `Established`; an error names those that
+/// are not by `timeout`.
+pub async fn install(client: &kube::Client, timeout: Duration) -> Result<(), InstallError> {
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     let pp = PatchParams::apply(FIELD_MANAGER).force();
     let crds = nestplane_api::crds::all();
@@ -18,17 +36,29 @@ pub async fn install(client: &kube::Client, timeout: Duration) -> Result<(), kub
         api.patch(&name, &pp, &Patch::Apply(crd)).await?;
     }
     let deadline = Instant::now() + timeout;
+    let mut late = Vec::new();
     for crd in &crds {
         let name = crd.metadata.name.clone().unwrap_or_default();
         loop {
             let got = api.get(&name).await?;
-            if established(&got) || Instant::now() > deadline {
+            if established(&got) {
+                break;
+            }
+            if Instant::now() > deadline {
+                late.push(name);
                 break;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
-    Ok(())
+    if late.is_empty() {
+        Ok(())
+    } else {
+        Err(InstallError::NotEstablished {
+            names: late,
+            timeout,
+        })
+    }
 }
 
 /// Whether a CRD is served (its `Established` condition is `True`).
