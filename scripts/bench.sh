@@ -24,6 +24,9 @@
 #  9. A management plane (as each test starts one) to nestplane's CRDs served, installed on a
 #     running API server or stored before it starts: seconds and the API server's CPU
 #     (crates/cli/examples/plane_bench.rs; BENCH_PLANE_RUNS, default 5).
+# 10. Backup and restore throughput of one tenant's 10,000 keys (about 1.5 KiB each) on a scratch
+#     etcd: export at one revision, seal, open, restore under a new prefix; keys/s and MiB/s
+#     (crates/cli/examples/backup_bench.rs; BACKUP_BENCH_KEYS, BACKUP_BENCH_RUNS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin_line=$(scripts/install-deps.sh | grep '^NESTPLANE_BIN_DIR=')
@@ -31,7 +34,7 @@ export "${bin_line?}"
 echo "bench: building nestplane (release)" >&2
 cargo build --release -p nestplane-cli --bin nestplane --example nodes_bench --example dns_bench \
   --example startup_bench --example scale_bench --example tenants_bench --example quota_bench \
-  --example plane_bench
+  --example plane_bench --example backup_bench
 runs="${1:-3}"
 for i in $(seq 1 "$runs"); do
   dir=$(mktemp -d)
@@ -60,3 +63,5 @@ echo "measuring tenants on a shared datastore (quotas)"
 target/release/examples/quota_bench | sed 's/^/  /'
 echo "a management plane to nestplane's CRDs served (installed on a running API server, or stored first)"
 target/release/examples/plane_bench "${BENCH_PLANE_RUNS:-5}" | sed 's/^/  /'
+echo "backup and restore throughput (one tenant's keys, scratch etcd)"
+target/release/examples/backup_bench | sed 's/^/  /'

@@ -16,6 +16,7 @@ use nestplane_pki::{self as pki, CertKey, LeafSpec, Usage};
 use nestplane_runtime::binaries;
 use nestplane_runtime::child::{self, Child, Spec};
 
+pub mod scratch;
 pub mod seed;
 
 /// The Kubernetes version of the management plane's binaries (the ones the install script

@@ -8,6 +8,7 @@
 //! the wings' `plan` modules), applies, and writes status only when it changed.
 
 pub mod applied;
+pub mod backup;
 pub mod clock;
 pub mod component;
 pub mod context;
