@@ -31,21 +31,28 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// A ConfigMap as JSON, about 1.5 KiB, different in each object.
+/// A ConfigMap as JSON, about 1.5 KiB, different in each object: its data values are
+/// pseudo-random text (so the archive's compression is not flattered by repetition; real
+/// objects hold tokens, certificates and hashes too).
 fn object(i: usize) -> String {
+    let mut x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut text = |n: usize| -> String {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                char::from(b"abcdefghijklmnopqrstuvwxyz0123456789-_. "[(x % 40) as usize])
+            })
+            .collect()
+    };
     let data: String = (0..12)
-        .map(|j| {
-            format!(
-                "\"key-{j}\":\"value {i}-{j} {}\",",
-                "x".repeat(60 + (i * 7 + j) % 40)
-            )
-        })
+        .map(|j| format!("\"key-{j}\":\"{}\",", text(70 + (i * 7 + j) % 40)))
         .collect();
     format!(
-        "{{\"kind\":\"ConfigMap\",\"apiVersion\":\"v1\",\"metadata\":{{\"name\":\"cm-{i}\",\"namespace\":\"ns-{}\",\"uid\":\"{:08x}-7a1c-4e2b-9d3f-{:012x}\",\"resourceVersion\":\"{}\",\"creationTimestamp\":\"2026-11-28T01:00:00Z\",\"labels\":{{\"app\":\"bench\",\"shard\":\"{}\"}}}},\"data\":{{{}\"end\":\"{i}\"}}}}",
+        "{{\"kind\":\"ConfigMap\",\"apiVersion\":\"v1\",\"metadata\":{{\"name\":\"cm-{i}\",\"namespace\":\"ns-{}\",\"uid\":\"{}\",\"resourceVersion\":\"{}\",\"creationTimestamp\":\"2026-11-28T01:00:00Z\",\"labels\":{{\"app\":\"bench\",\"shard\":\"{}\"}}}},\"data\":{{{}\"end\":\"{i}\"}}}}",
         i % 20,
-        i * 2654435761 % 0xffff_ffff,
-        i * 40503,
+        text(36),
         1000 + i,
         i % 16,
         data
