@@ -82,6 +82,7 @@ fn check_prefix(prefix: &str) -> Result<(), EngineError> {
 }
 
 /// A key as read: relative to the prefix, its value, its lease (0 for none).
+#[derive(Debug)]
 pub struct Read {
     pub revision: i64,
     pub keys: Vec<(Vec<u8>, Vec<u8>, i64)>,
@@ -145,6 +146,7 @@ pub async fn read_at(
 }
 
 /// A tenant's keys at one revision, ready for an archive.
+#[derive(Debug)]
 pub struct Snapshot {
     pub revision: i64,
     pub records: Vec<Record>,
