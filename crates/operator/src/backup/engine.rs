@@ -159,9 +159,21 @@ pub struct Snapshot {
 /// [`archive::check_key`]) fails the export rather than make an archive that cannot be
 /// restored.
 pub async fn export(client: &mut Client, prefix: &str, page: i64) -> Result<Snapshot, EngineError> {
+    export_from(client, prefix, page, None).await
+}
+
+/// [`export`], with the first read at `first` (the current revision when `None`); every read
+/// after a compaction is at the current revision.
+pub(crate) async fn export_from(
+    client: &mut Client,
+    prefix: &str,
+    page: i64,
+    first: Option<i64>,
+) -> Result<Snapshot, EngineError> {
     let mut restarts = 0;
+    let mut at = first;
     let read = loop {
-        match read_at(client, prefix, None, page).await {
+        match read_at(client, prefix, at.take(), page).await {
             Ok(r) => break r,
             Err(EngineError::Compacted { revision }) => {
                 restarts += 1;

@@ -170,6 +170,15 @@ async fn a_read_is_pinned_to_one_revision_and_a_compacted_one_is_named() {
         Err(EngineError::Compacted { revision }) => assert_eq!(revision, at.revision),
         other => panic!("expected Compacted, got {:?}", other.map(|r| r.revision)),
     }
+    // An export whose revision is compacted before it ends starts again at the current one,
+    // and says so.
+    let snap = engine::export_from(&mut c, A, 3, Some(at.revision))
+        .await
+        .unwrap();
+    assert_eq!(snap.restarts, 1);
+    assert!(snap.revision >= now.revision);
+    assert_eq!(snap.records.len(), 10);
+    assert!(snap.records.iter().all(|r| r.value == b"after"));
 }
 
 /// An archive is input its holder controls: a key that would leave the tenant's prefix is
