@@ -89,7 +89,9 @@ async fn main() {
     let mut archive_bytes = 0;
     for run in 0..runs {
         let t = Instant::now();
-        let snap = engine::export(&mut c, prefix, engine::PAGE).await.unwrap();
+        let snap = engine::export(&mut c, prefix, engine::PAGE, &Limits::default())
+            .await
+            .unwrap();
         export.push(t.elapsed().as_secs_f64());
         assert_eq!(snap.records.len(), keys);
 
@@ -106,12 +108,12 @@ async fn main() {
         archive_bytes = sealed.len();
 
         let t = Instant::now();
-        let (header, records) = archive::decode(&sealed, &key, &Limits::default()).unwrap();
+        let (_, records) = archive::decode(&sealed, &key, &Limits::default()).unwrap();
         open.push(t.elapsed().as_secs_f64());
 
         let t = Instant::now();
         let into = format!("/nestplane/bench/restored-{run}/");
-        let done = engine::restore(&mut c, &into, &records, &header.digest, &Limits::default())
+        let done = engine::restore(&mut c, &into, &records, &Limits::default())
             .await
             .unwrap();
         restore.push(t.elapsed().as_secs_f64());

@@ -273,52 +273,48 @@ async fn tenants_on_a_managed_datastore_see_only_their_own_keys() {
     {
         use nestplane_operator::backup::{archive, engine};
         let mut grpc = as_alpha.client().await;
-        let snap = engine::export(&mut grpc, "/nestplane/default/alpha/", 100)
-            .await
-            .expect("alpha exports its own keys");
+        let snap = engine::export(
+            &mut grpc,
+            &engine::key_root(Some("/nestplane/default/alpha/")),
+            100,
+            &archive::Limits::default(),
+        )
+        .await
+        .expect("alpha exports its own keys");
         let names: Vec<String> = snap
             .records
             .iter()
             .map(|r| String::from_utf8_lossy(&r.key).into_owned())
             .collect();
         assert!(
-            names.contains(&"registry/configmaps/same/only-in-alpha".to_string()),
+            names.contains(&"configmaps/same/only-in-alpha".to_string()),
             "{names:?}"
         );
         assert!(!names.iter().any(|n| n.contains("only-in-beta")));
-        let header = archive::header_for(
-            "default/alpha",
-            "v1.20.2",
-            snap.revision,
-            "now",
-            &snap.records,
-        );
         let aside = "/nestplane/default/alpha/restore-check/";
-        let done = engine::restore(
-            &mut grpc,
-            aside,
-            &snap.records,
-            &header.digest,
-            &archive::Limits::default(),
-        )
-        .await
-        .expect("alpha restores under its own prefix");
+        let done = engine::restore(&mut grpc, aside, &snap.records, &archive::Limits::default())
+            .await
+            .expect("alpha restores under its own prefix");
         assert_eq!(done.written as usize, snap.records.len());
-        // The tenant's Events (its controller manager's and scheduler's leader elections) are
-        // on leases: granting them takes no more than alpha's own role either.
+        // Some of the tenant's keys are on leases (its API server's own entry under
+        // `masterleases/`, its Events): granting them takes no more than alpha's role either.
         assert!(done.leases >= 1, "{done:?}");
         grpc.delete(aside, Some(etcd_client::DeleteOptions::new().with_prefix()))
             .await
             .unwrap();
-        let err = engine::export(&mut grpc, "/nestplane/default/beta/", 100)
-            .await
-            .expect_err("alpha exported beta's keys");
+        let err = engine::export(
+            &mut grpc,
+            &engine::key_root(Some("/nestplane/default/beta/")),
+            100,
+            &archive::Limits::default(),
+        )
+        .await
+        .expect_err("alpha exported beta's keys");
         assert!(err.to_string().contains("permission denied"), "{err}");
         let err = engine::restore(
             &mut grpc,
             "/nestplane/default/beta/",
             &snap.records,
-            &header.digest,
             &archive::Limits::default(),
         )
         .await

@@ -22,7 +22,7 @@ use std::io::{Read, Write};
 use ring::aead::{Aad, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey};
 use ring::rand::{SecureRandom, SystemRandom};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
+use sha2::{Digest as _, Sha256};
 
 /// The first bytes of every archive (and its format version).
 pub const MAGIC: &[u8] = b"NPBACKUP1\n";
@@ -75,7 +75,10 @@ pub struct Header {
     pub keys: u64,
     /// Their keys' and values' bytes.
     pub bytes: u64,
-    /// [`digest`] of the records: `sha256:` and 64 hex digits.
+    /// The records' [`digest`], keyed: HMAC-SHA-256 under a key derived from the archive's
+    /// key (`hmac-sha256:` and 64 hex digits). Whoever holds the key can check it; whoever
+    /// holds only the file learns nothing about the records from it (a plain hash would let
+    /// them confirm a guess, or see that two archives hold the same data).
     pub digest: String,
     /// When it was taken (RFC 3339).
     pub created: String,
@@ -198,27 +201,54 @@ pub fn check_records(records: &[Record], limits: &Limits) -> Result<(), ArchiveE
     Ok(())
 }
 
+/// A digest of keys and values, one at a time (see [`digest`]).
+#[derive(Default)]
+pub struct Digest(Sha256);
+
+impl Digest {
+    /// Add one key and its value.
+    pub fn add(&mut self, key: &[u8], value: &[u8]) {
+        self.0.update((key.len() as u64).to_be_bytes());
+        self.0.update(key);
+        self.0.update((value.len() as u64).to_be_bytes());
+        self.0.update(value);
+    }
+
+    /// `sha256:` and 64 hex digits.
+    pub fn finish(self) -> String {
+        format!("sha256:{}", hex(&self.0.finalize()))
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// The digest of `records` (in the order given): SHA-256 over each key's and value's length
 /// and bytes. Leases are left out: a restored key has a new lease with the same keys and
 /// values, and the digest says the data is the same.
 pub fn digest<'a>(records: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> String {
-    let mut h = Sha256::new();
+    let mut d = Digest::default();
     for (k, v) in records {
-        h.update((k.len() as u64).to_be_bytes());
-        h.update(k);
-        h.update((v.len() as u64).to_be_bytes());
-        h.update(v);
+        d.add(k, v);
     }
-    let out = h.finalize();
-    let mut s = String::with_capacity(7 + 64);
-    s.push_str("sha256:");
-    for b in out {
-        s.push_str(&format!("{b:02x}"));
-    }
-    s
+    d.finish()
 }
 
-/// The header for `records` read at `revision` from `tenant`.
+/// [`digest`] keyed for the header: HMAC-SHA-256 of it under a key derived from `key` (the
+/// archive's own key is not used for two things).
+pub fn keyed_digest(key: &[u8], digest: &str) -> String {
+    let derive = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
+    let derived = ring::hmac::sign(&derive, b"nestplane backup: header digest key v1");
+    let mac = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, derived.as_ref());
+    format!(
+        "hmac-sha256:{}",
+        hex(ring::hmac::sign(&mac, digest.as_bytes()).as_ref())
+    )
+}
+
+/// The header for `records` read at `revision` from `tenant` (its digest is filled in by
+/// [`encode`], with the key).
 pub fn header_for(
     tenant: &str,
     kubernetes_version: &str,
@@ -235,7 +265,7 @@ pub fn header_for(
             .iter()
             .map(|r| (r.key.len() + r.value.len()) as u64)
             .sum(),
-        digest: digest(records.iter().map(|r| (&r.key[..], &r.value[..]))),
+        digest: String::new(),
         created: created.to_string(),
     }
 }
@@ -256,7 +286,12 @@ pub fn encode(header: &Header, records: &[Record], key: &[u8]) -> Result<Vec<u8>
     SystemRandom::new()
         .fill(&mut nonce)
         .map_err(|_| ArchiveError::Random)?;
-    seal(header, &compress(records), key, nonce)
+    let mut header = header.clone();
+    header.digest = keyed_digest(
+        key,
+        &digest(records.iter().map(|r| (&r.key[..], &r.value[..]))),
+    );
+    seal(&header, &compress(records), key, nonce)
 }
 
 /// The records, gzipped.
@@ -356,6 +391,19 @@ pub fn decode(
         .ok_or(ArchiveError::Truncated("in the nonce"))?
         .try_into()
         .expect("12 bytes");
+    // The sealed part may not be longer than the records it may inflate to (and gzip's
+    // framing, and the tag): refused before it is copied.
+    let bound = header
+        .bytes
+        .saturating_add(header.keys.saturating_mul(RECORD_OVERHEAD));
+    let sealed_len = (archive.len() - end - NONCE_LEN) as u64;
+    if sealed_len > bound.saturating_add(bound / 1000).saturating_add(1024 + 16) {
+        return Err(ArchiveError::Mismatch {
+            what: "the sealed part's length",
+            found: sealed_len.to_string(),
+            expected: format!("about {bound} bytes at most"),
+        });
+    }
     let mut sealed = archive[end + NONCE_LEN..].to_vec();
     let plain = sealing
         .open_in_place(
@@ -408,7 +456,14 @@ pub fn decode(
             found.bytes.to_string(),
             header.bytes.to_string(),
         ),
-        ("the digest", found.digest.clone(), header.digest.clone()),
+        (
+            "the digest",
+            keyed_digest(
+                key,
+                &digest(records.iter().map(|r| (&r.key[..], &r.value[..]))),
+            ),
+            header.digest.clone(),
+        ),
     ] {
         if f != e {
             return Err(ArchiveError::Mismatch {
@@ -495,11 +550,18 @@ mod tests {
         let (h, records) = sample();
         let bytes = encode(&h, &records, &KEY).unwrap();
         assert!(bytes.starts_with(MAGIC));
-        assert_eq!(read_header(&bytes).unwrap(), h);
+        let plain = digest(records.iter().map(|r| (&r.key[..], &r.value[..])));
+        let mut expected = h.clone();
+        expected.digest = keyed_digest(&KEY, &plain);
+        assert_eq!(read_header(&bytes).unwrap(), expected);
         let (h2, r2) = decode(&bytes, &KEY, &Limits::default()).unwrap();
-        assert_eq!((h2, r2), (h.clone(), records));
-        assert_eq!(h.keys, 3);
-        assert!(h.digest.starts_with("sha256:") && h.digest.len() == 71);
+        assert_eq!((h2.clone(), r2), (expected, records));
+        assert_eq!(h2.keys, 3);
+        assert!(h2.digest.starts_with("hmac-sha256:") && h2.digest.len() == 76);
+        // The header's digest is keyed: the records' plain one, which anyone could compute
+        // from a guess of the content, is nowhere in the file, and another key gives another.
+        assert!(!bytes.windows(64).any(|w| w == &plain.as_bytes()[7..]));
+        assert_ne!(keyed_digest(&[1; 32], &plain), h2.digest);
         // Values are sealed: not in the file in the clear.
         assert!(!bytes.windows(5).any(|w| w == b"alpha"));
     }
@@ -584,8 +646,8 @@ mod tests {
         // Records that do not match the header's count, size or digest.
         let (h, records) = sample();
         let mut lying = h.clone();
-        lying.digest = digest([(&b"x"[..], &b"y"[..])]);
-        let bytes = encode(&lying, &records, &KEY).unwrap();
+        lying.digest = keyed_digest(&KEY, &digest([(&b"x"[..], &b"y"[..])]));
+        let bytes = seal(&lying, &compress(&records), &KEY, [3; 12]).unwrap();
         assert!(matches!(
             decode(&bytes, &KEY, &Limits::default()),
             Err(ArchiveError::Mismatch {
@@ -638,15 +700,25 @@ mod tests {
             decode(&bytes, &KEY, &Limits::default()),
             Err(ArchiveError::TooLarge { .. })
         ));
-        // A million zero bytes compress to about a kilobyte; a header that says 3 keys of
-        // 20 bytes bounds what is inflated to that, whatever the sealed part unpacks to.
+        // 256 KiB of zeros compress to a few hundred bytes; a header that says 3 keys of 20
+        // bytes bounds what is inflated to that, whatever the sealed part unpacks to.
         let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
-        gz.write_all(&vec![0u8; 1 << 20]).unwrap();
+        gz.write_all(&vec![0u8; 256 << 10]).unwrap();
         let bomb = seal(&h, &gz.finish().unwrap(), &KEY, [6; 12]).unwrap();
         assert!(matches!(
             decode(&bomb, &KEY, &Limits::default()),
             Err(ArchiveError::Mismatch {
                 what: "the records' size",
+                ..
+            })
+        ));
+
+        // A sealed part far longer than such records could be is refused before it is copied.
+        let long = seal(&h, &vec![7u8; 64 << 10], &KEY, [8; 12]).unwrap();
+        assert!(matches!(
+            decode(&long, &KEY, &Limits::default()),
+            Err(ArchiveError::Mismatch {
+                what: "the sealed part's length",
                 ..
             })
         ));

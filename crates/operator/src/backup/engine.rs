@@ -1,5 +1,10 @@
 //! One engine for every datastore: read a tenant's keys at one pinned revision, page by page,
-//! relative to its prefix; write them back under any prefix in bounded transactions. It needs
+//! relative to its key root; write them back under any key root in bounded transactions.
+//!
+//! A tenant's key root is its API server's `--etcd-prefix` and a `/` ([`key_root`]):
+//! `/nestplane/<namespace>/<name>/registry/` on a shared datastore, `/registry/` on an etcd
+//! of its own. Archives hold keys relative to it (`pods/default/web-0`), so one taken from
+//! either layout restores into the other. It needs
 //! only a client that may read and write the tenant's prefix (the tenant's own etcd role is
 //! enough), so it serves a tenant's own `NestedEtcd`, a shared `NestedDatastore` and an
 //! external etcd alike.
@@ -56,6 +61,10 @@ pub enum EngineError {
     NoRevision,
     #[error("the tenant's prefix holds a key no archive may hold: {0}")]
     UnarchivableKey(ArchiveError),
+    #[error("the tenant's keys are more than an archive may hold: {0}")]
+    TooLargeToArchive(ArchiveError),
+    #[error("the datastore's answer is not valid: {0}")]
+    Answer(String),
 }
 
 fn etcd(what: &'static str) -> impl FnOnce(etcd_client::Error) -> EngineError {
@@ -81,6 +90,15 @@ fn check_prefix(prefix: &str) -> Result<(), EngineError> {
     }
 }
 
+/// The key root of a tenant whose API server stores under `datastore_prefix` on a shared
+/// datastore (`None`: an etcd of its own): its `--etcd-prefix` (as `render` sets it) and `/`.
+pub fn key_root(datastore_prefix: Option<&str>) -> String {
+    match datastore_prefix {
+        Some(p) => format!("{p}registry/"),
+        None => "/registry/".to_string(),
+    }
+}
+
 /// A key as read: relative to the prefix, its value, its lease (0 for none).
 #[derive(Debug)]
 pub struct Read {
@@ -96,14 +114,37 @@ pub async fn read_at(
     revision: Option<i64>,
     page: i64,
 ) -> Result<Read, EngineError> {
+    let mut keys = Vec::new();
+    let revision = scan(client, prefix, revision, page, false, |rel, kv| {
+        keys.push((rel.to_vec(), kv.value().to_vec(), kv.lease()));
+    })
+    .await?;
+    Ok(Read { revision, keys })
+}
+
+/// Call `f` with each key under `prefix` (relative to it) at `revision` (the current one when
+/// `None`), in key order, `page` keys per request (halved while an answer is too large for the
+/// client), values left out with `keys_only`; returns the revision read. The datastore's
+/// answers are checked, not trusted: every key under the prefix, each after the one before.
+async fn scan(
+    client: &mut Client,
+    prefix: &str,
+    revision: Option<i64>,
+    page: i64,
+    keys_only: bool,
+    mut f: impl FnMut(&[u8], &etcd_client::KeyValue),
+) -> Result<i64, EngineError> {
     check_prefix(prefix)?;
     let end = prefix_end(prefix);
     let mut from = prefix.as_bytes().to_vec();
     let mut revision = revision;
     let mut page = page.max(1);
-    let mut keys = Vec::new();
+    let mut last: Option<Vec<u8>> = None;
     loop {
         let mut opts = GetOptions::new().with_range(end.clone()).with_limit(page);
+        if keys_only {
+            opts = opts.with_keys_only();
+        }
         if let Some(r) = revision {
             opts = opts.with_revision(r);
         }
@@ -128,21 +169,28 @@ pub async fn read_at(
             );
         }
         for kv in resp.kvs() {
-            let rel = kv.key()[prefix.len()..].to_vec();
-            keys.push((rel, kv.value().to_vec(), kv.lease()));
+            let key = kv.key();
+            if !key.starts_with(prefix.as_bytes())
+                || key >= &end[..]
+                || last.as_deref().is_some_and(|l| l >= key)
+            {
+                return Err(EngineError::Answer(format!(
+                    "key {:?} is not under {prefix:?} after the one before",
+                    String::from_utf8_lossy(&key[..key.len().min(200)])
+                )));
+            }
+            f(&key[prefix.len()..], kv);
+            last = Some(key.to_vec());
         }
         match resp.kvs().last() {
-            Some(last) if resp.more() => {
-                from = last.key().to_vec();
+            Some(l) if resp.more() => {
+                from = l.key().to_vec();
                 from.push(0);
             }
             _ => break,
         }
     }
-    Ok(Read {
-        revision: revision.unwrap_or_default(),
-        keys,
-    })
+    Ok(revision.unwrap_or_default())
 }
 
 /// A tenant's keys at one revision, ready for an archive.
@@ -158,8 +206,13 @@ pub struct Snapshot {
 /// after; a lease that has ended since says 1 s). A key that no archive may hold (see
 /// [`archive::check_key`]) fails the export rather than make an archive that cannot be
 /// restored.
-pub async fn export(client: &mut Client, prefix: &str, page: i64) -> Result<Snapshot, EngineError> {
-    export_from(client, prefix, page, None).await
+pub async fn export(
+    client: &mut Client,
+    prefix: &str,
+    page: i64,
+    limits: &Limits,
+) -> Result<Snapshot, EngineError> {
+    export_from(client, prefix, page, limits, None).await
 }
 
 /// [`export`], with the first read at `first` (the current revision when `None`); every read
@@ -168,6 +221,7 @@ pub(crate) async fn export_from(
     client: &mut Client,
     prefix: &str,
     page: i64,
+    limits: &Limits,
     first: Option<i64>,
 ) -> Result<Snapshot, EngineError> {
     let mut restarts = 0;
@@ -207,7 +261,7 @@ pub(crate) async fn export_from(
             ttls.insert(lease, ttl.max(1));
         }
     }
-    let records = read
+    let records: Vec<Record> = read
         .keys
         .into_iter()
         .map(|(key, value, lease)| Record {
@@ -219,6 +273,8 @@ pub(crate) async fn export_from(
             }),
         })
         .collect();
+    // What a restore would refuse is refused here, rather than found out then.
+    archive::check_records(&records, limits).map_err(EngineError::TooLargeToArchive)?;
     Ok(Snapshot {
         revision: read.revision,
         records,
@@ -239,17 +295,23 @@ pub struct Restored {
 
 /// The digest of everything under `prefix` now (see [`archive::digest`]), and its key count.
 pub async fn digest_of(client: &mut Client, prefix: &str) -> Result<(String, u64), EngineError> {
-    let read = read_at(client, prefix, None, PAGE).await?;
-    let digest = archive::digest(read.keys.iter().map(|(k, v, _)| (&k[..], &v[..])));
-    Ok((digest, read.keys.len() as u64))
+    let mut digest = archive::Digest::default();
+    let mut keys = 0u64;
+    scan(client, prefix, None, PAGE, false, |rel, kv| {
+        digest.add(rel, kv.value());
+        keys += 1;
+    })
+    .await?;
+    Ok((digest.finish(), keys))
 }
 
-/// Make `prefix` hold exactly `records`. First, before anything is read or written:
-/// the records as a whole ([`archive::check_records`] with `limits`) and their digest, which
-/// must be `digest`. Then the records are put and the keys the archive does not have are
+/// Make `prefix` hold exactly `records` (opened and verified by [`archive::decode`]). First,
+/// before anything is read or written: the records as a whole ([`archive::check_records`] with
+/// `limits`). Then the records are put and the keys the archive does not have are
 /// deleted, at most [`TXN_OPS`] operations and [`TXN_BYTES`] per transaction; keys that
 /// shared a lease share a new one, granted just before its first key is written, with the
-/// TTL they had left within [`LEASE_TTL`]. Then the prefix's digest must equal `digest`.
+/// TTL they had left within [`LEASE_TTL`] (keys on leases are written last, and their leases
+/// renewed before the check). Then the prefix's digest must equal the records' own.
 ///
 /// Its callers stop the tenant's API server first: a restore is not atomic to a reader, only
 /// complete once it returns. Run again, it gives the same keys and values (the leases of the
@@ -259,21 +321,13 @@ pub async fn restore(
     client: &mut Client,
     prefix: &str,
     records: &[Record],
-    digest: &str,
     limits: &Limits,
 ) -> Result<Restored, EngineError> {
     check_prefix(prefix)?;
     archive::check_records(records, limits)?;
-    let found = archive::digest(records.iter().map(|r| (&r.key[..], &r.value[..])));
-    if found != digest {
-        return Err(EngineError::Archive(ArchiveError::Mismatch {
-            what: "the digest",
-            found,
-            expected: digest.to_string(),
-        }));
-    }
+    let digest = archive::digest(records.iter().map(|r| (&r.key[..], &r.value[..])));
     let mut granted = BTreeMap::new();
-    let result = write_and_verify(client, prefix, records, digest, &mut granted).await;
+    let result = write_and_verify(client, prefix, records, &digest, &mut granted).await;
     if result.is_err() {
         for id in granted.values() {
             let _ = client.lease_revoke(*id).await;
@@ -290,7 +344,14 @@ async fn write_and_verify(
     granted: &mut BTreeMap<i64, i64>,
 ) -> Result<Restored, EngineError> {
     let keep: BTreeSet<&[u8]> = records.iter().map(|r| &r.key[..]).collect();
-    let existing = read_at(client, prefix, None, PAGE).await?;
+    let mut gone: Vec<Vec<u8>> = Vec::new();
+    scan(client, prefix, None, PAGE, true, |rel, _| {
+        if !keep.contains(rel) {
+            gone.push(rel.to_vec());
+        }
+    })
+    .await?;
+    drop(keep);
     let mut out = Restored::default();
     let full_key = |rel: &[u8]| {
         let mut k = prefix.as_bytes().to_vec();
@@ -301,13 +362,14 @@ async fn write_and_verify(
         Put(&'a Record),
         Delete(&'a [u8]),
     }
-    let ops = records.iter().map(Op::Put).chain(
-        existing
-            .keys
-            .iter()
-            .filter(|(rel, _, _)| !keep.contains(&rel[..]))
-            .map(|(rel, _, _)| Op::Delete(&rel[..])),
-    );
+    // Keys on leases last, their leases granted just before them: the clock of a lease (the
+    // API server's own is 15 s) starts as late as it can, whatever the size of the rest.
+    let ops = records
+        .iter()
+        .filter(|r| r.lease.is_none())
+        .map(Op::Put)
+        .chain(gone.iter().map(|rel| Op::Delete(&rel[..])))
+        .chain(records.iter().filter(|r| r.lease.is_some()).map(Op::Put));
     let mut chunk: Vec<TxnOp> = Vec::new();
     let mut chunk_bytes = 0usize;
     for op in ops {
@@ -340,6 +402,18 @@ async fn write_and_verify(
     }
     out.leases = granted.len() as u64;
 
+    // Renewed once more, so a long verification still finds every leased key there.
+    for id in granted.values() {
+        let (mut keeper, mut answers) = client
+            .lease_keep_alive(*id)
+            .await
+            .map_err(etcd("renewing a lease"))?;
+        keeper
+            .keep_alive()
+            .await
+            .map_err(etcd("renewing a lease"))?;
+        let _ = answers.message().await;
+    }
     let (found, _) = digest_of(client, prefix).await?;
     if found != digest {
         return Err(EngineError::Verify {
@@ -381,4 +455,20 @@ async fn commit(
         .map_err(etcd("writing the tenant's keys"))?;
     out.transactions += 1;
     Ok(())
+}
+
+#[cfg(test)]
+mod key_root_tests {
+    use super::key_root;
+
+    /// The API server's `--etcd-prefix` and a `/`: on a shared datastore under the tenant's
+    /// prefix (`crates/render`, `components.rs`), else etcd's default `/registry`.
+    #[test]
+    fn a_key_root_is_where_the_api_server_keeps_its_objects() {
+        assert_eq!(
+            key_root(Some("/nestplane/ns/a/")),
+            "/nestplane/ns/a/registry/"
+        );
+        assert_eq!(key_root(None), "/registry/");
+    }
 }
