@@ -21,6 +21,7 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         crate::hosted::HostedCluster::crd(),
         crate::hosted::NodePool::crd(),
         crate::hosted::ExternalInfraCluster::crd(),
+        crate::backup::NestedBackup::crd(),
     ]
 }
 

@@ -4,6 +4,7 @@
 // kube-derive takes one `printcolumn(...)` per column; clippy reads the repeats as duplicates.
 #![allow(clippy::duplicated_attributes)]
 
+pub mod backup;
 pub mod conditions;
 pub mod controlplane;
 pub mod crds;
@@ -14,6 +15,7 @@ pub mod names;
 pub mod postcreate;
 mod schema;
 
+pub use backup::{NestedBackup, NestedBackupSpec, NestedBackupStatus};
 pub use controlplane::*;
 pub use datastore::{NestedDatastore, NestedDatastoreSpec, NestedDatastoreStatus};
 pub use endpoint::{ClusterEndpoint, ClusterEndpointSpec, ClusterEndpointType};

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+mod backup;
 mod images;
 mod rotate;
 mod tenants;
@@ -72,6 +73,9 @@ enum Command {
     /// the new key is trusted everywhere, then signs, then tokens are re-signed (phase
     /// Started); `--complete` drops the old key. Waits for each.
     Rotate(rotate::RotateArgs),
+    /// Back up a hosted cluster's (or a control plane's) keys (`backup create`, which waits
+    /// and prints the archive's URL last), and list backups (`backup list`).
+    Backup(backup::BackupArgs),
 }
 
 /// Arguments of `nestplane egress-proxy`.
@@ -150,7 +154,7 @@ struct OperatorArgs {
     /// Controllers to run, as kube-controller-manager lists them: `*` for all, `-etcd` to
     /// leave etcd to an out-of-tree controller (names: etcd, apiserver, controller-manager,
     /// scheduler, or a kind: NestedControlPlane, NestedDatastore, PostCreateConfig,
-    /// HostedCluster, NodePool). nestplane then only reads that kind's objects.
+    /// HostedCluster, NodePool, NestedBackup). nestplane then only reads that kind's objects.
     #[arg(long, default_value = "*", value_parser = nestplane_operator::Controllers::parse)]
     controllers: nestplane_operator::Controllers,
     /// An image every node of a NodePool imports besides nestplane's own (the pause, shell
@@ -162,6 +166,11 @@ struct OperatorArgs {
     /// `status.gateway` says how: `server` with `tls-server-name`).
     #[arg(long)]
     gateway_bind_address: Option<std::net::SocketAddr>,
+    /// Where `NestedBackup`s are written (default: `backups` in the state directory). A
+    /// backup of namespace NS goes under `<dir>/NS/` and nowhere else; a location outside it
+    /// is refused.
+    #[arg(long)]
+    backup_dir: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -241,6 +250,7 @@ fn main() -> anyhow::Result<()> {
         Command::List(a) => runtime()?.block_on(tenants::list(a)),
         Command::Delete(a) => runtime()?.block_on(tenants::delete(a)),
         Command::Rotate(a) => runtime()?.block_on(rotate::rotate(a)),
+        Command::Backup(a) => runtime()?.block_on(backup::run(a)),
         Command::Kubeconfig(a) => runtime()?.block_on(async move {
             print!("{}", tenants::kubeconfig(a).await?);
             Ok(())
@@ -255,6 +265,10 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
     let state_dir = args
         .state_dir
         .unwrap_or_else(|| default_state_dir().join("operator"));
+    let backup_dir = match args.backup_dir {
+        Some(d) if d.is_relative() => Some(std::env::current_dir()?.join(d)),
+        d => d,
+    };
     let token = tokio_util::sync::CancellationToken::new();
     let t = token.clone();
     tokio::spawn(async move {
@@ -322,6 +336,7 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
             nodes,
             dns,
             gateway: args.gateway_bind_address,
+            backup_dir,
         },
         token,
     )

@@ -69,14 +69,6 @@ pub struct RotateArgs {
     pub target: Target,
 }
 
-/// The object the annotation goes on, and where its control plane is.
-struct Located {
-    /// `HostedCluster` or `NestedControlPlane`.
-    kind: &'static str,
-    /// The control plane's namespace and name.
-    ncp: (String, String),
-}
-
 fn rotation(ncp: &NestedControlPlane, target: Rotated) -> Option<RotationStatus> {
     ncp.status
         .as_ref()?
@@ -92,26 +84,7 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
     let cmd = target.as_str();
     let client = args.target.client().await?;
     let (ns, name) = (&args.namespace, &args.name);
-    let hcs: Api<HostedCluster> = Api::namespaced(client.clone(), ns);
-    let located = match hcs.get_opt(name).await? {
-        Some(hc) => Located {
-            kind: "HostedCluster",
-            ncp: (
-                format!("{}-{}", ns, hc.metadata.name.clone().unwrap_or_default()),
-                name.clone(),
-            ),
-        },
-        None => {
-            let ncps: Api<NestedControlPlane> = Api::namespaced(client.clone(), ns);
-            if ncps.get_opt(name).await?.is_none() {
-                bail!("no HostedCluster or NestedControlPlane {ns}/{name} (`nestplane list`)");
-            }
-            Located {
-                kind: "NestedControlPlane",
-                ncp: (ns.clone(), name.clone()),
-            }
-        }
-    };
+    let located = crate::tenants::locate(&client, ns, name).await?;
     let ncps: Api<NestedControlPlane> = Api::namespaced(client.clone(), &located.ncp.0);
     let ncp = ncps
         .get_opt(&located.ncp.1)
@@ -170,6 +143,7 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
     let patch = serde_json::json!({"metadata": {"annotations": annotations}});
     let pp = PatchParams::default();
     if located.kind == "HostedCluster" {
+        let hcs: Api<HostedCluster> = Api::namespaced(client.clone(), ns);
         hcs.patch(name, &pp, &Patch::Merge(&patch)).await?;
     } else {
         ncps.patch(name, &pp, &Patch::Merge(&patch)).await?;

@@ -147,6 +147,34 @@ pub struct CreateArgs {
     pub target: Target,
 }
 
+/// A cluster named on the command line: the object the user named, and where its control
+/// plane is.
+pub struct Located {
+    /// `HostedCluster` or `NestedControlPlane`.
+    pub kind: &'static str,
+    /// The control plane's namespace and name (a HostedCluster's is in `<ns>-<name>`).
+    pub ncp: (String, String),
+}
+
+/// Find cluster `ns/name`: a HostedCluster of that name, else a NestedControlPlane.
+pub async fn locate(client: &kube::Client, ns: &str, name: &str) -> anyhow::Result<Located> {
+    let hcs: Api<HostedCluster> = Api::namespaced(client.clone(), ns);
+    if hcs.get_opt(name).await?.is_some() {
+        return Ok(Located {
+            kind: "HostedCluster",
+            ncp: (format!("{ns}-{name}"), name.to_string()),
+        });
+    }
+    let ncps: Api<NestedControlPlane> = Api::namespaced(client.clone(), ns);
+    if ncps.get_opt(name).await?.is_none() {
+        bail!("no HostedCluster or NestedControlPlane {ns}/{name} (`nestplane list`)");
+    }
+    Ok(Located {
+        kind: "NestedControlPlane",
+        ncp: (ns.to_string(), name.to_string()),
+    })
+}
+
 /// Output formats of `nestplane list`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
@@ -284,7 +312,12 @@ pub fn table(rows: &[Row], all_namespaces: bool) -> String {
         ]);
         lines.push(l);
     }
-    let widths: Vec<usize> = (0..lines[0].len())
+    aligned(lines)
+}
+
+/// `lines` (the first is the head) as columns aligned, as `kubectl get` prints. Pure.
+pub fn aligned(lines: Vec<Vec<String>>) -> String {
+    let widths: Vec<usize> = (0..lines.first().map_or(0, Vec::len))
         .map(|i| lines.iter().map(|l| l[i].len()).max().unwrap_or(0))
         .collect();
     let mut out = String::new();
@@ -300,7 +333,7 @@ pub fn table(rows: &[Row], all_namespaces: bool) -> String {
     out
 }
 
-fn age_of(meta: &kube::api::ObjectMeta) -> i64 {
+pub fn age_of(meta: &kube::api::ObjectMeta) -> i64 {
     meta.creation_timestamp
         .as_ref()
         .map(|t| {

@@ -14,14 +14,14 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use nestplane_api::{
-    HostedCluster, NestedAPIServer, NestedControlPlane, NestedControllerManager, NestedDatastore,
-    NestedEtcd, NestedScheduler, NodePool, PostCreateConfig,
+    HostedCluster, NestedAPIServer, NestedBackup, NestedControlPlane, NestedControllerManager,
+    NestedDatastore, NestedEtcd, NestedScheduler, NodePool, PostCreateConfig,
 };
 use tokio_util::sync::CancellationToken;
 
 use crate::context::{self, Context, Error};
 use crate::shared::{self, Shared};
-use crate::{Config, Mode, component, datastore, hosted, ncp, postcreate, tenant};
+use crate::{Config, Mode, backup, component, datastore, hosted, ncp, postcreate, tenant};
 
 /// How many reconciles of one controller run at once: enough to keep the API server busy
 /// while a thousand control planes are created, few enough that a burst does not open a
@@ -102,6 +102,8 @@ pub struct Watches {
     services: Shared<Service>,
     hosted_clusters: Shared<HostedCluster>,
     pools: Shared<NodePool>,
+    /// Where backups go.
+    backup_dir: std::path::PathBuf,
 }
 
 impl Watches {
@@ -131,6 +133,7 @@ impl Watches {
             services: Shared::new("Service"),
             hosted_clusters: Shared::new("HostedCluster"),
             pools: Shared::new("NodePool"),
+            backup_dir: config.backup_dir(),
         };
         w.ncps.store_into(&ctx.caches.ncps);
         w.etcds.store_into(&ctx.caches.etcds);
@@ -255,6 +258,9 @@ pub fn all(
     }
     if on("NodePool") {
         running.push(node_pools(w, ctx, hosted));
+    }
+    if on("NestedBackup") {
+        running.push(backups(w, ctx));
     }
     running
 }
@@ -411,6 +417,42 @@ fn components(w: &mut Watches, ctx: &Arc<Context>) -> Vec<Running> {
     .into_iter()
     .flatten()
     .collect()
+}
+
+/// Backups: each taken once; one that waits for its control plane is looked at again when
+/// that control plane changes.
+fn backups(w: &mut Watches, ctx: &Arc<Context>) -> Running {
+    let ctl = Controller::new(
+        api::<NestedBackup>(&w.client, &w.namespace),
+        watcher::Config::default(),
+    )
+    .with_config(
+        kube::runtime::controller::Config::default().concurrency(backup::controller::CONCURRENCY),
+    );
+    let store = ctl.store();
+    let bctx = Arc::new(backup::controller::BackupContext {
+        core: ctx.clone(),
+        dir: w.backup_dir.clone(),
+    });
+    ctl.watches_shared_stream(w.ncps.subscribe(), move |ncp: Arc<NestedControlPlane>| {
+        let ns = ncp.namespace();
+        let name = ncp.name_any();
+        store
+            .state()
+            .into_iter()
+            .filter(|b| {
+                b.namespace() == ns
+                    && b.spec.control_plane_ref.name == name
+                    && b.status.as_ref().and_then(|s| s.phase.as_deref())
+                        != Some(nestplane_api::backup::phases::COMPLETED)
+            })
+            .map(|b| ObjectRef::from_obj(b.as_ref()))
+            .collect::<Vec<_>>()
+    })
+    .graceful_shutdown_on(w.stop())
+    .run(backup::controller::reconcile, error_policy, bctx)
+    .for_each(report("NestedBackup", ctx))
+    .boxed()
 }
 
 /// PostCreateConfigs: looked at again when a control plane in their namespace changes

@@ -1,4 +1,4 @@
-//! nestplane's nine controllers: `NestedControlPlane`, one per component kind (running
+//! nestplane's ten controllers: `NestedControlPlane`, one per component kind (running
 //! components through one [`runtime::Runtime`] seam, `process` or `kubernetes`),
 //! `NestedDatastore`, `PostCreateConfig`, and the hosted wing's `HostedCluster` and
 //! `NodePool` (nodes through the [`hosted::pool::machines::NodeRuntime`] seam). They are
@@ -73,6 +73,18 @@ pub struct Config {
     /// Run the shared gateway here (process runtime): every tenant reached at this one
     /// address by its server name ([`nestplane_api::names::gateway_server_name`]).
     pub gateway: Option<SocketAddr>,
+    /// Where backups are written (`<state_dir>/backups` when `None`): a backup of namespace
+    /// `ns` goes under `<dir>/ns/` and nowhere else.
+    pub backup_dir: Option<PathBuf>,
+}
+
+impl Config {
+    /// Where backups are written.
+    pub fn backup_dir(&self) -> PathBuf {
+        self.backup_dir
+            .clone()
+            .unwrap_or_else(|| self.state_dir.join("backups"))
+    }
 }
 
 /// How long reconciles in flight may take to finish after a stop was asked for.

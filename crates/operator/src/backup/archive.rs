@@ -82,6 +82,11 @@ pub struct Header {
     pub digest: String,
     /// When it was taken (RFC 3339).
     pub created: String,
+    /// The backup object it was taken for (its UID), so that an operator that wrote the
+    /// file and stopped before saying so knows the file as its own. Authenticated like the
+    /// rest of the header.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub id: String,
 }
 
 /// One key, relative to the tenant's prefix.
@@ -267,6 +272,7 @@ pub fn header_for(
             .sum(),
         digest: String::new(),
         created: created.to_string(),
+        id: String::new(),
     }
 }
 

@@ -73,9 +73,7 @@ fn not_found(e: &etcd_client::Error) -> bool {
 impl Admin {
     /// Connect to `endpoints` with `creds`.
     pub async fn connect(endpoints: &[String], creds: &Credentials) -> Result<Admin, EtcdError> {
-        let tls = TlsOptions::new()
-            .ca_certificate(Certificate::from_pem(&creds.ca_pem))
-            .identity(Identity::from_pem(&creds.cert_pem, &creds.key_pem));
+        let tls = tls_of(creds);
         let client = connect(endpoints, tls.clone()).await?;
         Ok(Admin {
             client,
@@ -369,6 +367,18 @@ pub fn prefix_end(prefix: &str) -> Vec<u8> {
     }
     // All 0xff (or empty): every key from `prefix` on.
     vec![0]
+}
+
+fn tls_of(creds: &Credentials) -> TlsOptions {
+    TlsOptions::new()
+        .ca_certificate(Certificate::from_pem(&creds.ca_pem))
+        .identity(Identity::from_pem(&creds.cert_pem, &creds.key_pem))
+}
+
+/// A client of `endpoints` that presents `creds` (a tenant's own etcd client certificate:
+/// what it may touch is what its etcd role allows).
+pub async fn connect_as(endpoints: &[String], creds: &Credentials) -> Result<Client, EtcdError> {
+    connect(endpoints, tls_of(creds)).await
 }
 
 async fn connect(endpoints: &[String], tls: TlsOptions) -> Result<Client, EtcdError> {

@@ -1,0 +1,193 @@
+//! `backup.nestplane.io/v1alpha1` `NestedBackup`: one backup of one control plane's keys,
+//! taken once at one datastore revision and sealed into an archive at a location.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// The API group.
+pub const GROUP: &str = "backup.nestplane.io";
+/// The key of a key Secret that holds the archive key (32 bytes).
+pub const KEY_KEY: &str = "key";
+/// How long an archive key is, in bytes.
+pub const KEY_LEN: usize = 32;
+/// The name of an archive file ends with this.
+pub const ARCHIVE_SUFFIX: &str = ".npbackup";
+
+/// The key Secret a backup of control plane `cluster` uses when its spec names none: made
+/// with a new random key the first time, and never owned by anything (deleting the control
+/// plane must not delete the only key that opens its backups).
+pub fn default_key_secret(cluster: &str) -> String {
+    format!("{cluster}-backup-key")
+}
+
+/// Condition types.
+pub mod types {
+    /// The archive is written and verified (True), is being taken (False, `Running`), or
+    /// cannot be taken (False, with the reason).
+    pub const READY: &str = "Ready";
+}
+
+/// Condition and Event reasons.
+pub mod reasons {
+    /// The backup is being taken.
+    pub const RUNNING: &str = "Running";
+    /// The archive is written (Event).
+    pub const COMPLETED: &str = "Completed";
+    /// The control plane does not exist (yet).
+    pub const CONTROL_PLANE_NOT_FOUND: &str = "ControlPlaneNotFound";
+    /// The control plane's datastore cannot be reached yet (no endpoints, no credentials).
+    pub const DATASTORE_NOT_READY: &str = "DatastoreNotReady";
+    /// The location is not one this operator writes to.
+    pub const LOCATION_REFUSED: &str = "LocationRefused";
+    /// The key Secret does not hold a key of 32 bytes.
+    pub const INVALID_KEY: &str = "InvalidKey";
+    /// An archive of that name exists already; it is left as it is.
+    pub const ARCHIVE_EXISTS: &str = "ArchiveExists";
+    /// Reading the keys or writing the archive failed (retried).
+    pub const BACKUP_FAILED: &str = "BackupFailed";
+    /// A key Secret was made with a new random key (Event).
+    pub const KEY_CREATED: &str = "KeyCreated";
+}
+
+/// Where a backup is.
+pub mod phases {
+    /// Not started: waiting for the control plane or its datastore.
+    pub const PENDING: &str = "Pending";
+    /// Being taken.
+    pub const RUNNING: &str = "Running";
+    /// Written and verified; never taken again.
+    pub const COMPLETED: &str = "Completed";
+    /// Refused (the spec cannot be acted on); taken when the spec changes.
+    pub const FAILED: &str = "Failed";
+}
+
+/// An object in the backup's namespace, by name.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct LocalRef {
+    /// Its name.
+    pub name: String,
+}
+
+/// One backup of one `NestedControlPlane` of this namespace: its keys at one datastore
+/// revision, sealed with a key from a Secret of this namespace, written once to a location.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "backup.nestplane.io",
+    version = "v1alpha1",
+    kind = "NestedBackup",
+    plural = "nestedbackups",
+    namespaced,
+    status = "NestedBackupStatus",
+    shortname = "nbk",
+    printcolumn(
+        name = "Cluster",
+        type_ = "string",
+        json_path = ".spec.controlPlaneRef.name"
+    ),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Keys", type_ = "integer", json_path = ".status.keys"),
+    printcolumn(name = "Size", type_ = "integer", json_path = ".status.archiveBytes"),
+    printcolumn(name = "Revision", type_ = "integer", json_path = ".status.revision"),
+    printcolumn(
+        name = "Reason",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
+        priority = 1
+    ),
+    printcolumn(
+        name = "URL",
+        type_ = "string",
+        json_path = ".status.url",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedBackupSpec {
+    /// The control plane to back up: a `NestedControlPlane` of this namespace.
+    pub control_plane_ref: LocalRef,
+    /// Where the archive goes: a `file://` directory URL under this namespace's directory of
+    /// the operator's backup directory (`file://<backup dir>/<namespace>/…`). That directory
+    /// when empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub location: Option<String>,
+    /// A Secret of this namespace whose `key` holds the archive key (32 bytes). When empty,
+    /// `<cluster>-backup-key`, made with a random key if it does not exist.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_secret_ref: Option<LocalRef>,
+}
+
+/// What the backup holds, once taken.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedBackupStatus {
+    /// `Pending`, `Running`, `Completed` or `Failed`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+    /// The archive's own URL (`file:///…/<name>.npbackup`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// The datastore revision the keys were read at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<i64>,
+    /// How many keys.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<i64>,
+    /// Their keys' and values' bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<i64>,
+    /// The archive file's size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub archive_bytes: Option<i64>,
+    /// The records' digest as the archive's header holds it (keyed: `hmac-sha256:…`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// The control plane's Kubernetes version when it was taken.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubernetes_version: Option<String>,
+    /// How often the read started again because the datastore compacted its revision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restarts: Option<i32>,
+    /// When the taking started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Time>,
+    /// When the archive was written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<Time>,
+    /// How long reading, sealing and writing took.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_seconds: Option<f64>,
+    /// The generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_minimal_backup_reads_and_defaults_nothing() {
+        let b: NestedBackup = serde_json::from_value(serde_json::json!({
+            "apiVersion": "backup.nestplane.io/v1alpha1",
+            "kind": "NestedBackup",
+            "metadata": {"name": "alpha-1", "namespace": "team-a"},
+            "spec": {"controlPlaneRef": {"name": "alpha"}}
+        }))
+        .unwrap();
+        assert_eq!(b.spec.control_plane_ref.name, "alpha");
+        assert_eq!(b.spec.location, None);
+        assert_eq!(b.spec.key_secret_ref, None);
+        assert_eq!(default_key_secret("alpha"), "alpha-backup-key");
+    }
+}

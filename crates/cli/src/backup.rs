@@ -1,0 +1,320 @@
+//! `nestplane backup create|list`: thin clients of `NestedBackup` objects. `create` makes one
+//! and waits for the operator to take it; its last line is the archive's own URL. What they
+//! do is visible, and repeatable, with `kubectl get nestedbackups`.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand};
+use kube::ResourceExt;
+use kube::api::{Api, ListParams, PostParams};
+use nestplane_api::backup::{LocalRef, NestedBackup, NestedBackupSpec, phases, types};
+use nestplane_api::conditions;
+use serde::Serialize;
+
+use crate::tenants::{Format, Target, age, age_of, aligned, locate};
+
+/// `nestplane backup`.
+#[derive(Args, Debug)]
+pub struct BackupArgs {
+    #[command(subcommand)]
+    pub command: BackupCommand,
+}
+
+/// What `nestplane backup` does.
+#[derive(Subcommand, Debug)]
+pub enum BackupCommand {
+    /// Back up a hosted cluster's (or a control plane's) keys: make a NestedBackup and wait
+    /// for it. The last line printed is the archive's URL.
+    Create(CreateArgs),
+    /// List backups: name, cluster, phase, keys, size, revision, age, URL (`-o json|yaml`
+    /// too).
+    List(ListArgs),
+}
+
+/// Arguments of `nestplane backup create`.
+#[derive(Args, Debug)]
+pub struct CreateArgs {
+    /// The HostedCluster or NestedControlPlane.
+    pub cluster: String,
+    /// Its namespace.
+    #[arg(short, long, default_value = "default")]
+    pub namespace: String,
+    /// Where the archive goes: a `file://` directory under the operator's backup directory
+    /// for the control plane's namespace (the default: that directory).
+    #[arg(long)]
+    pub to: Option<String>,
+    /// The backup's name (default: `<cluster>-<UTC time>`).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// A Secret (in the control plane's namespace) whose `key` holds the 32-byte archive key
+    /// (default: `<cluster>-backup-key`, made with a random key the first time).
+    #[arg(long)]
+    pub key_secret: Option<String>,
+    /// Stop waiting after this many seconds (the backup goes on).
+    #[arg(long, default_value_t = 600)]
+    pub timeout: u64,
+    #[command(flatten)]
+    pub target: Target,
+}
+
+/// Arguments of `nestplane backup list`.
+#[derive(Args, Debug)]
+pub struct ListArgs {
+    /// Only this namespace (all namespaces when unset).
+    #[arg(short, long)]
+    pub namespace: Option<String>,
+    /// How to print.
+    #[arg(short, long, value_enum, default_value_t = Format::Table)]
+    pub output: Format,
+    #[command(flatten)]
+    pub target: Target,
+}
+
+/// `nestplane backup`.
+pub async fn run(args: BackupArgs) -> anyhow::Result<()> {
+    match args.command {
+        BackupCommand::Create(a) => create(a).await,
+        BackupCommand::List(a) => list(a).await,
+    }
+}
+
+/// The default name of a backup of `cluster` taken at `unix` seconds: `<cluster>-YYYYMMDD-HHMMSS`
+/// (UTC), cut so that it stays a valid object name. Pure.
+pub fn default_name(cluster: &str, unix: i64) -> String {
+    let t = k8s_openapi::jiff::Timestamp::from_second(unix)
+        .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
+    let stamp = t.strftime("%Y%m%d-%H%M%S").to_string();
+    let keep = 253 - stamp.len() - 1;
+    let base: String = cluster.chars().take(keep).collect();
+    format!("{base}-{stamp}")
+}
+
+async fn create(args: CreateArgs) -> anyhow::Result<()> {
+    let client = args.target.client().await?;
+    let located = locate(&client, &args.namespace, &args.cluster).await?;
+    let (ns, cp) = located.ncp;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or_default();
+    let name = args
+        .name
+        .clone()
+        .unwrap_or_else(|| default_name(&args.cluster, now));
+    let mut b = NestedBackup::new(
+        &name,
+        NestedBackupSpec {
+            control_plane_ref: LocalRef { name: cp.clone() },
+            location: args.to.clone(),
+            key_secret_ref: args.key_secret.clone().map(|name| LocalRef { name }),
+        },
+    );
+    b.metadata.namespace = Some(ns.clone());
+    let api: Api<NestedBackup> = Api::namespaced(client.clone(), &ns);
+    api.create(&PostParams::default(), &b)
+        .await
+        .with_context(|| format!("creating NestedBackup {ns}/{name}"))?;
+    eprintln!("nestplane: created NestedBackup {ns}/{name} of {ns}/{cp}");
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(args.timeout);
+    let mut said = String::new();
+    loop {
+        let b = api.get(&name).await?;
+        let status = b.status.clone().unwrap_or_default();
+        let ready = conditions::get(&status.conditions, types::READY);
+        let phase = status.phase.clone().unwrap_or_else(|| "Pending".into());
+        let line = match ready {
+            Some(c) => format!("{phase}: {} ({})", c.message, c.reason),
+            None => phase.clone(),
+        };
+        if line != said {
+            eprintln!("nestplane: {name}: {line}");
+            said = line;
+        }
+        match phase.as_str() {
+            phases::COMPLETED => {
+                eprintln!(
+                    "nestplane: {name}: {} keys, {} bytes sealed, in {:.1}s",
+                    status.keys.unwrap_or_default(),
+                    status.archive_bytes.unwrap_or_default(),
+                    started.elapsed().as_secs_f64()
+                );
+                println!("{}", status.url.unwrap_or_default());
+                return Ok(());
+            }
+            phases::FAILED => bail!(
+                "NestedBackup {ns}/{name} failed: {}",
+                ready
+                    .map(|c| c.message.as_str())
+                    .unwrap_or("no reason given")
+            ),
+            _ => {}
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "NestedBackup {ns}/{name} is not taken after {}s ({said}); it goes on (`kubectl get nestedbackup -n {ns} {name}`)",
+                args.timeout
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// One backup, as `nestplane backup list` prints it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Row {
+    pub namespace: String,
+    pub name: String,
+    pub cluster: String,
+    pub phase: String,
+    pub keys: i64,
+    pub archive_bytes: i64,
+    pub revision: i64,
+    pub age_seconds: i64,
+    pub url: String,
+    /// Why, when it is not completed.
+    pub reason: String,
+}
+
+/// The row of `b`. Pure.
+pub fn row(b: &NestedBackup, age_seconds: i64) -> Row {
+    let s = b.status.clone().unwrap_or_default();
+    let reason = conditions::get(&s.conditions, types::READY)
+        .filter(|c| c.status != "True")
+        .map(|c| c.reason.clone())
+        .unwrap_or_default();
+    Row {
+        namespace: b.namespace().unwrap_or_default(),
+        name: b.name_any(),
+        cluster: b.spec.control_plane_ref.name.clone(),
+        phase: s.phase.unwrap_or_else(|| phases::PENDING.into()),
+        keys: s.keys.unwrap_or_default(),
+        archive_bytes: s.archive_bytes.unwrap_or_default(),
+        revision: s.revision.unwrap_or_default(),
+        age_seconds,
+        url: s.url.unwrap_or_default(),
+        reason,
+    }
+}
+
+/// The table of `rows`. Pure.
+pub fn table(rows: &[Row], all_namespaces: bool) -> String {
+    let mut head = vec![];
+    if all_namespaces {
+        head.push("NAMESPACE");
+    }
+    head.extend([
+        "NAME", "CLUSTER", "PHASE", "KEYS", "SIZE", "REVISION", "AGE", "URL",
+    ]);
+    let mut lines = vec![head.into_iter().map(String::from).collect::<Vec<_>>()];
+    for r in rows {
+        let mut l = vec![];
+        if all_namespaces {
+            l.push(r.namespace.clone());
+        }
+        let phase = if r.reason.is_empty() {
+            r.phase.clone()
+        } else {
+            format!("{} ({})", r.phase, r.reason)
+        };
+        l.extend([
+            r.name.clone(),
+            r.cluster.clone(),
+            phase,
+            r.keys.to_string(),
+            r.archive_bytes.to_string(),
+            r.revision.to_string(),
+            age(r.age_seconds),
+            if r.url.is_empty() {
+                "<none>".into()
+            } else {
+                r.url.clone()
+            },
+        ]);
+        lines.push(l);
+    }
+    aligned(lines)
+}
+
+async fn list(args: ListArgs) -> anyhow::Result<()> {
+    let client = args.target.client().await?;
+    let api: Api<NestedBackup> = match &args.namespace {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::all(client),
+    };
+    let mut rows: Vec<Row> = api
+        .list(&ListParams::default())
+        .await
+        .context("listing NestedBackups")?
+        .items
+        .iter()
+        .map(|b| row(b, age_of(&b.metadata)))
+        .collect();
+    rows.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    match args.output {
+        Format::Table if rows.is_empty() => eprintln!("No backups found."),
+        Format::Table => print!("{}", table(&rows, args.namespace.is_none())),
+        Format::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+        Format::Yaml => print!("{}", serde_saphyr::to_string(&rows)?),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_default_name_is_the_cluster_and_the_utc_time() {
+        assert_eq!(
+            default_name("alpha", 1_795_837_800),
+            "alpha-20261128-035000"
+        );
+        let long = "a".repeat(260);
+        let n = default_name(&long, 0);
+        assert_eq!(n.len(), 253);
+        assert!(n.ends_with("-19700101-000000"));
+    }
+
+    #[test]
+    fn the_table_tells_phase_reason_and_url() {
+        let mut b = NestedBackup::new(
+            "alpha-1",
+            NestedBackupSpec {
+                control_plane_ref: LocalRef {
+                    name: "alpha".into(),
+                },
+                ..Default::default()
+            },
+        );
+        b.metadata.namespace = Some("team-a".into());
+        let pending = row(&b, 5);
+        b.status = Some(nestplane_api::NestedBackupStatus {
+            phase: Some(phases::COMPLETED.into()),
+            keys: Some(512),
+            archive_bytes: Some(40_000),
+            revision: Some(77),
+            url: Some("file:///b/team-a/alpha-1.npbackup".into()),
+            conditions: vec![conditions::new(types::READY, true, "Completed", "done")],
+            ..Default::default()
+        });
+        let done = row(&b, 300);
+        let t = table(&[pending, done], true);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].starts_with("NAMESPACE   NAME"), "{t}");
+        assert!(
+            lines[1].contains("Pending") && lines[1].contains("<none>"),
+            "{t}"
+        );
+        assert!(
+            lines[2].contains("Completed")
+                && lines[2].contains("512")
+                && lines[2].contains("5m")
+                && lines[2].ends_with("file:///b/team-a/alpha-1.npbackup"),
+            "{t}"
+        );
+    }
+}

@@ -1,0 +1,308 @@
+//! Backups as a user takes them: `nestplane backup create` makes a `NestedBackup`, the
+//! operator reads the tenant's keys with the tenant's own etcd credentials (a tenant on a
+//! shared datastore, and one with an etcd of its own), and seals them into an archive that
+//! the key Secret opens. What a namespace user controls (the location, the key Secret, the
+//! control plane named, a file in the way) is tried as an attacker would.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+use nestplane_operator::backup::archive;
+
+fn backup_yaml(ns: &str, name: &str, cluster: &str, extra: &str) -> String {
+    format!(
+        "apiVersion: backup.nestplane.io/v1alpha1\nkind: NestedBackup\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  controlPlaneRef: {{name: {cluster}}}\n{extra}"
+    )
+}
+
+fn field(kc: &Path, ns: &str, name: &str, path: &str) -> String {
+    jsonpath(kc, &["nestedbackup", "-n", ns, name], path)
+}
+
+/// Wait until backup `ns/name` is in `phase` with a `Ready` reason of `reason`.
+fn wait_phase(kc: &Path, ns: &str, name: &str, phase: &str, reason: &str) {
+    let started = std::time::Instant::now();
+    loop {
+        let got = field(
+            kc,
+            ns,
+            name,
+            "{.status.phase} {.status.conditions[?(@.type==\"Ready\")].reason}",
+        );
+        if got == format!("{phase} {reason}") {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "NestedBackup {ns}/{name} is not {phase} ({reason}) after 60 s: {got}: {}",
+            field(kc, ns, name, "{.status.conditions[0].message}")
+        );
+        std::thread::sleep(poll_pause(started));
+    }
+}
+
+/// The archive key of `ns/secret`.
+async fn key_of(env: &Env, ns: &str, secret: &str) -> Vec<u8> {
+    env.secret(ns, secret)
+        .await
+        .expect("the key Secret")
+        .data
+        .unwrap()["key"]
+        .0
+        .clone()
+}
+
+fn open(path: &Path, key: &[u8]) -> (archive::Header, Vec<String>) {
+    let bytes = std::fs::read(path).unwrap();
+    let (header, records) = archive::decode(&bytes, key, &archive::Limits::default())
+        .expect("the archive opens with the key Secret's key");
+    let keys = records
+        .iter()
+        .map(|r| String::from_utf8_lossy(&r.key).into_owned())
+        .collect();
+    (header, keys)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_their_key() {
+    let env = Env::start(true).await;
+    let kc = env.kubeconfig().to_path_buf();
+    let root = env.operator_dir().join("backups");
+    env.apply(
+        "apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedDatastore\nmetadata: {name: shared, namespace: default}\nspec: {managed: {replicas: 1}}\n---\napiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata: {name: alpha, namespace: default}\nspec:\n  version: v1.20.2\n  datastoreRef: {name: shared}\n",
+    );
+    env.create_ncp("default", "gamma").await;
+    env.wait_ready("default", "alpha", Duration::from_secs(180))
+        .await;
+
+    // 500 ConfigMaps in alpha.
+    let alpha = env.tenant_kubeconfig("default", "alpha").await;
+    let list: String = (0..500)
+        .map(|i| {
+            format!(
+                "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: cm-{i}, namespace: default}}\ndata: {{n: \"{i}\"}}\n"
+            )
+        })
+        .collect();
+    kubectl_apply(&alpha, &list);
+
+    // `nestplane backup create`: waits, and its last line is the archive's own URL.
+    let out = nestplane()
+        .args([
+            "backup",
+            "create",
+            "alpha",
+            "--name",
+            "alpha-1",
+            "--kubeconfig",
+        ])
+        .arg(&kc)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let url = stdout.lines().last().unwrap_or_default().to_string();
+    let file = root.join("default/alpha-1.npbackup");
+    assert_eq!(url, format!("file://{}", file.display()), "{stderr}");
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&file), 0o600);
+    assert_eq!(mode(&root.join("default")), 0o700);
+
+    // The status tells the story, and `kubectl get` shows it.
+    assert_eq!(
+        field(&kc, "default", "alpha-1", "{.status.phase}"),
+        "Completed"
+    );
+    assert_eq!(field(&kc, "default", "alpha-1", "{.status.url}"), url);
+    let keys: u64 = field(&kc, "default", "alpha-1", "{.status.keys}")
+        .parse()
+        .unwrap();
+    assert!(keys > 500, "{keys}");
+    let table = kubectl_ok(&kc, &["get", "nestedbackups", "-n", "default"]);
+    assert!(
+        table.contains("alpha-1") && table.contains("Completed"),
+        "{table}"
+    );
+    let events = events_for(&kc, "default", "alpha-1");
+    assert!(events.contains("Normal KeyCreated"), "{events}");
+    assert!(events.contains("Normal Completed"), "{events}");
+
+    // The key Secret made for it is owned by nothing (deleting the control plane must not
+    // take the only key of its backups), and opens the archive: alpha's keys, relative to
+    // its prefix, the 500 ConfigMaps among them.
+    let key_secret = env.secret("default", "alpha-backup-key").await.unwrap();
+    assert!(key_secret.metadata.owner_references.is_none());
+    let key = key_of(&env, "default", "alpha-backup-key").await;
+    assert_eq!(key.len(), 32);
+    let (header, names) = open(&file, &key);
+    assert_eq!(header.tenant, "default/alpha");
+    assert_eq!(header.keys, keys);
+    assert_eq!(
+        header.digest,
+        field(&kc, "default", "alpha-1", "{.status.digest}")
+    );
+    assert_eq!(
+        header.id,
+        field(&kc, "default", "alpha-1", "{.metadata.uid}")
+    );
+    for i in [0, 250, 499] {
+        assert!(
+            names.contains(&format!("configmaps/default/cm-{i}")),
+            "{names:?}"
+        );
+    }
+    assert!(names.iter().all(|n| !n.starts_with('/')), "{names:?}");
+    // Another key does not open it.
+    assert!(
+        archive::decode(
+            &std::fs::read(&file).unwrap(),
+            &[7u8; 32],
+            &Default::default()
+        )
+        .is_err()
+    );
+
+    // gamma has an etcd of its own: the same engine, its whole `/registry/`.
+    env.wait_ready("default", "gamma", Duration::from_secs(120))
+        .await;
+    env.apply(&backup_yaml("default", "gamma-1", "gamma", ""));
+    wait_phase(&kc, "default", "gamma-1", "Completed", "Completed");
+    let gamma_key = key_of(&env, "default", "gamma-backup-key").await;
+    assert_ne!(gamma_key, key);
+    let (header, names) = open(&root.join("default/gamma-1.npbackup"), &gamma_key);
+    assert_eq!(header.tenant, "default/gamma");
+    assert!(
+        names.contains(&"namespaces/default".to_string()),
+        "{names:?}"
+    );
+    assert!(!names.iter().any(|n| n.contains("cm-")), "{names:?}");
+
+    // `nestplane backup list` lists both, as JSON too.
+    let out = nestplane()
+        .args([
+            "backup",
+            "list",
+            "-n",
+            "default",
+            "-o",
+            "json",
+            "--kubeconfig",
+        ])
+        .arg(&kc)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let listed: Vec<(&str, &str)> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["name"].as_str().unwrap(), r["phase"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        listed,
+        vec![("alpha-1", "Completed"), ("gamma-1", "Completed")]
+    );
+
+    // Hostile input. A location outside the namespace's own directory: refused, with a
+    // reason, an Event and nothing written; the CLI says why and fails.
+    let out = nestplane()
+        .args([
+            "backup",
+            "create",
+            "alpha",
+            "--name",
+            "etc",
+            "--to",
+            "file:///etc",
+            "--kubeconfig",
+        ])
+        .arg(&kc)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("backups of namespace default go under"),
+        "{stderr}"
+    );
+    assert!(!Path::new("/etc/etc.npbackup").exists());
+    assert_eq!(field(&kc, "default", "etc", "{.status.phase}"), "Failed");
+    assert!(events_for(&kc, "default", "etc").contains("Warning LocationRefused"));
+    for (name, location) in [
+        ("other-ns", format!("file://{}/team-b", root.display())),
+        (
+            "dotdot",
+            format!("file://{}/default/../team-b", root.display()),
+        ),
+        ("s3", "s3://bucket/x".to_string()),
+    ] {
+        env.apply(&backup_yaml(
+            "default",
+            name,
+            "alpha",
+            &format!("  location: \"{location}\"\n"),
+        ));
+        wait_phase(&kc, "default", name, "Failed", "LocationRefused");
+    }
+    assert!(!root.join("team-b").exists());
+
+    // A control plane of another namespace cannot be named: a backup names one of its own.
+    kubectl_ok(&kc, &["create", "namespace", "team-b"]);
+    env.apply(&backup_yaml("team-b", "steal", "alpha", ""));
+    wait_phase(&kc, "team-b", "steal", "Pending", "ControlPlaneNotFound");
+    assert!(!root.join("team-b").exists());
+    assert!(env.secret("team-b", "alpha-backup-key").await.is_none());
+
+    // A key Secret that does not hold a key of 32 bytes: waits, and says so.
+    kubectl_ok(
+        &kc,
+        &[
+            "create",
+            "secret",
+            "generic",
+            "short",
+            "-n",
+            "default",
+            "--from-literal=key=0123456789",
+        ],
+    );
+    env.apply(&backup_yaml(
+        "default",
+        "short-key",
+        "alpha",
+        "  keySecretRef: {name: short}\n",
+    ));
+    wait_phase(&kc, "default", "short-key", "Pending", "InvalidKey");
+    assert!(!root.join("default/short-key.npbackup").exists());
+
+    // A file in the way of an archive is never replaced; a link there is not written through.
+    std::fs::write(root.join("default/taken.npbackup"), b"someone else's").unwrap();
+    env.apply(&backup_yaml("default", "taken", "alpha", ""));
+    wait_phase(&kc, "default", "taken", "Failed", "ArchiveExists");
+    assert_eq!(
+        std::fs::read(root.join("default/taken.npbackup")).unwrap(),
+        b"someone else's"
+    );
+    let outside = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(outside.path(), root.join("default/away")).unwrap();
+    env.apply(&backup_yaml(
+        "default",
+        "through-link",
+        "alpha",
+        &format!("  location: \"file://{}/default/away\"\n", root.display()),
+    ));
+    wait_phase(&kc, "default", "through-link", "Running", "BackupFailed");
+    assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 0);
+
+    // The archive does not carry its own key.
+    let alpha_1 = std::fs::read(&file).unwrap();
+    assert_eq!(open(&file, &key).1.len() as u64, keys);
+    assert!(!alpha_1.windows(32).any(|w| w == key.as_slice()));
+}

@@ -1,0 +1,678 @@
+//! The `NestedBackup` controller: one backup of one control plane, taken once.
+//!
+//! A pass checks what a user can get wrong before anything is read (the control plane, the
+//! location, the key), then reads the tenant's keys at one revision with the tenant's own
+//! etcd credentials ([`engine::export`]), seals them ([`archive::encode`]), writes the
+//! archive under a temporary name (0600), links it to its own name (never over another
+//! file), reads it back and opens it. Only then is the backup `Completed`; a completed
+//! backup is never taken again.
+//!
+//! An operator stopped at any step takes the backup again from the start; one stopped after
+//! the archive got its name finds the archive its own (the header carries the backup's UID)
+//! and completes with it.
+
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
+use kube::{Resource, ResourceExt};
+use nestplane_api::NestedControlPlane;
+use nestplane_api::backup::{
+    KEY_KEY, KEY_LEN, NestedBackup, NestedBackupStatus, default_key_secret, phases, reasons, types,
+};
+use nestplane_api::conditions;
+use nestplane_api::names::{self, Component, SecretPurpose};
+use ring::rand::{SecureRandom, SystemRandom};
+
+use super::{archive, engine, location};
+use crate::context::{Context, Error};
+use crate::datastore::etcd;
+use crate::tenant::Tenant;
+
+/// How often a backup that waits (for its control plane, datastore or key) looks again.
+pub const RECHECK: Duration = Duration::from_secs(10);
+/// Backups taken at once by one operator: each holds a tenant's keys in memory.
+pub const CONCURRENCY: u16 = 2;
+/// The label on a key Secret made by nestplane, naming the control plane it was made for.
+pub const KEY_FOR_LABEL: &str = "backup.nestplane.io/control-plane";
+
+/// What the backup controller has: the operator's [`Context`] and its backup directory.
+pub struct BackupContext {
+    /// What every controller shares.
+    pub core: Arc<Context>,
+    /// The operator's backup directory: archives of namespace `ns` go under `<dir>/ns/`.
+    pub dir: PathBuf,
+}
+
+crate::context::wing_context!(BackupContext);
+
+/// Where a pass stopped, and why.
+enum Outcome {
+    /// Waiting for something that may appear by itself (looked at again).
+    Waiting(&'static str, String),
+    /// Refused until the spec changes.
+    Refused(&'static str, String),
+}
+
+fn now() -> Timestamp {
+    Timestamp::now()
+}
+
+/// Reconcile one backup.
+pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<Action, Error> {
+    let status = b.status.clone().unwrap_or_default();
+    let phase = status.phase.as_deref();
+    if phase == Some(phases::COMPLETED)
+        || (phase == Some(phases::FAILED) && status.observed_generation == b.metadata.generation)
+        || b.metadata.deletion_timestamp.is_some()
+    {
+        return Ok(Action::await_change());
+    }
+    let ns = b.namespace().unwrap_or_default();
+    let ncps: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &ns);
+    let cp = &b.spec.control_plane_ref.name;
+    let Some(ncp) = ncps.get_opt(cp).await? else {
+        return settle(
+            &ctx,
+            &b,
+            Outcome::Waiting(
+                reasons::CONTROL_PLANE_NOT_FOUND,
+                format!("NestedControlPlane {ns}/{cp} not found"),
+            ),
+        )
+        .await;
+    };
+    if !ctx.selects(&ncp) {
+        // Another operator's control plane (`--watch-filter`): its operator takes it.
+        return Ok(Action::await_change());
+    }
+    let dir = match location::resolve(b.spec.location.as_deref(), &ctx.dir, &ns) {
+        Ok(dir) => dir,
+        Err(refused) => {
+            return settle(
+                &ctx,
+                &b,
+                Outcome::Refused(reasons::LOCATION_REFUSED, refused.to_string()),
+            )
+            .await;
+        }
+    };
+    let path = location::archive_path(&dir, &b.name_any());
+    let key = match archive_key(&ctx, &b).await? {
+        Ok(key) => key,
+        Err(why) => return settle(&ctx, &b, Outcome::Waiting(reasons::INVALID_KEY, why)).await,
+    };
+    let uid = b.uid().unwrap_or_default();
+    // An archive of this name is there already: this backup's, written by an operator that
+    // stopped before saying so, or someone else's, which is left as it is.
+    match existing(&path, &uid, &key).await {
+        Existing::None => {}
+        Existing::Ours(header, size) => {
+            return complete(&ctx, &b, &path, &header, size, None).await;
+        }
+        Existing::Other(why) => {
+            return settle(&ctx, &b, Outcome::Refused(reasons::ARCHIVE_EXISTS, why)).await;
+        }
+    }
+    let t = Tenant::load(&ctx.client, &ctx.caches, ncp.clone()).await?;
+    let access = match datastore_access(&ctx, &t).await? {
+        Ok(a) => a,
+        Err(why) => {
+            return settle(
+                &ctx,
+                &b,
+                Outcome::Waiting(reasons::DATASTORE_NOT_READY, why),
+            )
+            .await;
+        }
+    };
+    // The version its API server runs (what its stored objects' form is).
+    let version = t
+        .running_version(Component::ApiServer)
+        .map(|v| v.to_string())
+        .or_else(|| ncp.spec.version.clone())
+        .unwrap_or_else(|| names::DEFAULT_KUBERNETES_VERSION.to_string());
+    running(&ctx, &b).await?;
+    let started = Instant::now();
+    let taken = take(&ctx, &ncp, &version, &access, &key, &uid, &path).await;
+    match taken {
+        Ok((header, size, restarts)) => {
+            complete(&ctx, &b, &path, &header, size, Some((started, restarts))).await
+        }
+        Err(why) => {
+            // Said on the object, then retried with the controllers' backoff.
+            let mut s = b.status.clone().unwrap_or_default();
+            s.phase = Some(phases::RUNNING.into());
+            set_ready(&mut s, &b, false, reasons::BACKUP_FAILED, &why);
+            write_status(&ctx, &b, &s).await?;
+            ctx.event(
+                b.object_ref(&()),
+                EventType::Warning,
+                reasons::BACKUP_FAILED,
+                &why,
+            )
+            .await;
+            Err(Error::Unavailable(why))
+        }
+    }
+}
+
+/// How to reach a tenant's keys: its datastore's endpoints, its key root, and its own etcd
+/// client certificate.
+struct Access {
+    endpoints: Vec<String>,
+    root: String,
+    creds: etcd::Credentials,
+}
+
+async fn datastore_access(ctx: &Context, t: &Tenant) -> Result<Result<Access, String>, Error> {
+    let (endpoints, prefix) = match t.datastore() {
+        Some(d) => (d.endpoints.clone(), Some(d.prefix.clone())),
+        None => (own_etcd_urls(t), None),
+    };
+    let ns = t.namespace();
+    if endpoints.is_empty() {
+        return Ok(Err(format!(
+            "the datastore of NestedControlPlane {ns}/{} reports no endpoints yet",
+            t.ncp.name_any()
+        )));
+    }
+    let cluster = t.cluster();
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    let text = |s: &Option<Secret>, key: &str| {
+        s.as_ref()
+            .and_then(|s| s.data.as_ref()?.get(key))
+            .map(|b| String::from_utf8_lossy(&b.0).into_owned())
+    };
+    let ca_name = SecretPurpose::EtcdCa.secret_name(&cluster);
+    let client_name = SecretPurpose::ApiServerEtcdClient.secret_name(&cluster);
+    let ca = secrets.get_opt(&ca_name).await?;
+    let client = secrets.get_opt(&client_name).await?;
+    let (Some(ca_pem), Some(cert_pem), Some(key_pem)) = (
+        text(&ca, names::TLS_CRT),
+        text(&client, names::TLS_CRT),
+        text(&client, names::TLS_KEY),
+    ) else {
+        return Ok(Err(format!(
+            "the etcd credentials of {ns}/{cluster} ({ca_name}, {client_name}) are not issued yet"
+        )));
+    };
+    Ok(Ok(Access {
+        endpoints,
+        root: engine::key_root(prefix.as_deref()),
+        creds: etcd::Credentials {
+            ca_pem,
+            cert_pem,
+            key_pem,
+        },
+    }))
+}
+
+/// The client URLs of a tenant's own etcd as this operator reaches it: each member's IP where
+/// its status has one (the process runtime's loopback addresses; their host names are not in
+/// any resolver), else its host name (a Service's, in the kubernetes runtime).
+fn own_etcd_urls(t: &Tenant) -> Vec<String> {
+    let Some(status) = t.etcd.found().and_then(|e| e.status.as_ref()) else {
+        return Vec::new();
+    };
+    status
+        .addresses
+        .iter()
+        .filter_map(|a| {
+            let host = match a.ip.as_deref().filter(|ip| !ip.is_empty()) {
+                Some(ip) if ip.contains(':') => format!("[{ip}]"),
+                Some(ip) => ip.to_string(),
+                None => a.hostname.clone().filter(|h| !h.is_empty())?,
+            };
+            Some(format!("https://{host}:{}", a.port))
+        })
+        .collect()
+}
+
+/// How long the datastore has to answer a first request: an endpoint that cannot be reached
+/// otherwise holds a request until a connection is made.
+pub const FIRST_ANSWER: Duration = Duration::from_secs(15);
+
+/// Read, seal, write and verify. The error is a message for the user (no secret in it).
+async fn take(
+    ctx: &BackupContext,
+    ncp: &NestedControlPlane,
+    version: &str,
+    access: &Access,
+    key: &[u8],
+    uid: &str,
+    path: &Path,
+) -> Result<(archive::Header, u64, u32), String> {
+    let mut client = etcd::connect_as(&access.endpoints, &access.creds)
+        .await
+        .map_err(|e| e.to_string())?;
+    let first = client.get(
+        access.root.as_str(),
+        Some(
+            etcd_client::GetOptions::new()
+                .with_prefix()
+                .with_count_only(),
+        ),
+    );
+    match tokio::time::timeout(FIRST_ANSWER, first).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return Err(format!("etcd at {}: {e}", access.endpoints.join(","))),
+        Err(_) => {
+            return Err(format!(
+                "etcd at {} did not answer within {FIRST_ANSWER:?}",
+                access.endpoints.join(",")
+            ));
+        }
+    }
+    let limits = archive::Limits::default();
+    let snap = engine::export(&mut client, &access.root, engine::PAGE, &limits)
+        .await
+        .map_err(|e| format!("reading the keys: {e}"))?;
+    let created = ctx
+        .clock
+        .now()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default();
+    let tenant = format!("{}/{}", ncp.namespace().unwrap_or_default(), ncp.name_any());
+    let mut header = archive::header_for(&tenant, version, snap.revision, &created, &snap.records);
+    header.id = uid.to_string();
+    let sealed = archive::encode(&header, &snap.records, key).map_err(|e| e.to_string())?;
+    let restarts = snap.restarts;
+    drop(snap);
+    let (root, path, key, uid) = (
+        ctx.dir.clone(),
+        path.to_path_buf(),
+        key.to_vec(),
+        uid.to_string(),
+    );
+    tokio::task::spawn_blocking(move || -> Result<_, String> {
+        write_new(&root, &path, &uid, &sealed)?;
+        drop(sealed);
+        let (header, size) = open(&path, &key)?;
+        Ok((header, size, restarts))
+    })
+    .await
+    .map_err(|e| format!("writing the archive: {e}"))?
+}
+
+/// Make the operator's backup directory `root` (0700; it is the operator's to choose), and
+/// every directory below it down to `dir` (0700), refusing one that is not a directory of its
+/// own (a symbolic link).
+fn ensure_dir(root: &Path, dir: &Path) -> Result<(), String> {
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .recursive(true)
+        .create(root)
+        .map_err(|e| format!("making {}: {e}", root.display()))?;
+    let below = dir
+        .strip_prefix(root)
+        .map_err(|_| format!("{} is not under {}", dir.display(), root.display()))?;
+    let mut at = root.to_path_buf();
+    for c in below.components() {
+        at.push(c);
+        match std::fs::symlink_metadata(&at) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(format!("{} is not a directory", at.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::fs::DirBuilder::new()
+                    .mode(0o700)
+                    .create(&at)
+                    .or_else(|e| match e.kind() {
+                        std::io::ErrorKind::AlreadyExists => Ok(()),
+                        _ => Err(e),
+                    })
+                    .map_err(|e| format!("making {}: {e}", at.display()))?;
+            }
+            Err(e) => return Err(format!("{}: {e}", at.display())),
+        }
+    }
+    Ok(())
+}
+
+/// Write `bytes` to `path` (under `root`), which must not exist: under a temporary name first (0600, never
+/// through a link), synced, then linked to its name, so a reader never sees half an archive
+/// and no file is ever replaced.
+fn write_new(root: &Path, path: &Path, uid: &str, bytes: &[u8]) -> Result<(), String> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| format!("{} has no directory", path.display()))?;
+    ensure_dir(root, dir)?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.{uid}.tmp"));
+    // Left by an operator that stopped while writing it.
+    match std::fs::remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("removing {}: {e}", tmp.display())),
+    }
+    let written = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::hard_link(&tmp, path)
+    })();
+    let _ = std::fs::remove_file(&tmp);
+    match written {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            return Err(format!(
+                "{} appeared while the backup was written; it is left as it is",
+                path.display()
+            ));
+        }
+        Err(e) => return Err(format!("writing {}: {e}", path.display())),
+    }
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| format!("syncing {}: {e}", dir.display()))
+}
+
+/// Read the archive at `path` back and open it with `key`: its header (verified) and size.
+fn open(path: &Path, key: &[u8]) -> Result<(archive::Header, u64), String> {
+    let bytes = read_archive(path)?;
+    let (header, _) = archive::decode(&bytes, key, &archive::Limits::default())
+        .map_err(|e| format!("the archive written does not open: {e}"))?;
+    Ok((header, bytes.len() as u64))
+}
+
+fn read_archive(path: &Path) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| format!("reading {}: {e}", path.display()))?;
+    let limit = archive::Limits::default().bytes.saturating_mul(2);
+    let mut bytes = Vec::new();
+    f.take(limit)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("reading {}: {e}", path.display()))?;
+    Ok(bytes)
+}
+
+enum Existing {
+    None,
+    /// This backup's archive (its header's id is the backup's UID), verified.
+    Ours(archive::Header, u64),
+    /// Something else.
+    Other(String),
+}
+
+async fn existing(path: &Path, uid: &str, key: &[u8]) -> Existing {
+    let (path, uid, key) = (path.to_path_buf(), uid.to_string(), key.to_vec());
+    tokio::task::spawn_blocking(move || {
+        match std::fs::symlink_metadata(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Existing::None,
+            Err(e) => return Existing::Other(format!("{}: {e}", path.display())),
+            Ok(m) if !m.is_file() => {
+                return Existing::Other(format!(
+                    "{} exists and is not an archive; it is left as it is",
+                    path.display()
+                ));
+            }
+            Ok(_) => {}
+        }
+        let other = || {
+            Existing::Other(format!(
+                "{} exists and is another backup's; it is left as it is (name this backup otherwise, or choose another location)",
+                path.display()
+            ))
+        };
+        let Ok(bytes) = read_archive(&path) else {
+            return other();
+        };
+        match archive::read_header(&bytes) {
+            Ok(h) if !uid.is_empty() && h.id == uid => {
+                match archive::decode(&bytes, &key, &archive::Limits::default()) {
+                    Ok((header, _)) => Existing::Ours(header, bytes.len() as u64),
+                    Err(_) => other(),
+                }
+            }
+            _ => other(),
+        }
+    })
+    .await
+    .unwrap_or_else(|e| Existing::Other(e.to_string()))
+}
+
+/// The archive key from the backup's key Secret. A default key Secret that does not exist is
+/// made, with a random key, owned by nothing (deleting the control plane must not delete the
+/// only key that opens its backups). `Err`: why there is no key, for the user.
+async fn archive_key(
+    ctx: &BackupContext,
+    b: &NestedBackup,
+) -> Result<Result<Vec<u8>, String>, Error> {
+    let ns = b.namespace().unwrap_or_default();
+    let cp = &b.spec.control_plane_ref.name;
+    let named = b.spec.key_secret_ref.as_ref().map(|r| r.name.clone());
+    let name = named.clone().unwrap_or_else(|| default_key_secret(cp));
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    let found = match secrets.get_opt(&name).await? {
+        Some(s) => s,
+        None if named.is_some() => {
+            return Ok(Err(format!("the key Secret {ns}/{name} does not exist")));
+        }
+        None => {
+            let mut key = vec![0u8; KEY_LEN];
+            SystemRandom::new()
+                .fill(&mut key)
+                .map_err(|_| Error::Internal("no random key".into()))?;
+            let secret = Secret {
+                metadata: ObjectMeta {
+                    name: Some(name.clone()),
+                    namespace: Some(ns.clone()),
+                    labels: Some(
+                        [
+                            (
+                                names::MANAGED_BY_LABEL.to_string(),
+                                names::MANAGED_BY.to_string(),
+                            ),
+                            (KEY_FOR_LABEL.to_string(), cp.clone()),
+                        ]
+                        .into(),
+                    ),
+                    ..Default::default()
+                },
+                data: Some([(KEY_KEY.to_string(), ByteString(key))].into()),
+                ..Default::default()
+            };
+            match secrets.create(&PostParams::default(), &secret).await {
+                Ok(made) => {
+                    ctx.event(
+                        b.object_ref(&()),
+                        EventType::Normal,
+                        reasons::KEY_CREATED,
+                        &format!(
+                            "made Secret {ns}/{name} with a new random archive key; keep a copy: without it, backups sealed with it cannot be opened"
+                        ),
+                    )
+                    .await;
+                    made
+                }
+                Err(kube::Error::Api(e)) if e.code == 409 => secrets.get(&name).await?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    };
+    match found.data.as_ref().and_then(|d| d.get(KEY_KEY)) {
+        Some(k) if k.0.len() == KEY_LEN => Ok(Ok(k.0.clone())),
+        Some(k) => Ok(Err(format!(
+            "the key Secret {ns}/{name} holds a `{KEY_KEY}` of {} bytes; an archive key is {KEY_LEN} bytes",
+            k.0.len()
+        ))),
+        None => Ok(Err(format!(
+            "the key Secret {ns}/{name} has no `{KEY_KEY}` ({KEY_LEN} bytes)"
+        ))),
+    }
+}
+
+fn set_ready(s: &mut NestedBackupStatus, b: &NestedBackup, ok: bool, reason: &str, msg: &str) {
+    conditions::set(
+        &mut s.conditions,
+        conditions::new(types::READY, ok, reason, msg),
+        b.metadata.generation,
+        now(),
+    );
+    s.observed_generation = b.metadata.generation;
+}
+
+async fn write_status(
+    ctx: &Context,
+    b: &NestedBackup,
+    s: &NestedBackupStatus,
+) -> Result<(), Error> {
+    if b.status.as_ref() == Some(s) {
+        return Ok(());
+    }
+    let api: Api<NestedBackup> =
+        Api::namespaced(ctx.client.clone(), &b.namespace().unwrap_or_default());
+    api.patch_status(
+        &b.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "status": s })),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Say that the backup waits or is refused; an Event when that is news.
+async fn settle(ctx: &BackupContext, b: &NestedBackup, o: Outcome) -> Result<Action, Error> {
+    let (phase, reason, msg, action) = match o {
+        Outcome::Waiting(r, m) => (phases::PENDING, r, m, Action::requeue(RECHECK)),
+        Outcome::Refused(r, m) => (phases::FAILED, r, m, Action::await_change()),
+    };
+    let before = b
+        .status
+        .as_ref()
+        .and_then(|s| conditions::get(&s.conditions, types::READY))
+        .map(|c| (c.reason.clone(), c.message.clone()));
+    let mut s = b.status.clone().unwrap_or_default();
+    s.phase = Some(phase.into());
+    set_ready(&mut s, b, false, reason, &msg);
+    write_status(ctx, b, &s).await?;
+    if before != Some((reason.to_string(), conditions::cut(&msg, 32 * 1024))) {
+        ctx.event(b.object_ref(&()), EventType::Warning, reason, &msg)
+            .await;
+    }
+    Ok(action)
+}
+
+async fn running(ctx: &BackupContext, b: &NestedBackup) -> Result<(), Error> {
+    let mut s = b.status.clone().unwrap_or_default();
+    s.phase = Some(phases::RUNNING.into());
+    s.started_at = Some(Time(now()));
+    set_ready(
+        &mut s,
+        b,
+        false,
+        reasons::RUNNING,
+        "reading the control plane's keys at one revision",
+    );
+    write_status(ctx, b, &s).await
+}
+
+async fn complete(
+    ctx: &BackupContext,
+    b: &NestedBackup,
+    path: &Path,
+    h: &archive::Header,
+    size: u64,
+    timing: Option<(Instant, u32)>,
+) -> Result<Action, Error> {
+    let url = location::url_of(path);
+    let mut s = b.status.clone().unwrap_or_default();
+    s.phase = Some(phases::COMPLETED.into());
+    s.url = Some(url.clone());
+    s.revision = Some(h.revision);
+    s.keys = Some(h.keys as i64);
+    s.bytes = Some(h.bytes as i64);
+    s.archive_bytes = Some(size as i64);
+    s.digest = Some(h.digest.clone());
+    s.kubernetes_version = Some(h.kubernetes_version.clone());
+    s.completed_at = Some(Time(now()));
+    if let Some((started, restarts)) = timing {
+        s.duration_seconds = Some((started.elapsed().as_secs_f64() * 1000.0).round() / 1000.0);
+        s.restarts = Some(restarts as i32);
+    }
+    let msg = format!(
+        "{} keys ({} bytes) at revision {}, sealed in {url} ({size} bytes)",
+        h.keys, h.bytes, h.revision
+    );
+    set_ready(&mut s, b, true, reasons::COMPLETED, &msg);
+    write_status(ctx, b, &s).await?;
+    ctx.event(
+        b.object_ref(&()),
+        EventType::Normal,
+        reasons::COMPLETED,
+        &msg,
+    )
+    .await;
+    Ok(Action::await_change())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn an_archive_is_written_once_0600_and_never_over_another_file() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().join("backups");
+        let path = root.join("ns/deep/a.npbackup");
+        write_new(&root, &path, "uid-1", b"first").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"first");
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&path), 0o600);
+        assert_eq!(mode(&root), 0o700);
+        assert_eq!(mode(&root.join("ns")), 0o700);
+        assert_eq!(mode(&root.join("ns/deep")), 0o700);
+        let err = write_new(&root, &path, "uid-2", b"second").unwrap_err();
+        assert!(err.contains("left as it is"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"first");
+        // No temporary file is left behind either way.
+        let left: Vec<_> = std::fs::read_dir(root.join("ns/deep"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left.len(), 1, "{left:?}");
+    }
+
+    #[test]
+    fn a_link_in_the_way_is_never_followed() {
+        let d = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join("ns")).unwrap();
+        // A directory that is a link elsewhere.
+        std::os::unix::fs::symlink(outside.path(), d.path().join("ns/away")).unwrap();
+        let root = d.path();
+        let err = write_new(root, &root.join("ns/away/a.npbackup"), "u", b"x").unwrap_err();
+        assert!(err.contains("not a directory"), "{err}");
+        // An archive name that is a link to a file elsewhere: not written through.
+        let target = outside.path().join("victim");
+        std::fs::write(&target, b"kept").unwrap();
+        std::os::unix::fs::symlink(&target, d.path().join("ns/b.npbackup")).unwrap();
+        assert!(write_new(root, &root.join("ns/b.npbackup"), "u", b"x").is_err());
+        assert_eq!(std::fs::read(&target).unwrap(), b"kept");
+        assert!(read_archive(&d.path().join("ns/b.npbackup")).is_err());
+        assert!(std::fs::read_dir(outside.path()).unwrap().count() == 1);
+    }
+}
