@@ -158,6 +158,25 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
         );
     }
     assert!(names.iter().all(|n| !n.starts_with('/')), "{names:?}");
+    // The tenant's CAs and service-account key are sealed in with its keys, exactly as its
+    // Secrets hold them (so what they issued verifies after a restore).
+    let opened =
+        archive::decode_all(&std::fs::read(&file).unwrap(), &key, &Default::default()).unwrap();
+    for (purpose, secret) in [
+        ("ca", "alpha-ca"),
+        ("sa", "alpha-sa"),
+        ("proxy", "alpha-proxy"),
+    ] {
+        let held = env.secret("default", secret).await.unwrap().data.unwrap();
+        assert_eq!(
+            opened.trust[purpose]["tls.key"].as_bytes(),
+            &held["tls.key"].0[..],
+            "{purpose}"
+        );
+    }
+    // The shared datastore's CA is alpha's trust of its etcd: a certificate, never its key.
+    assert!(opened.trust["etcd"].contains_key("tls.crt"));
+    assert!(!opened.trust["etcd"].contains_key("tls.key"));
     // Another key does not open it.
     assert!(
         archive::decode(

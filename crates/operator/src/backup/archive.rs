@@ -6,8 +6,9 @@
 //! header len  u32, big-endian                    4 bytes
 //! header      JSON (Header), in the clear: a listing reads it without the key
 //! nonce       12 random bytes
-//! sealed      ChaCha20-Poly1305 over gzip(records); the magic, length and header are its
-//!             associated data, so changing any byte of the file fails the whole archive
+//! sealed      ChaCha20-Poly1305 over gzip(records, trust); the magic, length and header
+//!             are its associated data, so changing any byte of the file fails the whole
+//!             archive
 //! ```
 //!
 //! A record is `u32 key length, key, u32 value length, value, i64 lease, i64 ttl` (big-endian;
@@ -16,6 +17,10 @@
 //! restored under any prefix, and each one is checked before anything is written: an archive
 //! is input its holder controls, and so is its key. What it may hold is bounded before it is
 //! inflated ([`Limits`]).
+//!
+//! The trust (the tenant's CAs and service-account key, [`Trust`]) follows the records as
+//! JSON of exactly the header's `trustBytes`, so that what was issued before a backup still
+//! verifies after a restore; it is sealed like the records, never in the clear.
 
 use std::io::{Read, Write};
 
@@ -35,6 +40,13 @@ const MAX_HEADER: u32 = 64 * 1024;
 const RECORD_OVERHEAD: u64 = 4 + 4 + 8 + 8;
 /// The longest key accepted (the API server's keys are well under 1 KiB).
 pub const MAX_KEY: usize = 4096;
+/// The most trust an archive may hold (a few CAs and a key: a few KiB).
+pub const MAX_TRUST: u64 = 1 << 20;
+
+/// A tenant's trust: the data of its CA and service-account key Secrets, by the Secret's
+/// purpose (the suffix after the cluster name: `ca`, `etcd`, `proxy`, `sa`), each its keys
+/// and their text (`tls.crt`, `tls.key`, …).
+pub type Trust = std::collections::BTreeMap<String, std::collections::BTreeMap<String, String>>;
 
 /// What an archive may hold, checked against its header before anything is inflated and
 /// against its records as they are read.
@@ -87,6 +99,21 @@ pub struct Header {
     /// rest of the header.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub id: String,
+    /// The sealed trust's length (JSON after the records; 0: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub trust_bytes: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// An archive, opened.
+#[derive(Debug)]
+pub struct Opened {
+    pub header: Header,
+    pub records: Vec<Record>,
+    pub trust: Trust,
 }
 
 /// One key, relative to the tenant's prefix.
@@ -273,6 +300,7 @@ pub fn header_for(
         digest: String::new(),
         created: created.to_string(),
         id: String::new(),
+        trust_bytes: 0,
     }
 }
 
@@ -288,6 +316,22 @@ fn sealing_key(key: &[u8]) -> Result<LessSafeKey, ArchiveError> {
 /// The archive of `records` under `header` (made by [`header_for`]), sealed with `key`
 /// ([`KEY_LEN`] bytes) and a random nonce (so one key seals many archives safely).
 pub fn encode(header: &Header, records: &[Record], key: &[u8]) -> Result<Vec<u8>, ArchiveError> {
+    encode_with(header, records, &Trust::new(), key)
+}
+
+/// [`encode`], with the tenant's `trust` sealed after the records.
+pub fn encode_with(
+    header: &Header,
+    records: &[Record],
+    trust: &Trust,
+    key: &[u8],
+) -> Result<Vec<u8>, ArchiveError> {
+    let trust_json = if trust.is_empty() {
+        Vec::new()
+    } else {
+        serde_json::to_vec(trust).expect("a map of strings serializes")
+    };
+    check_trust_len(trust_json.len() as u64)?;
     let mut nonce = [0u8; NONCE_LEN];
     SystemRandom::new()
         .fill(&mut nonce)
@@ -297,11 +341,23 @@ pub fn encode(header: &Header, records: &[Record], key: &[u8]) -> Result<Vec<u8>
         key,
         &digest(records.iter().map(|r| (&r.key[..], &r.value[..]))),
     );
-    seal(&header, &compress(records), key, nonce)
+    header.trust_bytes = trust_json.len() as u64;
+    seal(&header, &compress(records, &trust_json), key, nonce)
 }
 
-/// The records, gzipped.
-fn compress(records: &[Record]) -> Vec<u8> {
+fn check_trust_len(n: u64) -> Result<(), ArchiveError> {
+    if n > MAX_TRUST {
+        return Err(ArchiveError::TooLarge {
+            what: "trust bytes",
+            found: n,
+            limit: MAX_TRUST,
+        });
+    }
+    Ok(())
+}
+
+/// The records and the trust, gzipped.
+fn compress(records: &[Record], trust_json: &[u8]) -> Vec<u8> {
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
     let mut put = |bytes: &[u8]| gz.write_all(bytes).expect("writing to memory");
     for r in records {
@@ -313,6 +369,7 @@ fn compress(records: &[Record]) -> Vec<u8> {
         put(&lease.id.to_be_bytes());
         put(&lease.ttl.to_be_bytes());
     }
+    put(trust_json);
     gz.finish().expect("writing to memory")
 }
 
@@ -382,8 +439,14 @@ pub fn decode(
     key: &[u8],
     limits: &Limits,
 ) -> Result<(Header, Vec<Record>), ArchiveError> {
+    decode_all(archive, key, limits).map(|o| (o.header, o.records))
+}
+
+/// [`decode`], with the trust sealed after the records.
+pub fn decode_all(archive: &[u8], key: &[u8], limits: &Limits) -> Result<Opened, ArchiveError> {
     let sealing = sealing_key(key)?;
     let (header, end) = split_header(archive)?;
+    check_trust_len(header.trust_bytes)?;
     for (what, found, limit) in [
         ("keys", header.keys, limits.keys),
         ("bytes", header.bytes, limits.bytes),
@@ -401,7 +464,8 @@ pub fn decode(
     // framing, and the tag): refused before it is copied.
     let bound = header
         .bytes
-        .saturating_add(header.keys.saturating_mul(RECORD_OVERHEAD));
+        .saturating_add(header.keys.saturating_mul(RECORD_OVERHEAD))
+        .saturating_add(header.trust_bytes);
     let sealed_len = (archive.len() - end - NONCE_LEN) as u64;
     if sealed_len > bound.saturating_add(bound / 1000).saturating_add(1024 + 16) {
         return Err(ArchiveError::Mismatch {
@@ -422,7 +486,8 @@ pub fn decode(
     // unpacks to much is refused rather than filling memory.
     let limit = header
         .bytes
-        .saturating_add(header.keys.saturating_mul(RECORD_OVERHEAD));
+        .saturating_add(header.keys.saturating_mul(RECORD_OVERHEAD))
+        .saturating_add(header.trust_bytes);
     let mut raw = Vec::new();
     let mut gz = flate2::bufread::GzDecoder::new(&plain[..]);
     gz.by_ref()
@@ -442,7 +507,16 @@ pub fn decode(
             "bytes follow the compressed records".into(),
         ));
     }
-    let records = parse_records(&raw, header.keys)?;
+    let Some(split) = raw.len().checked_sub(header.trust_bytes as usize) else {
+        return Err(ArchiveError::Mismatch {
+            what: "the sealed part's size",
+            found: raw.len().to_string(),
+            expected: format!("at least the header's {} trust bytes", header.trust_bytes),
+        });
+    };
+    let (raw, trust_json) = raw.split_at(split);
+    let trust = parse_trust(trust_json)?;
+    let records = parse_records(raw, header.keys)?;
     check_records(&records, limits)?;
     let found = header_for(
         &header.tenant,
@@ -479,7 +553,42 @@ pub fn decode(
             });
         }
     }
-    Ok((header, records))
+    Ok(Opened {
+        header,
+        records,
+        trust,
+    })
+}
+
+/// The trust's JSON: purposes and keys are short names of lower-case letters, digits, `-`
+/// and `.` (what a Secret's suffix and data keys are).
+fn parse_trust(json: &[u8]) -> Result<Trust, ArchiveError> {
+    if json.is_empty() {
+        return Ok(Trust::new());
+    }
+    let trust: Trust = serde_json::from_slice(json)
+        .map_err(|e| ArchiveError::Records(format!("the trust is not valid: {e}")))?;
+    let plain = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 63
+            && s.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+    };
+    if let Some(bad) = trust
+        .iter()
+        .flat_map(|(p, data)| std::iter::once(p).chain(data.keys()))
+        .find(|s| !plain(s))
+    {
+        return Err(ArchiveError::Records(format!(
+            "the trust names {:?}, not a plain name",
+            crate::backup::archive::cut(bad)
+        )));
+    }
+    Ok(trust)
+}
+
+fn cut(s: &str) -> String {
+    s.chars().take(64).collect()
 }
 
 fn parse_records(mut raw: &[u8], keys: u64) -> Result<Vec<Record>, ArchiveError> {
@@ -624,6 +733,71 @@ mod tests {
     /// The holder of the key is not trusted either: a well-sealed archive whose keys would
     /// leave the tenant's prefix, or whose records say other than its header, is refused.
     #[test]
+    fn the_trust_is_sealed_after_the_records_and_checked() {
+        let (h, records) = sample();
+        let mut trust = Trust::new();
+        trust.insert(
+            "ca".into(),
+            [
+                ("tls.crt".to_string(), "CERT".to_string()),
+                ("tls.key".to_string(), "SECRET-KEY".to_string()),
+            ]
+            .into(),
+        );
+        let bytes = encode_with(&h, &records, &trust, &KEY).unwrap();
+        assert!(!bytes.windows(10).any(|w| w == b"SECRET-KEY"));
+        let opened = decode_all(&bytes, &KEY, &Limits::default()).unwrap();
+        assert_eq!(opened.trust, trust);
+        assert_eq!(opened.records, records);
+        assert!(opened.header.trust_bytes > 0);
+        // Without trust, the header says nothing of it.
+        let bare = encode(&h, &records, &KEY).unwrap();
+        assert!(read_header(&bare).unwrap().trust_bytes == 0);
+        assert!(
+            decode_all(&bare, &KEY, &Limits::default())
+                .unwrap()
+                .trust
+                .is_empty()
+        );
+
+        // Sealed with the right key, but its trust is not what it may be.
+        let mut header = h.clone();
+        header.digest = keyed_digest(
+            &KEY,
+            &digest(records.iter().map(|r| (&r.key[..], &r.value[..]))),
+        );
+        let sealed = |header: &Header, json: &[u8]| {
+            let mut header = header.clone();
+            if header.trust_bytes == 0 {
+                header.trust_bytes = json.len() as u64;
+            }
+            seal(&header, &compress(&records, json), &KEY, [3; NONCE_LEN]).unwrap()
+        };
+        for bad in [
+            r#"{"../ca":{"tls.key":"k"}}"#,
+            r#"{"ca":{"../../tls.key":"k"}}"#,
+            r#"{"CA":{"tls.key":"k"}}"#,
+            r#"{"":{"tls.key":"k"}}"#,
+            r#"["ca"]"#,
+        ] {
+            let err =
+                decode_all(&sealed(&header, bad.as_bytes()), &KEY, &Limits::default()).unwrap_err();
+            assert!(matches!(err, ArchiveError::Records(_)), "{bad}: {err}");
+        }
+        // A header that claims more trust than there is, or more than any archive holds.
+        let json = br#"{"ca":{"tls.key":"k"}}"#;
+        let mut claims_more = header.clone();
+        claims_more.trust_bytes = json.len() as u64 + 5;
+        assert!(decode_all(&sealed(&claims_more, json), &KEY, &Limits::default()).is_err());
+        let mut too_much = header.clone();
+        too_much.trust_bytes = MAX_TRUST + 1;
+        assert!(matches!(
+            decode_all(&sealed(&too_much, json), &KEY, &Limits::default()),
+            Err(ArchiveError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
     fn a_sealed_archive_with_hostile_keys_or_a_false_header_is_refused() {
         for bad in [
             "",
@@ -653,7 +827,7 @@ mod tests {
         let (h, records) = sample();
         let mut lying = h.clone();
         lying.digest = keyed_digest(&KEY, &digest([(&b"x"[..], &b"y"[..])]));
-        let bytes = seal(&lying, &compress(&records), &KEY, [3; 12]).unwrap();
+        let bytes = seal(&lying, &compress(&records, &[]), &KEY, [3; 12]).unwrap();
         assert!(matches!(
             decode(&bytes, &KEY, &Limits::default()),
             Err(ArchiveError::Mismatch {
@@ -745,7 +919,7 @@ mod tests {
         assert!(decode(&bytes, &KEY, &Limits::default()).is_ok());
 
         let (h, records) = sample();
-        let mut trailing = compress(&records);
+        let mut trailing = compress(&records, &[]);
         trailing.extend_from_slice(b"unparsed");
         let bytes = seal(&h, &trailing, &KEY, [7; 12]).unwrap();
         assert!(matches!(

@@ -2,7 +2,8 @@
 //!
 //! A pass checks what a user can get wrong before anything is read (the control plane, the
 //! location, the key), then reads the tenant's keys at one revision with the tenant's own
-//! etcd credentials ([`engine::export`]), seals them ([`archive::encode`]), writes the
+//! etcd credentials ([`engine::export`]), seals them with its CAs and service-account key
+//! ([`archive::encode_with`], [`TRUST`]), writes the
 //! archive under a temporary name (0600), links it to its own name (never over another
 //! file), reads it back and opens it. Only then is the backup `Completed`; a completed
 //! backup is never taken again.
@@ -167,12 +168,22 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
 }
 
 /// How to reach a tenant's keys: its datastore's endpoints, its key root, and its own etcd
-/// client certificate.
+/// client certificate; and its trust, which goes into the archive with its keys.
 struct Access {
     endpoints: Vec<String>,
     root: String,
     creds: etcd::Credentials,
+    trust: archive::Trust,
 }
+
+/// The Secrets whose data is a tenant's trust: its CAs and its service-account key (with
+/// them, kubeconfigs and tokens issued before a backup verify after a restore).
+pub const TRUST: [SecretPurpose; 4] = [
+    SecretPurpose::ClusterCa,
+    SecretPurpose::EtcdCa,
+    SecretPurpose::FrontProxyCa,
+    SecretPurpose::ServiceAccount,
+];
 
 async fn datastore_access(ctx: &Context, t: &Tenant) -> Result<Result<Access, String>, Error> {
     let (endpoints, prefix) = match t.datastore() {
@@ -206,6 +217,21 @@ async fn datastore_access(ctx: &Context, t: &Tenant) -> Result<Result<Access, St
             "the etcd credentials of {ns}/{cluster} ({ca_name}, {client_name}) are not issued yet"
         )));
     };
+    let mut trust = archive::Trust::new();
+    for purpose in TRUST {
+        let name = purpose.secret_name(&cluster);
+        let Some(data) = secrets.get_opt(&name).await?.and_then(|s| s.data) else {
+            return Ok(Err(format!(
+                "the Secret {ns}/{name} of the control plane's trust is not issued yet"
+            )));
+        };
+        trust.insert(
+            purpose.suffix().to_string(),
+            data.into_iter()
+                .map(|(k, v)| (k, String::from_utf8_lossy(&v.0).into_owned()))
+                .collect(),
+        );
+    }
     Ok(Ok(Access {
         endpoints,
         root: engine::key_root(prefix.as_deref()),
@@ -214,6 +240,7 @@ async fn datastore_access(ctx: &Context, t: &Tenant) -> Result<Result<Access, St
             cert_pem,
             key_pem,
         },
+        trust,
     }))
 }
 
@@ -285,7 +312,8 @@ async fn take(
     let tenant = format!("{}/{}", ncp.namespace().unwrap_or_default(), ncp.name_any());
     let mut header = archive::header_for(&tenant, version, snap.revision, &created, &snap.records);
     header.id = uid.to_string();
-    let sealed = archive::encode(&header, &snap.records, key).map_err(|e| e.to_string())?;
+    let sealed = archive::encode_with(&header, &snap.records, &access.trust, key)
+        .map_err(|e| e.to_string())?;
     let restarts = snap.restarts;
     drop(snap);
     let (root, path, key, uid) = (
