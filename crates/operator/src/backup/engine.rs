@@ -114,11 +114,44 @@ pub async fn read_at(
     revision: Option<i64>,
     page: i64,
 ) -> Result<Read, EngineError> {
+    let unbounded = Limits {
+        bytes: u64::MAX,
+        keys: u64::MAX,
+        leases: usize::MAX,
+    };
+    read_within(client, prefix, revision, page, &unbounded).await
+}
+
+/// [`read_at`], holding no more than `limits`' keys and bytes: past them, what is read is
+/// dropped and the read fails once it ends (memory stays bounded whatever the prefix holds).
+async fn read_within(
+    client: &mut Client,
+    prefix: &str,
+    revision: Option<i64>,
+    page: i64,
+    limits: &Limits,
+) -> Result<Read, EngineError> {
     let mut keys = Vec::new();
+    let (mut count, mut bytes) = (0u64, 0u64);
     let revision = scan(client, prefix, revision, page, false, |rel, kv| {
-        keys.push((rel.to_vec(), kv.value().to_vec(), kv.lease()));
+        count += 1;
+        bytes = bytes.saturating_add((rel.len() + kv.value().len()) as u64);
+        if count <= limits.keys && bytes <= limits.bytes {
+            keys.push((rel.to_vec(), kv.value().to_vec(), kv.lease()));
+        } else if !keys.is_empty() {
+            keys = Vec::new();
+        }
     })
     .await?;
+    for (what, found, limit) in [("keys", count, limits.keys), ("bytes", bytes, limits.bytes)] {
+        if found > limit {
+            return Err(EngineError::TooLargeToArchive(ArchiveError::TooLarge {
+                what,
+                found,
+                limit,
+            }));
+        }
+    }
     Ok(Read { revision, keys })
 }
 
@@ -227,7 +260,7 @@ pub(crate) async fn export_from(
     let mut restarts = 0;
     let mut at = first;
     let read = loop {
-        match read_at(client, prefix, at.take(), page).await {
+        match read_within(client, prefix, at.take(), page, limits).await {
             Ok(r) => break r,
             Err(EngineError::Compacted { revision }) => {
                 restarts += 1;

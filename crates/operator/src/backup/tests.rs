@@ -278,6 +278,35 @@ async fn large_values_are_read_and_written_in_pieces_the_datastore_takes() {
     assert_eq!(snap.records.len(), 40);
     let header = archive::header_for("ns/a", "v1.20.2", snap.revision, "now", &snap.records);
     assert!(header.bytes > 7 << 20, "{}", header.bytes);
+    // A prefix that holds more than an archive may: the export says how much, having kept
+    // no more than the limits in memory.
+    for (limits, what, found) in [
+        (
+            Limits {
+                keys: 10,
+                ..Limits::default()
+            },
+            "keys",
+            40,
+        ),
+        (
+            Limits {
+                bytes: 1 << 20,
+                ..Limits::default()
+            },
+            "bytes",
+            header.bytes,
+        ),
+    ] {
+        match engine::export(&mut c, A, engine::PAGE, &limits).await {
+            Err(EngineError::TooLargeToArchive(archive::ArchiveError::TooLarge {
+                what: w,
+                found: f,
+                ..
+            })) => assert_eq!((w, f), (what, found)),
+            other => panic!("{what}: {other:?}"),
+        }
+    }
     for i in 0..40 {
         put(&mut c, A, &format!("secrets/default/big-{i:02}"), "small").await;
     }
