@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 
 /// The API group.
 pub const GROUP: &str = "backup.nestplane.io";
+/// The longest backup name: it is the archive's file name, with `.npbackup`.
+pub const MAX_NAME: usize = 200;
 /// The key of a key Secret that holds the archive key (32 bytes).
 pub const KEY_KEY: &str = "key";
 /// How long an archive key is, in bytes.
@@ -49,6 +51,11 @@ pub mod reasons {
     pub const BACKUP_FAILED: &str = "BackupFailed";
     /// A key Secret was made with a new random key (Event).
     pub const KEY_CREATED: &str = "KeyCreated";
+    /// The control plane holds what no archive may (more than the limits, a key that is not
+    /// a plain key): not tried again until the spec changes.
+    pub const CANNOT_ARCHIVE: &str = "CannotArchive";
+    /// The spec cannot be acted on (a name too long for an archive's file name).
+    pub const INVALID_SPEC: &str = "InvalidSpec";
 }
 
 /// Where a backup is.
@@ -163,6 +170,147 @@ pub struct NestedBackupStatus {
     /// How long reading, sealing and writing took.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_seconds: Option<f64>,
+    /// The generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+/// The annotation on a `NestedControlPlane` that holds its API server, controller manager
+/// and scheduler stopped while the `NestedRestore` it names replaces its keys. It holds only
+/// while that restore exists and is `Stopping` or `Restoring`.
+pub const RESTORE_HOLD_ANNOTATION: &str = "backup.nestplane.io/restore";
+
+/// The reason of a component's `Ready` condition while a restore holds it stopped.
+pub const HELD_FOR_RESTORE: &str = "HeldForRestore";
+
+/// Where a restore is.
+pub mod restore_phases {
+    /// Not started: waiting for the control plane, the archive or the key.
+    pub const PENDING: &str = "Pending";
+    /// The control plane's API server, controller manager and scheduler are being stopped.
+    pub const STOPPING: &str = "Stopping";
+    /// Its keys are being replaced by the archive's.
+    pub const RESTORING: &str = "Restoring";
+    /// They start again.
+    pub const STARTING: &str = "Starting";
+    /// The control plane holds the archive's keys and is ready again.
+    pub const COMPLETED: &str = "Completed";
+    /// Refused (the spec cannot be acted on); tried when the spec changes.
+    pub const FAILED: &str = "Failed";
+}
+
+/// Restore reasons (besides the backup's).
+pub mod restore_reasons {
+    /// The archive does not open, or is not valid.
+    pub const INVALID_ARCHIVE: &str = "InvalidArchive";
+    /// The archive holds another control plane's keys (a clone is not built yet).
+    pub const OTHER_CONTROL_PLANE: &str = "OtherControlPlane";
+    /// Another restore holds the control plane.
+    pub const CONTROL_PLANE_BUSY: &str = "ControlPlaneBusy";
+    /// The backup named is not completed (yet).
+    pub const BACKUP_NOT_READY: &str = "BackupNotReady";
+    /// Writing the keys failed (tried again; the control plane stays stopped).
+    pub const RESTORE_FAILED: &str = "RestoreFailed";
+    /// Stopping, restoring, starting (the phase says which).
+    pub const IN_PROGRESS: &str = "InProgress";
+}
+
+/// A restore of one `NestedControlPlane` of this namespace from an archive: its API server,
+/// controller manager and scheduler stop, its keys become exactly the archive's, and they
+/// start again (clients list again: the API server comes back with a new watch cache).
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "backup.nestplane.io",
+    version = "v1alpha1",
+    kind = "NestedRestore",
+    plural = "nestedrestores",
+    namespaced,
+    status = "NestedRestoreStatus",
+    shortname = "nrs",
+    printcolumn(
+        name = "Cluster",
+        type_ = "string",
+        json_path = ".spec.controlPlaneRef.name"
+    ),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Keys", type_ = "integer", json_path = ".status.keys"),
+    printcolumn(
+        name = "Downtime",
+        type_ = "number",
+        json_path = ".status.downtimeSeconds"
+    ),
+    printcolumn(
+        name = "Reason",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
+        priority = 1
+    ),
+    printcolumn(
+        name = "From",
+        type_ = "string",
+        json_path = ".status.url",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedRestoreSpec {
+    /// The control plane whose keys are replaced: a `NestedControlPlane` of this namespace,
+    /// the one the archive was taken of.
+    pub control_plane_ref: LocalRef,
+    /// A completed `NestedBackup` of this namespace: its archive, and its key Secret.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backup_ref: Option<LocalRef>,
+    /// Or an archive's `file://` URL, under this namespace's directory of the operator's
+    /// backup directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    /// The key Secret (its `key`, 32 bytes). Default: the backup's, else
+    /// `<control plane>-backup-key`. Never made by a restore.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_secret_ref: Option<LocalRef>,
+}
+
+/// What the restore did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedRestoreStatus {
+    /// `Pending`, `Stopping`, `Restoring`, `Starting`, `Completed` or `Failed`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+    /// The archive restored from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// The revision the archive was taken at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<i64>,
+    /// The archive's keys.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<i64>,
+    /// Keys written, and keys deleted (there, not in the archive).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub written: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deleted: Option<i64>,
+    /// The digest of the control plane's keys after the restore: the archive's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// When the API server was told to stop.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped_at: Option<Time>,
+    /// When the control plane was ready again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<Time>,
+    /// From the stop to ready again: how long the control plane did not serve.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub downtime_seconds: Option<f64>,
     /// The generation this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,

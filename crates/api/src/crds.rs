@@ -22,6 +22,7 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         crate::hosted::NodePool::crd(),
         crate::hosted::ExternalInfraCluster::crd(),
         crate::backup::NestedBackup::crd(),
+        crate::backup::NestedRestore::crd(),
     ]
 }
 

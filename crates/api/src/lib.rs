@@ -15,7 +15,10 @@ pub mod names;
 pub mod postcreate;
 mod schema;
 
-pub use backup::{NestedBackup, NestedBackupSpec, NestedBackupStatus};
+pub use backup::{
+    NestedBackup, NestedBackupSpec, NestedBackupStatus, NestedRestore, NestedRestoreSpec,
+    NestedRestoreStatus,
+};
 pub use controlplane::*;
 pub use datastore::{NestedDatastore, NestedDatastoreSpec, NestedDatastoreStatus};
 pub use endpoint::{ClusterEndpoint, ClusterEndpointSpec, ClusterEndpointType};

@@ -1,6 +1,8 @@
-//! `nestplane backup create|list`: thin clients of `NestedBackup` objects. `create` makes one
-//! and waits for the operator to take it; its last line is the archive's own URL. What they
-//! do is visible, and repeatable, with `kubectl get nestedbackups`.
+//! `nestplane backup create|list|restore`: thin clients of `NestedBackup` and
+//! `NestedRestore` objects. `create` makes a backup and waits for the operator to take it;
+//! its last line is the archive's own URL. `restore` makes a restore and waits until the
+//! control plane holds the archive's keys and is ready again. What they do is visible, and
+//! repeatable, with `kubectl get nestedbackups,nestedrestores`.
 
 use std::time::{Duration, Instant};
 
@@ -30,6 +32,35 @@ pub enum BackupCommand {
     /// List backups: name, cluster, phase, keys, size, revision, age, URL (`-o json|yaml`
     /// too).
     List(ListArgs),
+    /// Restore a hosted cluster's (or a control plane's) keys from an archive: its API
+    /// server, controller manager and scheduler stop, its keys become the archive's, and
+    /// they start again. Makes a NestedRestore and waits.
+    Restore(RestoreArgs),
+}
+
+/// Arguments of `nestplane backup restore`.
+#[derive(Args, Debug)]
+pub struct RestoreArgs {
+    /// The HostedCluster or NestedControlPlane (the one the archive was taken of).
+    pub cluster: String,
+    /// The archive's URL (what `backup create` printed last), or the name of a completed
+    /// backup of the cluster's namespace.
+    #[arg(long)]
+    pub from: String,
+    /// Its namespace.
+    #[arg(short, long, default_value = "default")]
+    pub namespace: String,
+    /// The key Secret (default: the backup's, else `<cluster>-backup-key`).
+    #[arg(long)]
+    pub key_secret: Option<String>,
+    /// The restore's name (default: `<cluster>-restore-<UTC time>`).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Stop waiting after this many seconds (the restore goes on).
+    #[arg(long, default_value_t = 600)]
+    pub timeout: u64,
+    #[command(flatten)]
+    pub target: Target,
 }
 
 /// Arguments of `nestplane backup create`.
@@ -76,16 +107,17 @@ pub async fn run(args: BackupArgs) -> anyhow::Result<()> {
     match args.command {
         BackupCommand::Create(a) => create(a).await,
         BackupCommand::List(a) => list(a).await,
+        BackupCommand::Restore(a) => restore(a).await,
     }
 }
 
 /// The default name of a backup of `cluster` taken at `unix` seconds: `<cluster>-YYYYMMDD-HHMMSS`
-/// (UTC), cut so that it stays a valid object name. Pure.
+/// (UTC), cut to the longest name a backup may have. Pure.
 pub fn default_name(cluster: &str, unix: i64) -> String {
     let t = k8s_openapi::jiff::Timestamp::from_second(unix)
         .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
     let stamp = t.strftime("%Y%m%d-%H%M%S").to_string();
-    let keep = 253 - stamp.len() - 1;
+    let keep = nestplane_api::backup::MAX_NAME - stamp.len() - 1;
     let base: String = cluster.chars().take(keep).collect();
     format!("{base}-{stamp}")
 }
@@ -94,14 +126,10 @@ async fn create(args: CreateArgs) -> anyhow::Result<()> {
     let client = args.target.client().await?;
     let located = locate(&client, &args.namespace, &args.cluster).await?;
     let (ns, cp) = located.ncp;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or_default();
     let name = args
         .name
         .clone()
-        .unwrap_or_else(|| default_name(&args.cluster, now));
+        .unwrap_or_else(|| default_name(&args.cluster, unix_now()));
     let mut b = NestedBackup::new(
         &name,
         NestedBackupSpec {
@@ -116,6 +144,16 @@ async fn create(args: CreateArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("creating NestedBackup {ns}/{name}"))?;
     eprintln!("nestplane: created NestedBackup {ns}/{name} of {ns}/{cp}");
+    if located.kind == "HostedCluster" {
+        let secret = args
+            .key_secret
+            .clone()
+            .unwrap_or_else(|| nestplane_api::backup::default_key_secret(&cp));
+        eprintln!(
+            "nestplane: the key Secret {ns}/{secret} is deleted with HostedCluster {}/{}; keep a copy (`kubectl get secret -n {ns} {secret} -o yaml`), or no restore can open this backup",
+            args.namespace, args.cluster
+        );
+    }
     let started = Instant::now();
     let deadline = started + Duration::from_secs(args.timeout);
     let mut said = String::new();
@@ -154,6 +192,98 @@ async fn create(args: CreateArgs) -> anyhow::Result<()> {
         if Instant::now() > deadline {
             bail!(
                 "NestedBackup {ns}/{name} is not taken after {}s ({said}); it goes on (`kubectl get nestedbackup -n {ns} {name}`)",
+                args.timeout
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or_default()
+}
+
+async fn restore(args: RestoreArgs) -> anyhow::Result<()> {
+    use nestplane_api::backup::{NestedRestore, NestedRestoreSpec, restore_phases as rp};
+    let client = args.target.client().await?;
+    let located = locate(&client, &args.namespace, &args.cluster).await?;
+    let (ns, cp) = located.ncp;
+    let name = args
+        .name
+        .clone()
+        .unwrap_or_else(|| default_name(&format!("{}-restore", args.cluster), unix_now()));
+    let (backup_ref, from) = if args.from.contains("://") {
+        (None, Some(args.from.clone()))
+    } else {
+        (
+            Some(LocalRef {
+                name: args.from.clone(),
+            }),
+            None,
+        )
+    };
+    let mut r = NestedRestore::new(
+        &name,
+        NestedRestoreSpec {
+            control_plane_ref: LocalRef { name: cp.clone() },
+            backup_ref,
+            from,
+            key_secret_ref: args.key_secret.clone().map(|name| LocalRef { name }),
+        },
+    );
+    r.metadata.namespace = Some(ns.clone());
+    let api: Api<NestedRestore> = Api::namespaced(client.clone(), &ns);
+    api.create(&PostParams::default(), &r)
+        .await
+        .with_context(|| format!("creating NestedRestore {ns}/{name}"))?;
+    eprintln!(
+        "nestplane: created NestedRestore {ns}/{name} of {ns}/{cp} from {}",
+        args.from
+    );
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(args.timeout);
+    let mut said = String::new();
+    loop {
+        let r = api.get(&name).await?;
+        let status = r.status.clone().unwrap_or_default();
+        let ready = conditions::get(&status.conditions, types::READY);
+        let phase = status.phase.clone().unwrap_or_else(|| rp::PENDING.into());
+        let line = match ready {
+            Some(c) => format!("{phase}: {} ({})", c.message, c.reason),
+            None => phase.clone(),
+        };
+        if line != said {
+            eprintln!("nestplane: {name}: {line}");
+            said = line;
+        }
+        match phase.as_str() {
+            rp::COMPLETED => {
+                println!(
+                    "restored {ns}/{cp} from {}: {} keys of revision {} ({} written, {} deleted) in {:.1}s, {:.1}s without its API server",
+                    status.url.unwrap_or_default(),
+                    status.keys.unwrap_or_default(),
+                    status.revision.unwrap_or_default(),
+                    status.written.unwrap_or_default(),
+                    status.deleted.unwrap_or_default(),
+                    started.elapsed().as_secs_f64(),
+                    status.downtime_seconds.unwrap_or_default()
+                );
+                return Ok(());
+            }
+            rp::FAILED => bail!(
+                "NestedRestore {ns}/{name} failed: {}",
+                ready
+                    .map(|c| c.message.as_str())
+                    .unwrap_or("no reason given")
+            ),
+            _ => {}
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "NestedRestore {ns}/{name} is not done after {}s ({said}); it goes on (`kubectl get nestedrestore -n {ns} {name}`)",
                 args.timeout
             );
         }
@@ -275,7 +405,7 @@ mod tests {
         );
         let long = "a".repeat(260);
         let n = default_name(&long, 0);
-        assert_eq!(n.len(), 253);
+        assert_eq!(n.len(), nestplane_api::backup::MAX_NAME);
         assert!(n.ends_with("-19700101-000000"));
     }
 

@@ -74,7 +74,8 @@ enum Command {
     /// Started); `--complete` drops the old key. Waits for each.
     Rotate(rotate::RotateArgs),
     /// Back up a hosted cluster's (or a control plane's) keys (`backup create`, which waits
-    /// and prints the archive's URL last), and list backups (`backup list`).
+    /// and prints the archive's URL last), list backups (`backup list`), and restore one
+    /// (`backup restore NAME --from URL`, which waits).
     Backup(backup::BackupArgs),
 }
 

@@ -46,6 +46,19 @@ fn wait_phase(kc: &Path, ns: &str, name: &str, phase: &str, reason: &str) {
     }
 }
 
+/// ConfigMaps `cm-<i>` of `default` for each `i` of `range`, each holding `n: value(i)`, as
+/// one YAML stream.
+fn config_map_list(range: std::ops::Range<usize>, value: &dyn Fn(usize) -> String) -> String {
+    range
+        .map(|i| {
+            format!(
+                "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: cm-{i}, namespace: default}}\ndata: {{n: \"{}\"}}\n",
+                value(i)
+            )
+        })
+        .collect()
+}
+
 /// The archive key of `ns/secret`.
 async fn key_of(env: &Env, ns: &str, secret: &str) -> Vec<u8> {
     env.secret(ns, secret)
@@ -82,14 +95,7 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
 
     // 500 ConfigMaps in alpha.
     let alpha = env.tenant_kubeconfig("default", "alpha").await;
-    let list: String = (0..500)
-        .map(|i| {
-            format!(
-                "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: cm-{i}, namespace: default}}\ndata: {{n: \"{i}\"}}\n"
-            )
-        })
-        .collect();
-    kubectl_apply(&alpha, &list);
+    kubectl_apply(&alpha, &config_map_list(0..500, &|i| i.to_string()));
 
     // `nestplane backup create`: waits, and its last line is the archive's own URL.
     let out = nestplane()
@@ -324,4 +330,330 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
     let alpha_1 = std::fs::read(&file).unwrap();
     assert_eq!(open(&file, &key).1.len() as u64, keys);
     assert!(!alpha_1.windows(32).any(|w| w == key.as_slice()));
+}
+
+fn restore_yaml(name: &str, cluster: &str, spec: &str) -> String {
+    format!(
+        "apiVersion: backup.nestplane.io/v1alpha1\nkind: NestedRestore\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  controlPlaneRef: {{name: {cluster}}}\n{spec}"
+    )
+}
+
+fn restore_field(kc: &Path, name: &str, path: &str) -> String {
+    jsonpath(kc, &["nestedrestore", "-n", "default", name], path)
+}
+
+/// The names of the `cm-` ConfigMaps of `default` in the cluster of `kc`, and what each holds.
+fn config_maps(kc: &Path) -> std::collections::BTreeMap<String, String> {
+    kubectl_ok(
+        kc,
+        &[
+            "get",
+            "configmaps",
+            "-n",
+            "default",
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.name}={.data.n}{\"\\n\"}{end}",
+        ],
+    )
+    .lines()
+    .filter_map(|l| l.split_once('='))
+    .filter(|(n, _)| n.starts_with("cm-") || *n == "after-backup")
+    .map(|(n, v)| (n.to_string(), v.to_string()))
+    .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_gives_a_tenant_back_its_backup_and_leaves_its_neighbour_alone() {
+    let env = Env::start(true).await;
+    let kc = env.kubeconfig().to_path_buf();
+    let root = env.operator_dir().join("backups");
+    let on_shared = |name: &str| {
+        format!(
+            "---\napiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  version: v1.20.2\n  datastoreRef: {{name: shared}}\n"
+        )
+    };
+    env.apply(&format!(
+        "apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedDatastore\nmetadata: {{name: shared, namespace: default}}\nspec: {{managed: {{replicas: 1}}}}\n{}{}",
+        on_shared("alpha"),
+        on_shared("beta")
+    ));
+    env.wait_ready("default", "alpha", Duration::from_secs(180))
+        .await;
+    env.wait_ready("default", "beta", Duration::from_secs(120))
+        .await;
+    let alpha = env.tenant_kubeconfig("default", "alpha").await;
+    let beta = env.tenant_kubeconfig("default", "beta").await;
+    let cms = config_map_list;
+    kubectl_apply(&alpha, &cms(0..500, &|i| i.to_string()));
+    kubectl_apply(&beta, &cms(0..3, &|i| format!("beta-{i}")));
+    let backed_up = config_maps(&alpha);
+    assert_eq!(backed_up.len(), 500);
+
+    let out = nestplane()
+        .args([
+            "backup",
+            "create",
+            "alpha",
+            "--name",
+            "alpha-1",
+            "--kubeconfig",
+        ])
+        .arg(&kc)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let url = String::from_utf8_lossy(&out.stdout).trim().to_string();
+
+    // After the backup: changed, deleted, added.
+    kubectl_apply(&alpha, &cms(0..10, &|i| format!("changed-{i}")));
+    let mut delete: Vec<String> = ["delete", "configmap", "-n", "default"]
+        .map(String::from)
+        .to_vec();
+    delete.extend((10..20).map(|i| format!("cm-{i}")));
+    kubectl_ok(
+        &alpha,
+        &delete.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    kubectl_apply(
+        &alpha,
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: after-backup, namespace: default}\ndata: {n: new}\n",
+    );
+    assert_ne!(config_maps(&alpha), backed_up);
+    let beta_before = config_maps(&beta);
+    let beta_rv = jsonpath(
+        &beta,
+        &["configmap", "-n", "default", "cm-0"],
+        "{.metadata.resourceVersion}",
+    );
+    let pid = |name: &str, c: &str| env.pid("default", name, c, 0).expect("it runs");
+    let (alpha_api, beta_api, beta_cm, datastore_etcd) = (
+        pid("alpha", "apiserver"),
+        pid("beta", "apiserver"),
+        pid("beta", "controller-manager"),
+        pid("shared-datastore", "etcd"),
+    );
+
+    // Hostile archives first: each refused before anything stops.
+    let bad = root.join("default/tampered.npbackup");
+    let mut bytes = std::fs::read(root.join("default/alpha-1.npbackup")).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&bad, &bytes).unwrap();
+    let key = key_of(&env, "default", "alpha-backup-key").await;
+    // Sealed with alpha's own key, but holding a key that leaves alpha's prefix for beta's.
+    let escape = vec![archive::Record {
+        key: b"../../beta/registry/configmaps/default/cm-0".to_vec(),
+        value: b"planted".to_vec(),
+        lease: None,
+    }];
+    let header = archive::header_for("default/alpha", "v1.20.2", 1, "now", &escape);
+    std::fs::write(
+        root.join("default/escape.npbackup"),
+        archive::encode(&header, &escape, &key).unwrap(),
+    )
+    .unwrap();
+    for (name, spec, reason) in [
+        (
+            "tampered",
+            format!("  from: \"file://{}\"\n", bad.display()),
+            "InvalidArchive",
+        ),
+        (
+            "escape",
+            format!(
+                "  from: \"file://{}/default/escape.npbackup\"\n",
+                root.display()
+            ),
+            "InvalidArchive",
+        ),
+        (
+            "passwd",
+            "  from: \"file:///etc/passwd\"\n".to_string(),
+            "LocationRefused",
+        ),
+        // alpha's archive into beta: another control plane's keys.
+        (
+            "into-beta",
+            "  backupRef: {name: alpha-1}\n".to_string(),
+            "OtherControlPlane",
+        ),
+    ] {
+        let cluster = if name == "into-beta" { "beta" } else { "alpha" };
+        env.apply(&restore_yaml(name, cluster, &spec));
+        eventually(
+            &format!("restore {name} refused"),
+            Duration::from_secs(60),
+            || {
+                (restore_field(&kc, name, "{.status.phase} {.status.conditions[0].reason}")
+                    == format!("Failed {reason}"))
+                .then_some(())
+            },
+        );
+        assert!(events_for(&kc, "default", name).contains(&format!("Warning {reason}")));
+    }
+    assert_eq!(
+        pid("alpha", "apiserver"),
+        alpha_api,
+        "a refused restore stopped alpha"
+    );
+    assert_eq!(config_maps(&beta), beta_before);
+
+    // The restore: the CLI waits, and says what it did.
+    let out = nestplane()
+        .args([
+            "backup",
+            "restore",
+            "alpha",
+            "--from",
+            &url,
+            "--name",
+            "back",
+            "--kubeconfig",
+        ])
+        .arg(&kc)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("Stopping") && stderr.contains("Restoring"),
+        "{stderr}"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.starts_with("restored default/alpha from "),
+        "{stdout}"
+    );
+    eprintln!("{stderr}{stdout}");
+
+    // alpha holds exactly what was backed up, and serves it.
+    assert_eq!(config_maps(&alpha), backed_up);
+    assert_eq!(restore_field(&kc, "back", "{.status.phase}"), "Completed");
+    let deleted: u64 = restore_field(&kc, "back", "{.status.deleted}")
+        .parse()
+        .unwrap();
+    assert!(deleted >= 1, "{deleted}");
+    let downtime: f64 = restore_field(&kc, "back", "{.status.downtimeSeconds}")
+        .parse()
+        .unwrap();
+    assert!(downtime > 0.0);
+    let events = events_for(&kc, "default", "back");
+    assert!(
+        events.contains("Normal Restored") && events.contains("Normal Completed"),
+        "{events}"
+    );
+    // Its API server, controller manager and scheduler were stopped (each said so) and
+    // started again; the hold is gone.
+    assert_ne!(pid("alpha", "apiserver"), alpha_api);
+    for c in ["apiserver", "controller-manager", "scheduler"] {
+        let ev = events_for(&kc, "default", &format!("alpha-{c}"));
+        assert!(ev.contains("HeldForRestore"), "alpha-{c}: {ev}");
+    }
+    let annotations = jsonpath(
+        &kc,
+        &["ncp", "-n", "default", "alpha"],
+        "{.metadata.annotations}",
+    );
+    assert!(
+        !annotations.contains("backup.nestplane.io/restore"),
+        "{annotations}"
+    );
+    // A write after the restore works (its clients listed again).
+    kubectl_apply(
+        &alpha,
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: after-restore, namespace: default}\n",
+    );
+
+    // beta, on the same datastore: its processes, keys and objects untouched.
+    assert_eq!(pid("beta", "apiserver"), beta_api);
+    assert_eq!(pid("beta", "controller-manager"), beta_cm);
+    assert_eq!(pid("shared-datastore", "etcd"), datastore_etcd);
+    assert_eq!(config_maps(&beta), beta_before);
+    assert_eq!(
+        jsonpath(
+            &beta,
+            &["configmap", "-n", "default", "cm-0"],
+            "{.metadata.resourceVersion}"
+        ),
+        beta_rv
+    );
+    assert!(
+        !kubectl(
+            &beta,
+            &["get", "configmap", "-n", "default", "after-restore"]
+        )
+        .status
+        .success()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_killed_during_a_restore_is_followed_by_one_that_finishes_it() {
+    let env = Env::start(false).await;
+    let kc = env.kubeconfig().to_path_buf();
+    let operator = env.spawn_operator();
+    env.create_ncp("default", "alpha").await;
+    env.wait_ready("default", "alpha", Duration::from_secs(180))
+        .await;
+    let alpha = env.tenant_kubeconfig("default", "alpha").await;
+    kubectl_apply(&alpha, &config_map_list(0..50, &|i| i.to_string()));
+    let backed_up = config_maps(&alpha);
+    let out = nestplane()
+        .args([
+            "backup",
+            "create",
+            "alpha",
+            "--name",
+            "alpha-1",
+            "--kubeconfig",
+        ])
+        .arg(&kc)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    kubectl_ok(&alpha, &["delete", "configmaps", "-n", "default", "--all"]);
+    kubectl_apply(
+        &alpha,
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: after-backup, namespace: default}\ndata: {n: new}\n",
+    );
+
+    // The operator is killed (SIGKILL) once the restore has begun stopping alpha.
+    env.apply(&restore_yaml(
+        "back",
+        "alpha",
+        "  backupRef: {name: alpha-1}\n",
+    ));
+    let at = eventually("the restore under way", Duration::from_secs(60), || {
+        let phase = restore_field(&kc, "back", "{.status.phase}");
+        matches!(phase.as_str(), "Stopping" | "Restoring" | "Starting").then_some(phase)
+    });
+    operator.kill();
+    eprintln!("operator killed while the restore was {at}");
+
+    // Another operator finishes it: alpha holds the backup again, and nothing holds it.
+    let _operator = env.spawn_operator();
+    eventually("the restore completed", Duration::from_secs(180), || {
+        (restore_field(&kc, "back", "{.status.phase}") == "Completed").then_some(())
+    });
+    env.wait_ready("default", "alpha", Duration::from_secs(60))
+        .await;
+    let alpha = env.tenant_kubeconfig("default", "alpha").await;
+    assert_eq!(config_maps(&alpha), backed_up);
+    let annotations = jsonpath(
+        &kc,
+        &["ncp", "-n", "default", "alpha"],
+        "{.metadata.annotations}",
+    );
+    assert!(
+        !annotations.contains("backup.nestplane.io/restore"),
+        "{annotations}"
+    );
 }

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::{Env, KillOnDrop, alive, events_for, eventually, kubectl, kubectl_ok, nestplane};
+use common::{Env, KillOnDrop, alive, events_for, eventually, kubectl, kubectl_ok};
 use kube::api::{Api, Patch, PatchParams};
 use nestplane_api::{NestedControlPlane, NestedEtcd};
 
@@ -440,30 +440,10 @@ fn corpus() -> Vec<Case> {
     cases
 }
 
-fn spawn_operator(env: &Env) -> KillOnDrop {
-    let kc = env.state.path().join("mgmt.kubeconfig");
-    std::fs::write(&kc, env.plane.kubeconfig()).unwrap();
-    nestplane()
-        .args([
-            "operator",
-            "--metrics-bind-address",
-            "127.0.0.1:0",
-            "--state-dir",
-        ])
-        .arg(env.operator_dir())
-        .env("KUBECONFIG", kc)
-        .env("RUST_BACKTRACE", "1")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(env.state.path().join("operator.log")).unwrap())
-        .spawn()
-        .map(KillOnDrop)
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_hostile_specs_never_crash_the_operator_or_touch_other_tenants() {
     let env = Env::start(false).await;
-    let mut op = spawn_operator(&env);
+    let mut op = env.spawn_operator();
     env.create_ncp("default", "bystander").await;
     env.wait_ready("default", "bystander", READY).await;
     let pid = env.pid("default", "bystander", "etcd", 0).unwrap();

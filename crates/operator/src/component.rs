@@ -103,6 +103,9 @@ pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Resu
             if !ctx.runs_here(&tenant, Component::Etcd) {
                 tenant.external_etcd = Some(tenant.etcd_status_urls());
             }
+            if K::COMPONENT != Component::Etcd {
+                tenant.held_by = crate::backup::restore::holding(&ctx.client, &tenant.ncp).await?;
+            }
             Some(tenant)
         }
         None => datastore_tenant(&ctx, obj.as_ref(), &ns).await?,
@@ -212,6 +215,7 @@ impl Outcome {
                 reasons::WAITING_FOR_DEPENDENCIES | reasons::WAITING_FOR_OWNER => "Waiting",
                 reasons::PROVISIONING | reasons::UNHEALTHY => "Provisioning",
                 reasons::PAUSED => "Paused",
+                nestplane_api::backup::HELD_FOR_RESTORE => "Held",
                 _ => "Failed",
             }
             .to_string(),
@@ -387,6 +391,19 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<O
         .await;
     }
     let seen = seen?;
+    if let Some(restore) = t.held_by.as_ref().filter(|_| t.held(c)) {
+        // Its replicas are stopped (the runtime returns once they are): what the restore
+        // waits for.
+        return Ok(Outcome::waiting(
+            nestplane_api::backup::HELD_FOR_RESTORE,
+            format!(
+                "stopped while NestedRestore {}/{restore} replaces the control plane's keys",
+                t.namespace()
+            ),
+            None,
+            None,
+        ));
+    }
     Ok(judge(ctx, t, c, key, version, seen))
 }
 

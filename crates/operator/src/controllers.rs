@@ -15,7 +15,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use nestplane_api::{
     HostedCluster, NestedAPIServer, NestedBackup, NestedControlPlane, NestedControllerManager,
-    NestedDatastore, NestedEtcd, NestedScheduler, NodePool, PostCreateConfig,
+    NestedDatastore, NestedEtcd, NestedRestore, NestedScheduler, NodePool, PostCreateConfig,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -262,6 +262,9 @@ pub fn all(
     if on("NestedBackup") {
         running.push(backups(w, ctx));
     }
+    if on("NestedRestore") {
+        running.push(restores(w, ctx));
+    }
     running
 }
 
@@ -452,6 +455,42 @@ fn backups(w: &mut Watches, ctx: &Arc<Context>) -> Running {
     .graceful_shutdown_on(w.stop())
     .run(backup::controller::reconcile, error_policy, bctx)
     .for_each(report("NestedBackup", ctx))
+    .boxed()
+}
+
+/// Restores: one step per pass; one that waits for its control plane is looked at again when
+/// that control plane changes (ready again, its components held).
+fn restores(w: &mut Watches, ctx: &Arc<Context>) -> Running {
+    let ctl = Controller::new(
+        api::<NestedRestore>(&w.client, &w.namespace),
+        watcher::Config::default(),
+    )
+    .with_config(
+        kube::runtime::controller::Config::default().concurrency(backup::controller::CONCURRENCY),
+    );
+    let store = ctl.store();
+    let rctx = Arc::new(backup::controller::BackupContext {
+        core: ctx.clone(),
+        dir: w.backup_dir.clone(),
+    });
+    ctl.watches_shared_stream(w.ncps.subscribe(), move |ncp: Arc<NestedControlPlane>| {
+        let ns = ncp.namespace();
+        let name = ncp.name_any();
+        store
+            .state()
+            .into_iter()
+            .filter(|r| {
+                r.namespace() == ns
+                    && r.spec.control_plane_ref.name == name
+                    && r.status.as_ref().and_then(|s| s.phase.as_deref())
+                        != Some(nestplane_api::backup::restore_phases::COMPLETED)
+            })
+            .map(|r| ObjectRef::from_obj(r.as_ref()))
+            .collect::<Vec<_>>()
+    })
+    .graceful_shutdown_on(w.stop())
+    .run(backup::restore::reconcile, error_policy, rctx)
+    .for_each(report("NestedRestore", ctx))
     .boxed()
 }
 

@@ -1,4 +1,4 @@
-//! nestplane's ten controllers: `NestedControlPlane`, one per component kind (running
+//! nestplane's eleven controllers: `NestedControlPlane`, one per component kind (running
 //! components through one [`runtime::Runtime`] seam, `process` or `kubernetes`),
 //! `NestedDatastore`, `PostCreateConfig`, and the hosted wing's `HostedCluster` and
 //! `NodePool` (nodes through the [`hosted::pool::machines::NodeRuntime`] seam). They are

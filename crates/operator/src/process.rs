@@ -206,6 +206,9 @@ impl Processes {
             },
         );
         let mut rendered = nestplane_render::render(c, &input)?;
+        if t.held(c) {
+            rendered.replicas = 0;
+        }
         // The same patches as the workloads get; the process runtime runs the patched
         // template.
         if !patches.is_empty() {

@@ -381,6 +381,9 @@ pub struct Tenant {
     pub etcd_compacts_itself: bool,
     /// etcd's space quota, for a shared datastore's etcd.
     pub etcd_quota_backend_bytes: Option<i64>,
+    /// The `NestedRestore` that holds the API server, controller manager and scheduler
+    /// stopped while it replaces the keys (see [`Tenant::held`]).
+    pub held_by: Option<String>,
 }
 
 /// How much history a shared datastore's etcd keeps (what kube-apiserver's own compactor
@@ -423,6 +426,7 @@ impl Tenant {
             owner: None,
             etcd_compacts_itself: false,
             etcd_quota_backend_bytes: None,
+            held_by: None,
             ncp,
         })
     }
@@ -472,6 +476,12 @@ impl Tenant {
                 Some(format!("https://{host}:{}", a.port))
             })
             .collect()
+    }
+
+    /// Whether component `c` is held stopped by a restore: it runs no replica (its
+    /// certificates, Services and everything else stay as they are).
+    pub fn held(&self, c: Component) -> bool {
+        self.held_by.is_some() && c != Component::Etcd
     }
 
     /// The cluster name every derived object is named after ([`cluster_name`]).
@@ -1113,6 +1123,7 @@ pub(crate) mod tests {
             owner: None,
             etcd_compacts_itself: false,
             etcd_quota_backend_bytes: None,
+            held_by: None,
         }
     }
 

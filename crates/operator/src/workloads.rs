@@ -256,6 +256,9 @@ async fn run(
     let ns = t.namespace();
     let input = render_input(t, version, settings);
     let mut rendered = nestplane_render::render(c, &input)?;
+    if t.held(c) {
+        rendered.replicas = 0;
+    }
     if c == Component::ApiServer {
         // Its cluster's traffic goes through the nodes' agents: this pod's own network is
         // the management cluster's.

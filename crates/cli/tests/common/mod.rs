@@ -211,6 +211,33 @@ impl Env {
         ));
     }
 
+    /// `nestplane operator` as a process of its own on this management plane (killed when
+    /// dropped), its log in `operator.log` of the state directory.
+    pub fn spawn_operator(&self) -> KillOnDrop {
+        let kc = self.state.path().join("mgmt.kubeconfig");
+        std::fs::write(&kc, self.plane.kubeconfig()).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.state.path().join("operator.log"))
+            .unwrap();
+        nestplane()
+            .args([
+                "operator",
+                "--metrics-bind-address",
+                "127.0.0.1:0",
+                "--state-dir",
+            ])
+            .arg(self.operator_dir())
+            .env("KUBECONFIG", kc)
+            .env("RUST_BACKTRACE", "1")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map(KillOnDrop)
+            .unwrap()
+    }
+
     pub fn operator_dir(&self) -> PathBuf {
         self.state.path().join("operator")
     }

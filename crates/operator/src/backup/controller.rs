@@ -28,7 +28,8 @@ use kube::runtime::events::EventType;
 use kube::{Resource, ResourceExt};
 use nestplane_api::NestedControlPlane;
 use nestplane_api::backup::{
-    KEY_KEY, KEY_LEN, NestedBackup, NestedBackupStatus, default_key_secret, phases, reasons, types,
+    KEY_KEY, KEY_LEN, MAX_NAME, NestedBackup, NestedBackupStatus, default_key_secret, phases,
+    reasons, types,
 };
 use nestplane_api::conditions;
 use nestplane_api::names::{self, Component, SecretPurpose};
@@ -107,6 +108,19 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
             .await;
         }
     };
+    if b.name_any().len() > MAX_NAME {
+        return settle(
+            &ctx,
+            &b,
+            Outcome::Refused(
+                reasons::INVALID_SPEC,
+                format!(
+                    "a backup's name is its archive's file name: at most {MAX_NAME} characters"
+                ),
+            ),
+        )
+        .await;
+    }
     let path = location::archive_path(&dir, &b.name_any());
     let key = match archive_key(&ctx, &b).await? {
         Ok(key) => key,
@@ -122,6 +136,9 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
         }
         Existing::Other(why) => {
             return settle(&ctx, &b, Outcome::Refused(reasons::ARCHIVE_EXISTS, why)).await;
+        }
+        Existing::Unreadable(why) => {
+            return settle(&ctx, &b, Outcome::Waiting(reasons::BACKUP_FAILED, why)).await;
         }
     }
     let t = Tenant::load(&ctx.client, &ctx.caches, ncp.clone()).await?;
@@ -149,7 +166,8 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
         Ok((header, size, restarts)) => {
             complete(&ctx, &b, &path, &header, size, Some((started, restarts))).await
         }
-        Err(why) => {
+        Err(Failure::Refused(reason, why)) => settle(&ctx, &b, Outcome::Refused(reason, why)).await,
+        Err(Failure::Retry(why)) => {
             // Said on the object, then retried with the controllers' backoff.
             let mut s = b.status.clone().unwrap_or_default();
             s.phase = Some(phases::RUNNING.into());
@@ -169,11 +187,11 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
 
 /// How to reach a tenant's keys: its datastore's endpoints, its key root, and its own etcd
 /// client certificate; and its trust, which goes into the archive with its keys.
-struct Access {
-    endpoints: Vec<String>,
-    root: String,
-    creds: etcd::Credentials,
-    trust: archive::Trust,
+pub(super) struct Access {
+    pub(super) endpoints: Vec<String>,
+    pub(super) root: String,
+    pub(super) creds: etcd::Credentials,
+    pub(super) trust: archive::Trust,
 }
 
 /// The Secrets whose data is a tenant's trust: its CAs and its service-account key (with
@@ -185,7 +203,10 @@ pub const TRUST: [SecretPurpose; 4] = [
     SecretPurpose::ServiceAccount,
 ];
 
-async fn datastore_access(ctx: &Context, t: &Tenant) -> Result<Result<Access, String>, Error> {
+pub(super) async fn datastore_access(
+    ctx: &Context,
+    t: &Tenant,
+) -> Result<Result<Access, String>, Error> {
     let (endpoints, prefix) = match t.datastore() {
         Some(d) => (d.endpoints.clone(), Some(d.prefix.clone())),
         None => (own_etcd_urls(t), None),
@@ -225,12 +246,16 @@ async fn datastore_access(ctx: &Context, t: &Tenant) -> Result<Result<Access, St
                 "the Secret {ns}/{name} of the control plane's trust is not issued yet"
             )));
         };
-        trust.insert(
-            purpose.suffix().to_string(),
-            data.into_iter()
-                .map(|(k, v)| (k, String::from_utf8_lossy(&v.0).into_owned()))
-                .collect(),
-        );
+        let mut texts = std::collections::BTreeMap::new();
+        for (k, v) in data {
+            let Ok(text) = String::from_utf8(v.0) else {
+                return Ok(Err(format!(
+                    "the Secret {ns}/{name} holds {k:?}, which is not text (certificates and keys are PEM)"
+                )));
+            };
+            texts.insert(k, text);
+        }
+        trust.insert(purpose.suffix().to_string(), texts);
     }
     Ok(Ok(Access {
         endpoints,
@@ -269,7 +294,21 @@ fn own_etcd_urls(t: &Tenant) -> Vec<String> {
 /// otherwise holds a request until a connection is made.
 pub const FIRST_ANSWER: Duration = Duration::from_secs(15);
 
-/// Read, seal, write and verify. The error is a message for the user (no secret in it).
+/// Why a backup was not taken: something that may pass (tried again with backoff), or
+/// something that will not until the spec changes. A message for the user (no secret in it).
+#[derive(Debug)]
+enum Failure {
+    Retry(String),
+    Refused(&'static str, String),
+}
+
+impl From<String> for Failure {
+    fn from(why: String) -> Self {
+        Failure::Retry(why)
+    }
+}
+
+/// Read, seal, write and verify.
 async fn take(
     ctx: &BackupContext,
     ncp: &NestedControlPlane,
@@ -278,7 +317,7 @@ async fn take(
     key: &[u8],
     uid: &str,
     path: &Path,
-) -> Result<(archive::Header, u64, u32), String> {
+) -> Result<(archive::Header, u64, u32), Failure> {
     let mut client = etcd::connect_as(&access.endpoints, &access.creds)
         .await
         .map_err(|e| e.to_string())?;
@@ -292,18 +331,29 @@ async fn take(
     );
     match tokio::time::timeout(FIRST_ANSWER, first).await {
         Ok(Ok(_)) => {}
-        Ok(Err(e)) => return Err(format!("etcd at {}: {e}", access.endpoints.join(","))),
+        Ok(Err(e)) => {
+            return Err(format!("etcd at {}: {e}", access.endpoints.join(",")).into());
+        }
         Err(_) => {
-            return Err(format!(
+            return Err(Failure::Retry(format!(
                 "etcd at {} did not answer within {FIRST_ANSWER:?}",
                 access.endpoints.join(",")
-            ));
+            )));
         }
     }
     let limits = archive::Limits::default();
     let snap = engine::export(&mut client, &access.root, engine::PAGE, &limits)
         .await
-        .map_err(|e| format!("reading the keys: {e}"))?;
+        .map_err(|e| {
+            let why = format!("reading the keys: {e}");
+            match e {
+                engine::EngineError::TooLargeToArchive(_)
+                | engine::EngineError::UnarchivableKey(_) => {
+                    Failure::Refused(reasons::CANNOT_ARCHIVE, why)
+                }
+                _ => Failure::Retry(why),
+            }
+        })?;
     let created = ctx
         .clock
         .now()
@@ -313,7 +363,7 @@ async fn take(
     let mut header = archive::header_for(&tenant, version, snap.revision, &created, &snap.records);
     header.id = uid.to_string();
     let sealed = archive::encode_with(&header, &snap.records, &access.trust, key)
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Failure::Refused(reasons::CANNOT_ARCHIVE, e.to_string()))?;
     let restarts = snap.restarts;
     drop(snap);
     let (root, path, key, uid) = (
@@ -322,14 +372,14 @@ async fn take(
         key.to_vec(),
         uid.to_string(),
     );
-    tokio::task::spawn_blocking(move || -> Result<_, String> {
+    tokio::task::spawn_blocking(move || -> Result<_, Failure> {
         write_new(&root, &path, &uid, &sealed)?;
         drop(sealed);
         let (header, size) = open(&path, &key)?;
         Ok((header, size, restarts))
     })
     .await
-    .map_err(|e| format!("writing the archive: {e}"))?
+    .map_err(|e| Failure::Retry(format!("writing the archive: {e}")))?
 }
 
 /// Make the operator's backup directory `root` (0700; it is the operator's to choose), and
@@ -369,21 +419,18 @@ fn ensure_dir(root: &Path, dir: &Path) -> Result<(), String> {
 /// Write `bytes` to `path` (under `root`), which must not exist: under a temporary name first (0600, never
 /// through a link), synced, then linked to its name, so a reader never sees half an archive
 /// and no file is ever replaced.
-fn write_new(root: &Path, path: &Path, uid: &str, bytes: &[u8]) -> Result<(), String> {
+fn write_new(root: &Path, path: &Path, uid: &str, bytes: &[u8]) -> Result<(), Failure> {
     let dir = path
         .parent()
         .ok_or_else(|| format!("{} has no directory", path.display()))?;
     ensure_dir(root, dir)?;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.{uid}.tmp"));
+    room_for(dir, bytes.len() as u64)?;
+    let tmp = dir.join(format!(".tmp-{uid}"));
     // Left by an operator that stopped while writing it.
     match std::fs::remove_file(&tmp) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("removing {}: {e}", tmp.display())),
+        Err(e) => return Err(format!("removing {}: {e}", tmp.display()).into()),
     }
     let written = (|| {
         let mut f = std::fs::OpenOptions::new()
@@ -400,27 +447,49 @@ fn write_new(root: &Path, path: &Path, uid: &str, bytes: &[u8]) -> Result<(), St
     match written {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            return Err(format!(
-                "{} appeared while the backup was written; it is left as it is",
-                path.display()
+            return Err(Failure::Refused(
+                reasons::ARCHIVE_EXISTS,
+                format!(
+                    "{} appeared while the backup was written; it is left as it is",
+                    path.display()
+                ),
             ));
         }
-        Err(e) => return Err(format!("writing {}: {e}", path.display())),
+        Err(e) => return Err(format!("writing {}: {e}", path.display()).into()),
     }
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
-        .map_err(|e| format!("syncing {}: {e}", dir.display()))
+        .map_err(|e| format!("syncing {}: {e}", dir.display()).into())
+}
+
+/// What an archive leaves free on its filesystem, at least: a tenth of it, up to 2 GiB. The
+/// backup directory is usually on the filesystem of every tenant's etcd, which must not run
+/// out of space because of a backup.
+pub const RESERVE: (u64, u64) = (10, 2 << 30);
+
+/// Whether `dir`'s filesystem has room for `bytes` and the reserve.
+fn room_for(dir: &Path, bytes: u64) -> Result<(), Failure> {
+    let st = rustix::fs::statvfs(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let (free, total) = (st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize);
+    let reserve = (total / RESERVE.0).min(RESERVE.1);
+    if free < bytes.saturating_add(reserve) {
+        return Err(Failure::Retry(format!(
+            "{} has {free} bytes free; the archive needs {bytes}, and {reserve} stay free for the tenants",
+            dir.display()
+        )));
+    }
+    Ok(())
 }
 
 /// Read the archive at `path` back and open it with `key`: its header (verified) and size.
-fn open(path: &Path, key: &[u8]) -> Result<(archive::Header, u64), String> {
+fn open(path: &Path, key: &[u8]) -> Result<(archive::Header, u64), Failure> {
     let bytes = read_archive(path)?;
     let (header, _) = archive::decode(&bytes, key, &archive::Limits::default())
         .map_err(|e| format!("the archive written does not open: {e}"))?;
     Ok((header, bytes.len() as u64))
 }
 
-fn read_archive(path: &Path) -> Result<Vec<u8>, String> {
+pub(super) fn read_archive(path: &Path) -> Result<Vec<u8>, String> {
     use std::io::Read;
     let f = std::fs::OpenOptions::new()
         .read(true)
@@ -439,8 +508,10 @@ enum Existing {
     None,
     /// This backup's archive (its header's id is the backup's UID), verified.
     Ours(archive::Header, u64),
-    /// Something else.
+    /// Something else, or this backup's archive that the key no longer opens.
     Other(String),
+    /// It cannot be read now.
+    Unreadable(String),
 }
 
 async fn existing(path: &Path, uid: &str, key: &[u8]) -> Existing {
@@ -448,7 +519,7 @@ async fn existing(path: &Path, uid: &str, key: &[u8]) -> Existing {
     tokio::task::spawn_blocking(move || {
         match std::fs::symlink_metadata(&path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Existing::None,
-            Err(e) => return Existing::Other(format!("{}: {e}", path.display())),
+            Err(e) => return Existing::Unreadable(format!("{}: {e}", path.display())),
             Ok(m) if !m.is_file() => {
                 return Existing::Other(format!(
                     "{} exists and is not an archive; it is left as it is",
@@ -463,14 +534,18 @@ async fn existing(path: &Path, uid: &str, key: &[u8]) -> Existing {
                 path.display()
             ))
         };
-        let Ok(bytes) = read_archive(&path) else {
-            return other();
+        let bytes = match read_archive(&path) {
+            Ok(b) => b,
+            Err(why) => return Existing::Unreadable(why),
         };
         match archive::read_header(&bytes) {
             Ok(h) if !uid.is_empty() && h.id == uid => {
                 match archive::decode(&bytes, &key, &archive::Limits::default()) {
                     Ok((header, _)) => Existing::Ours(header, bytes.len() as u64),
-                    Err(_) => other(),
+                    Err(e) => Existing::Other(format!(
+                        "{} is this backup's archive, but does not open with its key Secret's key ({e}); was the key changed?",
+                        path.display()
+                    )),
                 }
             }
             _ => other(),
@@ -673,8 +748,13 @@ mod tests {
         assert_eq!(mode(&root), 0o700);
         assert_eq!(mode(&root.join("ns")), 0o700);
         assert_eq!(mode(&root.join("ns/deep")), 0o700);
-        let err = write_new(&root, &path, "uid-2", b"second").unwrap_err();
-        assert!(err.contains("left as it is"), "{err}");
+        match write_new(&root, &path, "uid-2", b"second") {
+            Err(Failure::Refused(reason, why)) => {
+                assert_eq!(reason, reasons::ARCHIVE_EXISTS);
+                assert!(why.contains("left as it is"), "{why}");
+            }
+            _ => panic!("written over"),
+        }
         assert_eq!(std::fs::read(&path).unwrap(), b"first");
         // No temporary file is left behind either way.
         let left: Vec<_> = std::fs::read_dir(root.join("ns/deep"))
@@ -692,8 +772,10 @@ mod tests {
         // A directory that is a link elsewhere.
         std::os::unix::fs::symlink(outside.path(), d.path().join("ns/away")).unwrap();
         let root = d.path();
-        let err = write_new(root, &root.join("ns/away/a.npbackup"), "u", b"x").unwrap_err();
-        assert!(err.contains("not a directory"), "{err}");
+        match write_new(root, &root.join("ns/away/a.npbackup"), "u", b"x") {
+            Err(Failure::Retry(why)) => assert!(why.contains("not a directory"), "{why}"),
+            _ => panic!("written through a link"),
+        }
         // An archive name that is a link to a file elsewhere: not written through.
         let target = outside.path().join("victim");
         std::fs::write(&target, b"kept").unwrap();

@@ -80,6 +80,34 @@ pub fn resolve(location: Option<&str>, root: &Path, namespace: &str) -> Result<P
     Ok(dir)
 }
 
+/// The archive at `url` (`file://<dir>/<name>.npbackup`), whose directory must be
+/// `<root>/<namespace>` or under it (as [`resolve`] says) and whose name is a plain file name.
+pub fn resolve_archive(url: &str, root: &Path, namespace: &str) -> Result<PathBuf, Refused> {
+    let refuse = |why: String| Refused {
+        given: nestplane_api::conditions::cut(url, 200),
+        why,
+    };
+    let Some((dir, name)) = url.rsplit_once('/') else {
+        return Err(refuse("an archive is a file:// URL".into()));
+    };
+    let plain = name
+        .strip_suffix(ARCHIVE_SUFFIX)
+        .is_some_and(|stem| !stem.is_empty() && !stem.starts_with('.'))
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'));
+    if !plain {
+        return Err(refuse(format!(
+            "an archive's name is a plain file name ending in {ARCHIVE_SUFFIX}"
+        )));
+    }
+    // `file:///` alone names no directory to resolve.
+    if !dir.starts_with("file:///") {
+        return Err(refuse("an archive is a file:///… URL".into()));
+    }
+    Ok(resolve(Some(dir), root, namespace)?.join(name))
+}
+
 /// The archive file of backup `name` in `dir`.
 pub fn archive_path(dir: &Path, name: &str) -> PathBuf {
     dir.join(format!("{name}{ARCHIVE_SUFFIX}"))
@@ -155,6 +183,29 @@ mod tests {
                 "location \"file://{ROOT}/team-b\" refused: backups of namespace team-a go under file://{ROOT}/team-a/"
             )
         );
+        // Archives: a plain name in an allowed directory.
+        let ok = format!("file://{ROOT}/team-a/nightly/alpha-1.npbackup");
+        assert_eq!(
+            resolve_archive(&ok, Path::new(ROOT), "team-a").unwrap(),
+            PathBuf::from(format!("{ROOT}/team-a/nightly/alpha-1.npbackup"))
+        );
+        for hostile in [
+            format!("file://{ROOT}/team-b/alpha-1.npbackup"),
+            format!("file://{ROOT}/team-a/../team-b/alpha-1.npbackup"),
+            format!("file://{ROOT}/team-a/.npbackup"),
+            format!("file://{ROOT}/team-a/.tmp-x.npbackup"),
+            format!("file://{ROOT}/team-a/alpha-1"),
+            format!("file://{ROOT}/team-a/../../etc/shadow"),
+            format!("file://{ROOT}/team-a/a b.npbackup"),
+            "file:///etc/x.npbackup".to_string(),
+            "file://x.npbackup".to_string(),
+            "x.npbackup".to_string(),
+        ] {
+            assert!(
+                resolve_archive(&hostile, Path::new(ROOT), "team-a").is_err(),
+                "{hostile}"
+            );
+        }
         assert!(
             resolved(Some("s3://bucket/x"))
                 .unwrap_err()

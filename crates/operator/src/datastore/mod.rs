@@ -127,6 +127,7 @@ pub fn etcd_tenant(ds: &NestedDatastore, etcd: NestedEtcd) -> Tenant {
                 .map(|q| q.backend)
                 .unwrap_or(nestplane_api::datastore::DEFAULT_MANAGED_BACKEND),
         ),
+        held_by: None,
     }
 }
 
