@@ -23,6 +23,9 @@ use crate::error::Error;
 use crate::runtime::{Observation, Pass};
 use crate::tenant::{self, ComponentKind, Tenant};
 
+/// How often a component held stopped by a restore looks at whether it still is.
+pub const HOLD_RECHECK: Duration = Duration::from_secs(5);
+
 /// How often a Ready component's health is re-checked.
 pub const HEALTH_INTERVAL: Duration = Duration::from_secs(10);
 
@@ -400,7 +403,8 @@ async fn run<K: ComponentKind>(ctx: &Context, t: &Tenant, key: &str) -> Result<O
                 "stopped while NestedRestore {}/{restore} replaces the control plane's keys",
                 t.namespace()
             ),
-            None,
+            // Looked at again: a restore deleted meanwhile releases it.
+            Some(HOLD_RECHECK),
             None,
         ));
     }

@@ -141,6 +141,18 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
             return settle(&ctx, &b, Outcome::Waiting(reasons::BACKUP_FAILED, why)).await;
         }
     }
+    // A restore in progress: its keys are half written.
+    if let Some(restore) = super::restore::holding(&ctx.client, &ncp).await? {
+        return settle(
+            &ctx,
+            &b,
+            Outcome::Waiting(
+                reasons::DATASTORE_NOT_READY,
+                format!("NestedRestore {ns}/{restore} is replacing the control plane's keys"),
+            ),
+        )
+        .await;
+    }
     let t = Tenant::load(&ctx.client, &ctx.caches, ncp.clone()).await?;
     let access = match datastore_access(&ctx, &t).await? {
         Ok(a) => a,

@@ -114,6 +114,23 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
     if !ctx.selects(&ncp) {
         return Ok(Action::await_change());
     }
+    // Restores change processes the operator runs on its own machine; the kubernetes
+    // runtime's pods outlive their Deployment's scale-down by their grace period.
+    if ctx.runtime.patch_policy() == nestplane_render::policy::Runtime::Kubernetes {
+        return settle(
+            &ctx,
+            &r,
+            Stop::Refused(
+                reasons::INVALID_SPEC,
+                "restores run in the process runtime only for now: in the kubernetes runtime, pods serve through their termination grace period after a scale-down".into(),
+            ),
+        )
+        .await;
+    }
+    // Starting: the hold goes first, whatever else happened since (an archive or key gone).
+    if phase == rp::STARTING && !hold(&ctx, &ncp, &r.name_any(), false).await? {
+        return Ok(Action::requeue(STEP));
+    }
     // Every pass opens the archive whole: nothing is stopped or written for one that would
     // not restore.
     let (url, opened) = match open_archive(&ctx, &r).await? {
@@ -180,7 +197,11 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
             )
             .await;
         }
-        hold(&ctx, &ncp, Some(&r.name_any())).await?;
+        if !hold(&ctx, &ncp, &r.name_any(), true).await? {
+            progress(&mut s, &r, "waiting to hold the control plane");
+            write_status(&ctx, &r, &s).await?;
+            return Ok(Action::requeue(STEP));
+        }
         let t = Tenant::load(&ctx.client, &ctx.caches, ncp.clone()).await?;
         let waiting: Vec<&str> = [
             Component::ApiServer,
@@ -204,7 +225,26 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
     }
 
     if phase == rp::RESTORING {
+        // Held, by this restore, right now: nothing is written into a control plane that runs.
+        let ncp = ncps.get(&cp).await?;
         let t = Tenant::load(&ctx.client, &ctx.caches, ncp.clone()).await?;
+        let held = [
+            Component::ApiServer,
+            Component::ControllerManager,
+            Component::Scheduler,
+        ]
+        .into_iter()
+        .all(|c| held_by(&t, c, &r.name_any()));
+        if holding(&ctx.client, &ncp).await?.as_deref() != Some(r.name_any().as_str()) || !held {
+            s.phase = Some(rp::STOPPING.into());
+            progress(
+                &mut s,
+                &r,
+                "the control plane is not held any more; stopping it again",
+            );
+            write_status(&ctx, &r, &s).await?;
+            return Ok(Action::requeue(STEP));
+        }
         let access = match datastore_access(&ctx, &t).await? {
             Ok(a) => a,
             Err(why) => return failed(&ctx, &r, &s, why).await,
@@ -260,7 +300,9 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
     // ready) before the keys were written.
     // Read again: this very pass may have set the hold.
     let ncp = ncps.get(&cp).await?;
-    hold(&ctx, &ncp, None).await?;
+    if !hold(&ctx, &ncp, &r.name_any(), false).await? {
+        return Ok(Action::requeue(STEP));
+    }
     let t = Tenant::load(&ctx.client, &ctx.caches, ncp.clone()).await?;
     let started = [
         Component::ApiServer,
@@ -344,27 +386,43 @@ fn held_by(t: &Tenant, c: Component, name: &str) -> bool {
     })
 }
 
-/// Set (`Some`) or remove (`None`) the hold on `ncp`; removes only a hold of this operator's
-/// own restore naming it, never another's.
-async fn hold(ctx: &Context, ncp: &NestedControlPlane, name: Option<&str>) -> Result<(), Error> {
+/// Set (`set`) or remove this restore's (`name`) hold on `ncp`, as read. Each is a merge
+/// patch that carries the resource version read: it fails if the control plane changed since
+/// (another restore's hold, any write). A hold is set only where there is none, and only
+/// this restore's own hold is removed, never another's. `false` when not done: another holds,
+/// or it changed (the next pass reads it again).
+async fn hold(
+    ctx: &Context,
+    ncp: &NestedControlPlane,
+    name: &str,
+    set: bool,
+) -> Result<bool, Error> {
     let current = ncp.annotations().get(RESTORE_HOLD_ANNOTATION).cloned();
-    let value = match name {
-        Some(n) if current.as_deref() == Some(n) => return Ok(()),
-        Some(n) => serde_json::Value::String(n.to_string()),
-        None if current.is_none() => return Ok(()),
-        None => serde_json::Value::Null,
+    let value = match (set, current.as_deref()) {
+        (true, Some(c)) => return Ok(c == name),
+        (false, Some(c)) if c != name => return Ok(true),
+        (false, None) => return Ok(true),
+        (true, None) => serde_json::Value::String(name.to_string()),
+        (false, Some(_)) => serde_json::Value::Null,
     };
     let api: Api<NestedControlPlane> =
         Api::namespaced(ctx.client.clone(), &ncp.namespace().unwrap_or_default());
-    api.patch(
-        &ncp.name_any(),
-        &PatchParams::default(),
-        &Patch::Merge(
-            serde_json::json!({"metadata": {"annotations": {RESTORE_HOLD_ANNOTATION: value}}}),
-        ),
-    )
-    .await?;
-    Ok(())
+    let patch = serde_json::json!({"metadata": {
+        "resourceVersion": ncp.resource_version(),
+        "annotations": {RESTORE_HOLD_ANNOTATION: value},
+    }});
+    match api
+        .patch(
+            &ncp.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// The archive and its URL, opened with its key; `Err` says why not.
