@@ -183,6 +183,10 @@ pub struct NestedBackupStatus {
 /// while that restore exists and is `Stopping` or `Restoring`.
 pub const RESTORE_HOLD_ANNOTATION: &str = "backup.nestplane.io/restore";
 
+/// The annotation on a clone's CA, front-proxy CA and service-account key Secrets: the
+/// `NestedRestore` that wrote them from its archive.
+pub const CLONED_BY_ANNOTATION: &str = "backup.nestplane.io/cloned-by";
+
 /// The reason of a component's `Ready` condition while a restore holds it stopped.
 pub const HELD_FOR_RESTORE: &str = "HeldForRestore";
 
@@ -206,8 +210,12 @@ pub mod restore_phases {
 pub mod restore_reasons {
     /// The archive does not open, or is not valid.
     pub const INVALID_ARCHIVE: &str = "InvalidArchive";
-    /// The archive holds another control plane's keys (a clone is not built yet).
+    /// The archive holds another control plane's keys than the restore names (its
+    /// `controlPlaneRef`, or for a clone its `cloneOf`).
     pub const OTHER_CONTROL_PLANE: &str = "OtherControlPlane";
+    /// A clone's control plane already has a CA or service-account key other than the
+    /// archive's: a clone goes into a new control plane, and no one's CA is ever replaced.
+    pub const NOT_A_NEW_CONTROL_PLANE: &str = "NotANewControlPlane";
     /// Another restore holds the control plane.
     pub const CONTROL_PLANE_BUSY: &str = "ControlPlaneBusy";
     /// The backup named is not completed (yet).
@@ -255,6 +263,12 @@ pub mod restore_reasons {
         priority = 1
     ),
     printcolumn(
+        name = "Clone Of",
+        type_ = "string",
+        json_path = ".spec.cloneOf.name",
+        priority = 1
+    ),
+    printcolumn(
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
@@ -263,8 +277,17 @@ pub mod restore_reasons {
 #[serde(rename_all = "camelCase")]
 pub struct NestedRestoreSpec {
     /// The control plane whose keys are replaced: a `NestedControlPlane` of this namespace,
-    /// the one the archive was taken of.
+    /// the one the archive was taken of (or, for a clone, the new one).
     pub control_plane_ref: LocalRef,
+    /// A clone: the control plane of this namespace the archive was taken of, while
+    /// `controlPlaneRef` names a new one. Before anything else the restore writes the new
+    /// one's CA, front-proxy CA and service-account key Secrets from the archive (refused if
+    /// it has others), so that kubeconfigs and tokens of the original verify on the clone;
+    /// its etcd credentials are its own. Create the new control plane with the annotation
+    /// `backup.nestplane.io/restore: <this restore>` and it never serves before it holds the
+    /// archive's keys (`nestplane backup restore --as` does).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clone_of: Option<LocalRef>,
     /// A completed `NestedBackup` of this namespace: its archive, and its key Secret.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backup_ref: Option<LocalRef>,
@@ -273,7 +296,7 @@ pub struct NestedRestoreSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub from: Option<String>,
     /// The key Secret (its `key`, 32 bytes). Default: the backup's, else
-    /// `<control plane>-backup-key`. Never made by a restore.
+    /// `<control plane>-backup-key` (for a clone, the original's). Never made by a restore.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_secret_ref: Option<LocalRef>,
 }
@@ -302,9 +325,17 @@ pub struct NestedRestoreStatus {
     /// The digest of the control plane's keys after the restore: the archive's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub digest: Option<String>,
-    /// When the API server was told to stop.
+    /// When the API server was told to stop (a clone's: when its control plane was made).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopped_at: Option<Time>,
+    /// The UID of the control plane held: one deleted and made again meanwhile is not
+    /// written to (the restore fails).
+    #[serde(
+        default,
+        rename = "controlPlaneUID",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub control_plane_uid: Option<String>,
     /// When the control plane was ready again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completed_at: Option<Time>,
