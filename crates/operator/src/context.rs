@@ -580,12 +580,18 @@ impl Context {
 
     /// Whether this operator reconciles `ncp` (its watch filter matches).
     pub fn selects(&self, ncp: &nestplane_api::NestedControlPlane) -> bool {
+        self.selects_labels(ncp.metadata.labels.as_ref())
+    }
+
+    /// Whether `labels` (of a control plane, or of what stands for one not made yet) match
+    /// this operator's watch filter.
+    pub fn selects_labels(
+        &self,
+        labels: Option<&std::collections::BTreeMap<String, String>>,
+    ) -> bool {
         match &self.watch_filter {
             None => true,
-            Some(f) => ncp
-                .metadata
-                .labels
-                .as_ref()
+            Some(f) => labels
                 .and_then(|l| l.get(WATCH_FILTER_LABEL))
                 .is_some_and(|v| v == f),
         }

@@ -18,24 +18,27 @@
 //! operator stopped at any point resumes and finishes. A hold lasts only while its restore
 //! exists and is `Stopping` or `Restoring`: deleting the restore releases it.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Resource, ResourceExt};
 use nestplane_api::NestedControlPlane;
 use nestplane_api::backup::{
-    HELD_FOR_RESTORE, KEY_KEY, KEY_LEN, NestedBackup, NestedRestore, NestedRestoreStatus,
-    RESTORE_HOLD_ANNOTATION, default_key_secret, phases, reasons, restore_phases as rp,
-    restore_reasons as rr, types,
+    CLONED_BY_ANNOTATION, HELD_FOR_RESTORE, KEY_KEY, KEY_LEN, NestedBackup, NestedRestore,
+    NestedRestoreStatus, RESTORE_HOLD_ANNOTATION, default_key_secret, phases, reasons,
+    restore_phases as rp, restore_reasons as rr, types,
 };
 use nestplane_api::conditions;
-use nestplane_api::names::Component;
+use nestplane_api::names::{self, Component, SecretPurpose};
 
 use super::controller::{BackupContext, datastore_access, read_archive};
 use super::{archive, engine, location};
@@ -46,6 +49,18 @@ use crate::tenant::Tenant;
 pub const STEP: Duration = Duration::from_secs(1);
 /// How often a restore that waits for its control plane, archive or key looks again.
 pub const RECHECK: Duration = Duration::from_secs(10);
+/// The API server leases under a key root: each names an API server's address.
+const MASTER_LEASES: &[u8] = b"masterleases/";
+
+/// The trust a clone takes from its archive: the CA (kubeconfigs, client certificates), the
+/// front-proxy CA and the service-account key (tokens). Its etcd CA is its own: a shared
+/// datastore's CA certificate is no use to an etcd of the clone's own, and the other way
+/// round.
+const CLONED_TRUST: [SecretPurpose; 3] = [
+    SecretPurpose::ClusterCa,
+    SecretPurpose::FrontProxyCa,
+    SecretPurpose::ServiceAccount,
+];
 
 /// The restore that holds `ncp`'s API server, controller manager and scheduler stopped, if
 /// any: the one its annotation names, while it exists, is for this control plane, and is
@@ -99,21 +114,38 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
     }
     let ns = r.namespace().unwrap_or_default();
     let cp = r.spec.control_plane_ref.name.clone();
-    let ncps: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &ns);
-    let Some(ncp) = ncps.get_opt(&cp).await? else {
+    let clone_of = r.spec.clone_of.as_ref().map(|c| c.name.clone());
+    if clone_of.as_deref() == Some(cp.as_str()) {
         return settle(
             &ctx,
             &r,
-            Stop::Waiting(
-                reasons::CONTROL_PLANE_NOT_FOUND,
-                format!("NestedControlPlane {ns}/{cp} not found"),
+            Stop::Refused(
+                reasons::INVALID_SPEC,
+                format!("cloneOf names {cp}, the control plane restored into: a restore into the control plane the archive was taken of leaves cloneOf out"),
             ),
         )
         .await;
-    };
-    if !ctx.selects(&ncp) {
-        return Ok(Action::await_change());
     }
+    let ncps: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &ns);
+    // A clone's control plane is made once its trust is written: until then, the restore
+    // itself says whether this operator is the one (its watch-filter label).
+    let ncp = match ncps.get_opt(&cp).await? {
+        Some(ncp) if !ctx.selects(&ncp) => return Ok(Action::await_change()),
+        Some(ncp) => Some(ncp),
+        None if clone_of.is_some() && ctx.selects_labels(r.metadata.labels.as_ref()) => None,
+        None if clone_of.is_some() => return Ok(Action::await_change()),
+        None => {
+            return settle(
+                &ctx,
+                &r,
+                Stop::Waiting(
+                    reasons::CONTROL_PLANE_NOT_FOUND,
+                    format!("NestedControlPlane {ns}/{cp} not found"),
+                ),
+            )
+            .await;
+        }
+    };
     // Restores change processes the operator runs on its own machine; the kubernetes
     // runtime's pods outlive their Deployment's scale-down by their grace period.
     if ctx.runtime.patch_policy() == nestplane_render::policy::Runtime::Kubernetes {
@@ -127,39 +159,122 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
         )
         .await;
     }
+    match &ncp {
+        // A clone whose trust is written waits for its control plane to be made (its watch
+        // brings the restore back then) without opening the archive again.
+        None if phase == rp::STOPPING => return Ok(Action::requeue(RECHECK)),
+        None if phase != rp::PENDING => {
+            return settle(
+                &ctx,
+                &r,
+                Stop::Waiting(
+                    reasons::CONTROL_PLANE_NOT_FOUND,
+                    format!("NestedControlPlane {ns}/{cp} not found"),
+                ),
+            )
+            .await;
+        }
+        // The control plane this restore held, or another of the same name since?
+        Some(ncp)
+            if matches!(phase.as_str(), rp::STOPPING | rp::RESTORING | rp::STARTING)
+                && r.status
+                    .as_ref()
+                    .and_then(|s| s.control_plane_uid.as_deref())
+                    .is_some_and(|uid| ncp.metadata.uid.as_deref() != Some(uid)) =>
+        {
+            return replaced(&ctx, &r, &format!("{ns}/{cp}")).await;
+        }
+        _ => {}
+    }
     // Starting: the hold goes first, whatever else happened since (an archive or key gone).
-    if phase == rp::STARTING && !hold(&ctx, &ncp, &r.name_any(), false).await? {
+    if phase == rp::STARTING
+        && let Some(ncp) = &ncp
+        && !hold(&ctx, ncp, &r.name_any(), false).await?
+    {
         return Ok(Action::requeue(STEP));
     }
     // Every pass opens the archive whole: nothing is stopped or written for one that would
     // not restore.
-    let (url, opened) = match open_archive(&ctx, &r).await? {
+    let (url, mut opened) = match open_archive(&ctx, &r).await? {
         Ok(found) => found,
         Err(stop) => return settle(&ctx, &r, stop).await,
     };
     let ours = format!("{ns}/{cp}");
-    if opened.header.tenant != ours {
+    let original = format!("{ns}/{}", clone_of.as_deref().unwrap_or(&cp));
+    if opened.header.tenant != original {
+        let hint = if clone_of.is_some() {
+            ""
+        } else {
+            "; to make a new control plane of them, restore with cloneOf (nestplane backup restore --as)"
+        };
         return settle(
             &ctx,
             &r,
             Stop::Refused(
                 rr::OTHER_CONTROL_PLANE,
                 format!(
-                    "the archive holds the keys of {}, not of {ours}; restoring into another control plane (a clone) is not built yet",
+                    "the archive holds the keys of {}, not of {original}{hint}",
                     opened.header.tenant
                 ),
             ),
         )
         .await;
     }
+    if clone_of.is_some() {
+        // The original's API server leases name its addresses: the clone's API server
+        // writes its own, and no client of the clone is sent to the original.
+        leave_out_leases_of_others(&mut opened.records);
+    }
     let mut s = status;
     s.url = Some(url);
     s.revision = Some(opened.header.revision);
-    s.keys = Some(opened.header.keys as i64);
+    s.keys = Some(opened.records.len() as i64);
     // Where to go on: a restore refused before (its spec changed since) starts over.
     let mut phase = match phase.as_str() {
         rp::STOPPING | rp::RESTORING | rp::STARTING => phase,
         _ => rp::PENDING.to_string(),
+    };
+
+    // A clone: its control plane is one made for it, and its trust is the archive's before
+    // it is made, or it is refused.
+    if clone_of.is_some() && phase != rp::STARTING {
+        if let Some(ncp) = &ncp
+            && let Some(why) = not_made_for(ncp, &r, phase == rp::PENDING)
+        {
+            return settle(&ctx, &r, Stop::Refused(rr::NOT_A_NEW_CONTROL_PLANE, why)).await;
+        }
+        if let Err(stop) = clone_trust(&ctx, &r, &cp, &opened.trust).await? {
+            return settle(&ctx, &r, stop).await;
+        }
+    }
+    let Some(ncp) = ncp else {
+        // Not made yet: the restore is Stopping from now on, so a control plane made with
+        // its hold annotation is held from its first pass.
+        phase = rp::STOPPING.into();
+        s.phase = Some(phase.clone());
+        s.stopped_at = None;
+        s.control_plane_uid = None;
+        progress(
+            &mut s,
+            &r,
+            &format!(
+                "the trust is written: create NestedControlPlane {ours} with the annotation {RESTORE_HOLD_ANNOTATION}: {}",
+                r.name_any()
+            ),
+        );
+        write_status(&ctx, &r, &s).await?;
+        ctx.event(
+            r.object_ref(&()),
+            EventType::Normal,
+            rp::STOPPING,
+            &format!(
+                "{ours}'s CA, front-proxy CA and service-account key are {original}'s from the archive; waiting for {ours} to be made to restore {} keys of revision {}",
+                opened.records.len(),
+                opened.header.revision
+            ),
+        )
+        .await;
+        return Ok(Action::requeue(RECHECK));
     };
 
     if phase == rp::PENDING || phase == rp::STOPPING {
@@ -180,6 +295,7 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
             phase = rp::STOPPING.into();
             s.phase = Some(phase.clone());
             s.stopped_at = Some(Time(Timestamp::now()));
+            s.control_plane_uid = ncp.metadata.uid.clone();
             progress(
                 &mut s,
                 &r,
@@ -192,10 +308,17 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
                 rp::STOPPING,
                 &format!(
                     "stopping {ours}'s API server, controller manager and scheduler to restore {} keys of revision {}",
-                    opened.header.keys, opened.header.revision
+                    opened.records.len(),
+                    opened.header.revision
                 ),
             )
             .await;
+        }
+        // A clone's control plane, made since: held from its first pass, from now on.
+        if s.control_plane_uid.is_none() {
+            s.stopped_at = Some(Time(Timestamp::now()));
+            s.control_plane_uid = ncp.metadata.uid.clone();
+            write_status(&ctx, &r, &s).await?;
         }
         if !hold(&ctx, &ncp, &r.name_any(), true).await? {
             progress(&mut s, &r, "waiting to hold the control plane");
@@ -215,6 +338,12 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
         if !waiting.is_empty() {
             let msg = format!("waiting for {} to stop", waiting.join(", "));
             progress(&mut s, &r, &msg);
+            write_status(&ctx, &r, &s).await?;
+            return Ok(Action::requeue(STEP));
+        }
+        // A control plane just made (a clone) may not have its etcd yet.
+        if let Err(why) = datastore_access(&ctx, &t).await? {
+            progress(&mut s, &r, &format!("waiting for the datastore: {why}"));
             write_status(&ctx, &r, &s).await?;
             return Ok(Action::requeue(STEP));
         }
@@ -324,9 +453,14 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
         (ms / 10.0).round() / 100.0
     });
     let msg = format!(
-        "{ours} holds the {} keys of revision {} again and is ready ({:.1} s without its API server)",
-        opened.header.keys,
+        "{ours} holds the {} keys of revision {}{} and is ready ({:.1} s without its API server)",
+        opened.records.len(),
         opened.header.revision,
+        if clone_of.is_some() {
+            format!(", {original}'s,")
+        } else {
+            " again".into()
+        },
         s.downtime_seconds.unwrap_or_default()
     );
     conditions::set(
@@ -375,6 +509,15 @@ async fn failed(
 
 /// Whether component `c` of `t` says it is stopped for restore `name`.
 fn held_by(t: &Tenant, c: Component, name: &str) -> bool {
+    // Not made yet, or never started (a clone's controller manager and scheduler wait for
+    // its API server, which the hold keeps from being ready): nothing of it runs.
+    if t.meta_of(c).is_none()
+        || t.status_of(c).is_some_and(|st| {
+            !st.ready && st.version.is_none() && st.ready_replicas.unwrap_or_default() == 0
+        })
+    {
+        return true;
+    }
     t.status_of(c).is_some_and(|st| {
         st.ready_replicas.unwrap_or_default() == 0
             && conditions::get(&st.conditions, types::READY).is_some_and(|cond| {
@@ -398,7 +541,13 @@ async fn hold(
     set: bool,
 ) -> Result<bool, Error> {
     let current = ncp.annotations().get(RESTORE_HOLD_ANNOTATION).cloned();
+    // A hold left by a restore that holds no more (deleted, done) is taken over.
+    let stale = match (set, current.as_deref()) {
+        (true, Some(c)) if c != name => holding(&ctx.client, ncp).await?.is_none(),
+        _ => false,
+    };
     let value = match (set, current.as_deref()) {
+        (true, Some(_)) if stale => serde_json::Value::String(name.to_string()),
         (true, Some(c)) => return Ok(c == name),
         (false, Some(c)) if c != name => return Ok(true),
         (false, None) => return Ok(true),
@@ -423,6 +572,142 @@ async fn hold(
         Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
         Err(e) => Err(e.into()),
     }
+}
+
+/// A clone's records: without the original's API server leases (each names an address of
+/// the original, which would be an endpoint of the clone's `kubernetes` Service until it
+/// expired). The clone's API servers write their own.
+fn leave_out_leases_of_others(records: &mut Vec<archive::Record>) {
+    records.retain(|rec| !rec.key.starts_with(MASTER_LEASES));
+}
+
+/// Make `cluster`'s [`CLONED_TRUST`] Secrets the archive's: each one absent is created (owned
+/// by nothing, like a CA a user brings: deleting the clone leaves it); one there already
+/// must hold exactly the archive's data, or the clone is refused, and nothing is written.
+async fn clone_trust(
+    ctx: &Context,
+    r: &NestedRestore,
+    cluster: &str,
+    trust: &archive::Trust,
+) -> Result<Result<(), Stop>, Error> {
+    let ns = r.namespace().unwrap_or_default();
+    let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    let mut wanted = Vec::new();
+    for purpose in CLONED_TRUST {
+        let name = purpose.secret_name(cluster);
+        let Some(texts) = trust.get(purpose.suffix()) else {
+            return Ok(Err(Stop::Refused(
+                rr::INVALID_ARCHIVE,
+                format!("the archive holds no `{}` trust to clone", purpose.suffix()),
+            )));
+        };
+        let data: BTreeMap<String, ByteString> = texts
+            .iter()
+            .map(|(k, v)| (k.clone(), ByteString(v.clone().into_bytes())))
+            .collect();
+        match api.get_opt(&name).await? {
+            Some(have)
+                if have.data.as_ref() == Some(&data)
+                    && have.annotations().get(CLONED_BY_ANNOTATION) == r.metadata.uid.as_ref() => {}
+            Some(_) => return Ok(Err(not_new(&ns, &name, cluster))),
+            None => wanted.push((name, data)),
+        }
+    }
+    // Checked whole before any is written.
+    for (name, data) in wanted {
+        let secret = Secret {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                namespace: Some(ns.clone()),
+                labels: Some(BTreeMap::from([
+                    (names::CLUSTER_NAME_LABEL.to_string(), cluster.to_string()),
+                    (
+                        names::MANAGED_BY_LABEL.to_string(),
+                        names::MANAGED_BY.to_string(),
+                    ),
+                ])),
+                annotations: Some(BTreeMap::from([(
+                    CLONED_BY_ANNOTATION.to_string(),
+                    r.metadata.uid.clone().unwrap_or_default(),
+                )])),
+                ..ObjectMeta::default()
+            },
+            type_: Some(names::CAPI_SECRET_TYPE.to_string()),
+            data: Some(data),
+            ..Secret::default()
+        };
+        match api.create(&PostParams::default(), &secret).await {
+            Ok(_) => {}
+            // Made meanwhile, by someone else.
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                return Ok(Err(not_new(&ns, &name, cluster)));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(Ok(()))
+}
+
+fn not_new(ns: &str, secret: &str, cluster: &str) -> Stop {
+    Stop::Refused(
+        rr::NOT_A_NEW_CONTROL_PLANE,
+        format!(
+            "the Secret {ns}/{secret} was not written by this clone: a clone goes into a new control plane (nestplane never replaces a CA); delete {ns}/{cluster} and its Secrets, or clone under another name"
+        ),
+    )
+}
+
+/// Why `ncp` is not a control plane made for the clone `r`, or `None`. It is named by its own
+/// name (no cluster-name annotation or label, no owning Cluster of another name: its Secrets
+/// and keys are under that name), and it was made after `r` wrote its trust (`r` is not
+/// `pending`) with `r`'s hold annotation, so none of its components ran before. Pure.
+fn not_made_for(ncp: &NestedControlPlane, r: &NestedRestore, pending: bool) -> Option<String> {
+    let ns = ncp.namespace().unwrap_or_default();
+    let ours = ncp.name_any();
+    let cluster = crate::tenant::cluster_name(ncp);
+    let annotation = format!("{RESTORE_HOLD_ANNOTATION}: {}", r.name_any());
+    if cluster != ours {
+        return Some(format!(
+            "NestedControlPlane {ns}/{ours} keeps its Secrets and keys under the name {cluster} (a cluster-name annotation or label, or an owning Cluster): a clone goes into a new control plane named by its own name"
+        ));
+    }
+    if pending {
+        return Some(format!(
+            "NestedControlPlane {ns}/{ours} exists already: a clone's control plane is made once the restore has written its trust (phase Stopping), with the annotation {annotation}"
+        ));
+    }
+    if ncp.annotations().get(RESTORE_HOLD_ANNOTATION) != Some(&r.name_any()) {
+        return Some(format!(
+            "NestedControlPlane {ns}/{ours} was not made for this clone: it lacks the annotation {annotation}"
+        ));
+    }
+    None
+}
+
+/// The control plane this restore held was deleted and another of its name made since:
+/// whatever was written went to the one deleted, and nothing more is written. Failed.
+async fn replaced(ctx: &BackupContext, r: &NestedRestore, ours: &str) -> Result<Action, Error> {
+    let mut s = r.status.clone().unwrap_or_default();
+    s.phase = Some(rp::FAILED.into());
+    let msg = format!(
+        "{ours} was deleted and made again while this restore held it: nothing is written to the new one; restore it again"
+    );
+    conditions::set(
+        &mut s.conditions,
+        conditions::new(types::READY, false, reasons::CONTROL_PLANE_NOT_FOUND, &msg),
+        r.metadata.generation,
+        Timestamp::now(),
+    );
+    s.observed_generation = r.metadata.generation;
+    write_status(ctx, r, &s).await?;
+    ctx.event(
+        r.object_ref(&()),
+        EventType::Warning,
+        reasons::CONTROL_PLANE_NOT_FOUND,
+        &msg,
+    )
+    .await;
+    Ok(Action::await_change())
 }
 
 /// The archive and its URL, opened with its key; `Err` says why not.
@@ -481,7 +766,7 @@ async fn open_archive(
         .as_ref()
         .map(|k| k.name.clone())
         .or(backup_key)
-        .unwrap_or_else(|| default_key_secret(cp));
+        .unwrap_or_else(|| default_key_secret(r.spec.clone_of.as_ref().map_or(cp, |c| &c.name)));
     let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(ctx.client.clone(), &ns);
     let key = secrets
         .get_opt(&secret)
@@ -577,6 +862,78 @@ async fn settle(ctx: &BackupContext, r: &NestedRestore, stop: Stop) -> Result<Ac
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_clone_leaves_out_the_originals_api_server_leases_only() {
+        let rec = |k: &str| archive::Record {
+            key: k.as_bytes().to_vec(),
+            value: b"v".to_vec(),
+            lease: None,
+        };
+        let mut records = vec![
+            rec("configmaps/default/masterleases"),
+            rec("leases/kube-system/kube-scheduler"),
+            rec("masterleases/10.0.0.1"),
+            rec("masterleases/172.20.0.1"),
+            rec("services/endpoints/default/kubernetes"),
+        ];
+        leave_out_leases_of_others(&mut records);
+        let kept: Vec<_> = records
+            .iter()
+            .map(|r| String::from_utf8_lossy(&r.key).into_owned())
+            .collect();
+        assert_eq!(
+            kept,
+            [
+                "configmaps/default/masterleases",
+                "leases/kube-system/kube-scheduler",
+                "services/endpoints/default/kubernetes"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_clone_goes_only_into_a_control_plane_made_for_it() {
+        let mut r = NestedRestore::new("clone", Default::default());
+        r.metadata.namespace = Some("default".into());
+        let made = |annotations: &[(&str, &str)]| {
+            let mut ncp = NestedControlPlane::new("gamma", Default::default());
+            ncp.metadata.namespace = Some("default".into());
+            ncp.metadata.annotations = Some(
+                annotations
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            );
+            ncp
+        };
+        let held = made(&[(RESTORE_HOLD_ANNOTATION, "clone")]);
+        assert_eq!(not_made_for(&held, &r, false), None);
+        // Made before the trust was written.
+        assert!(
+            not_made_for(&held, &r, true)
+                .unwrap_or_default()
+                .contains("exists already")
+        );
+        // Without the hold, or another restore's.
+        for other in [made(&[]), made(&[(RESTORE_HOLD_ANNOTATION, "other")])] {
+            assert!(
+                not_made_for(&other, &r, false)
+                    .unwrap_or_default()
+                    .contains("lacks the annotation")
+            );
+        }
+        // Its Secrets and keys under another name: a neighbour's.
+        let beta = made(&[
+            (RESTORE_HOLD_ANNOTATION, "clone"),
+            (names::CLUSTER_IDENTITY_ANNOTATION, "beta"),
+        ]);
+        assert!(
+            not_made_for(&beta, &r, false)
+                .unwrap_or_default()
+                .contains("under the name beta")
+        );
+    }
 
     #[test]
     fn a_hold_names_an_object() {
