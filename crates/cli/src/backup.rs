@@ -10,8 +10,12 @@ use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, PostParams};
-use nestplane_api::backup::{LocalRef, NestedBackup, NestedBackupSpec, phases, types};
+use nestplane_api::NestedControlPlane;
+use nestplane_api::backup::{
+    LocalRef, NestedBackup, NestedBackupSpec, RESTORE_HOLD_ANNOTATION, phases, types,
+};
 use nestplane_api::conditions;
+use nestplane_operator::context::WATCH_FILTER_LABEL;
 use serde::Serialize;
 
 use crate::tenants::{Format, Target, age, age_of, aligned, locate};
@@ -56,6 +60,17 @@ pub struct RestoreArgs {
     /// The restore's name (default: `<cluster>-restore-<UTC time>`).
     #[arg(long)]
     pub name: Option<String>,
+    /// Clone: restore into a new NestedControlPlane of this name (the cluster's version,
+    /// replicas and networks; the archive's CA, front-proxy CA and service-account key, so
+    /// that the cluster's kubeconfigs and tokens work on it), instead of into the cluster.
+    #[arg(long = "as", value_name = "NEW_CLUSTER")]
+    pub as_: Option<String>,
+    /// With --as: the clone runs an etcd of its own (default: the cluster's datastore).
+    #[arg(long, requires = "as_", conflicts_with = "datastore")]
+    pub own_etcd: bool,
+    /// With --as: the clone stores on this NestedDatastore of the namespace.
+    #[arg(long, requires = "as_")]
+    pub datastore: Option<String>,
     /// Stop waiting after this many seconds (the restore goes on).
     #[arg(long, default_value_t = 600)]
     pub timeout: u64,
@@ -210,11 +225,35 @@ async fn restore(args: RestoreArgs) -> anyhow::Result<()> {
     use nestplane_api::backup::{NestedRestore, NestedRestoreSpec, restore_phases as rp};
     let client = args.target.client().await?;
     let located = locate(&client, &args.namespace, &args.cluster).await?;
-    let (ns, cp) = located.ncp;
-    let name = args
-        .name
-        .clone()
-        .unwrap_or_else(|| default_name(&format!("{}-restore", args.cluster), unix_now()));
+    let (ns, original) = located.ncp;
+    let ncps: Api<NestedControlPlane> = Api::namespaced(client.clone(), &ns);
+    // A clone: its control plane, made once the restore has written its trust.
+    let clone = match &args.as_ {
+        None => None,
+        Some(_) if located.kind == "HostedCluster" => bail!(
+            "{} is a HostedCluster: cloning one is not built yet (its control plane {ns}/{original} can be restored in place)",
+            args.cluster
+        ),
+        Some(new) => {
+            if ncps.get_opt(new).await?.is_some() {
+                bail!(
+                    "NestedControlPlane {ns}/{new} exists: a clone makes a new control plane (its CA is the archive's)"
+                );
+            }
+            let source = ncps.get(&original).await?;
+            Some(clone_of(
+                &source,
+                new,
+                args.datastore.as_deref(),
+                args.own_etcd,
+            ))
+        }
+    };
+    let cp = args.as_.clone().unwrap_or_else(|| original.clone());
+    let name = args.name.clone().unwrap_or_else(|| {
+        let of = args.as_.as_ref().unwrap_or(&args.cluster);
+        default_name(&format!("{of}-restore"), unix_now())
+    });
     let (backup_ref, from) = if args.from.contains("://") {
         (None, Some(args.from.clone()))
     } else {
@@ -229,20 +268,31 @@ async fn restore(args: RestoreArgs) -> anyhow::Result<()> {
         &name,
         NestedRestoreSpec {
             control_plane_ref: LocalRef { name: cp.clone() },
+            clone_of: args.as_.as_ref().map(|_| LocalRef {
+                name: original.clone(),
+            }),
             backup_ref,
             from,
             key_secret_ref: args.key_secret.clone().map(|name| LocalRef { name }),
         },
     );
     r.metadata.namespace = Some(ns.clone());
+    r.metadata.labels = clone.as_ref().and_then(|c| c.metadata.labels.clone());
     let api: Api<NestedRestore> = Api::namespaced(client.clone(), &ns);
     api.create(&PostParams::default(), &r)
         .await
         .with_context(|| format!("creating NestedRestore {ns}/{name}"))?;
-    eprintln!(
-        "nestplane: created NestedRestore {ns}/{name} of {ns}/{cp} from {}",
-        args.from
-    );
+    match &clone {
+        Some(_) => eprintln!(
+            "nestplane: created NestedRestore {ns}/{name}: a clone of {ns}/{original} as {ns}/{cp} from {}",
+            args.from
+        ),
+        None => eprintln!(
+            "nestplane: created NestedRestore {ns}/{name} of {ns}/{cp} from {}",
+            args.from
+        ),
+    }
+    let mut clone = clone;
     let started = Instant::now();
     let deadline = started + Duration::from_secs(args.timeout);
     let mut said = String::new();
@@ -259,7 +309,34 @@ async fn restore(args: RestoreArgs) -> anyhow::Result<()> {
             eprintln!("nestplane: {name}: {line}");
             said = line;
         }
+        // The clone's trust is written once the restore is past Pending: its control plane,
+        // held by the restore from its first pass, is made now.
+        if phase != rp::PENDING
+            && phase != rp::FAILED
+            && let Some(new) = clone.take()
+        {
+            let mut new = new;
+            new.metadata
+                .annotations
+                .get_or_insert_default()
+                .insert(RESTORE_HOLD_ANNOTATION.to_string(), name.clone());
+            ncps.create(&PostParams::default(), &new)
+                .await
+                .with_context(|| format!("creating NestedControlPlane {ns}/{cp}"))?;
+            eprintln!("nestplane: created NestedControlPlane {ns}/{cp}");
+        }
         match phase.as_str() {
+            rp::COMPLETED if args.as_.is_some() => {
+                println!(
+                    "restored {ns}/{cp} from {}: {} keys of revision {}, {ns}/{original}'s, in {:.1}s ({:.1}s from its making to ready)",
+                    status.url.unwrap_or_default(),
+                    status.keys.unwrap_or_default(),
+                    status.revision.unwrap_or_default(),
+                    started.elapsed().as_secs_f64(),
+                    status.downtime_seconds.unwrap_or_default()
+                );
+                return Ok(());
+            }
             rp::COMPLETED => {
                 println!(
                     "restored {ns}/{cp} from {}: {} keys of revision {} ({} written, {} deleted) in {:.1}s, {:.1}s without its API server",
@@ -289,6 +366,43 @@ async fn restore(args: RestoreArgs) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
+}
+
+/// The clone `new` of `source`: its version, replicas, networks and datastore (unless
+/// `own_etcd`, or another `datastore`), its watch-filter label; not its endpoint or
+/// components, which are its own. Pure.
+pub fn clone_of(
+    source: &NestedControlPlane,
+    new: &str,
+    datastore: Option<&str>,
+    own_etcd: bool,
+) -> NestedControlPlane {
+    use nestplane_api::controlplane::{DatastoreRef, NestedControlPlaneSpec};
+    let s = &source.spec;
+    let datastore_ref = match (datastore, own_etcd) {
+        (Some(name), _) => Some(DatastoreRef {
+            name: name.to_string(),
+            ..DatastoreRef::default()
+        }),
+        (None, true) => None,
+        (None, false) => s.datastore_ref.clone(),
+    };
+    let mut ncp = NestedControlPlane::new(
+        new,
+        NestedControlPlaneSpec {
+            version: s.version.clone(),
+            replicas: s.replicas,
+            cluster_network: s.cluster_network.clone(),
+            datastore_ref,
+            ..NestedControlPlaneSpec::default()
+        },
+    );
+    ncp.metadata.namespace = source.metadata.namespace.clone();
+    ncp.metadata.labels = source
+        .labels()
+        .get(WATCH_FILTER_LABEL)
+        .map(|f| [(WATCH_FILTER_LABEL.to_string(), f.clone())].into());
+    ncp
 }
 
 /// One backup, as `nestplane backup list` prints it.
@@ -396,6 +510,67 @@ async fn list(args: ListArgs) -> anyhow::Result<()> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_clone_takes_the_originals_settings_but_not_its_endpoint_components_or_labels() {
+        use nestplane_api::controlplane::{
+            ApiEndpoint, ClusterNetwork, DatastoreRef, NestedControlPlaneSpec, NetworkRanges,
+        };
+        let mut source = NestedControlPlane::new(
+            "alpha",
+            NestedControlPlaneSpec {
+                version: Some("v1.20.2".into()),
+                replicas: Some(3),
+                cluster_network: Some(ClusterNetwork {
+                    services: Some(NetworkRanges {
+                        cidr_blocks: vec!["10.96.0.0/16".into()],
+                    }),
+                    ..Default::default()
+                }),
+                control_plane_endpoint: Some(ApiEndpoint {
+                    host: "127.84.17.1".into(),
+                    port: 6443,
+                }),
+                datastore_ref: Some(DatastoreRef {
+                    name: "shared".into(),
+                    ..Default::default()
+                }),
+                etcd: Some(Default::default()),
+                apiserver: Some(Default::default()),
+                ..Default::default()
+            },
+        );
+        source.metadata.namespace = Some("team-a".into());
+        source.metadata.labels = Some(
+            [
+                (WATCH_FILTER_LABEL.to_string(), "blue".to_string()),
+                ("team".to_string(), "a".to_string()),
+            ]
+            .into(),
+        );
+        let same = clone_of(&source, "gamma", None, false);
+        assert_eq!(same.metadata.name.as_deref(), Some("gamma"));
+        assert_eq!(same.metadata.namespace.as_deref(), Some("team-a"));
+        assert_eq!(
+            same.metadata.labels,
+            Some([(WATCH_FILTER_LABEL.to_string(), "blue".to_string())].into())
+        );
+        assert_eq!(same.spec.version, source.spec.version);
+        assert_eq!(same.spec.replicas, Some(3));
+        assert_eq!(same.spec.cluster_network, source.spec.cluster_network);
+        assert_eq!(same.spec.datastore_ref, source.spec.datastore_ref);
+        assert_eq!(same.spec.control_plane_endpoint, None);
+        assert_eq!(same.spec.etcd, None);
+        assert_eq!(same.spec.apiserver, None);
+        assert_eq!(clone_of(&source, "g", None, true).spec.datastore_ref, None);
+        assert_eq!(
+            clone_of(&source, "g", Some("other"), false)
+                .spec
+                .datastore_ref
+                .map(|d| d.name),
+            Some("other".into())
+        );
+    }
 
     #[test]
     fn a_default_name_is_the_cluster_and_the_utc_time() {
