@@ -386,6 +386,22 @@ async fn a_restore_gives_a_tenant_back_its_backup_and_leaves_its_neighbour_alone
     let cms = config_map_list;
     kubectl_apply(&alpha, &cms(0..500, &|i| i.to_string()));
     kubectl_apply(&beta, &cms(0..3, &|i| format!("beta-{i}")));
+    // Issued before the backup: a token of alpha's default service account.
+    let dir = env.state.path().to_path_buf();
+    eventually(
+        "alpha's default service account",
+        Duration::from_secs(60),
+        || {
+            kubectl(
+                &alpha,
+                &["get", "serviceaccount", "default", "-n", "default"],
+            )
+            .status
+            .success()
+            .then_some(())
+        },
+    );
+    let alpha_token = request_token(&alpha, &dir);
     let backed_up = config_maps(&alpha);
     assert_eq!(backed_up.len(), 500);
 
@@ -590,6 +606,152 @@ async fn a_restore_gives_a_tenant_back_its_backup_and_leaves_its_neighbour_alone
         .status
         .success()
     );
+
+    // A clone into beta, which has a CA of its own, is refused before anything is written.
+    let beta_ca = env.secret("default", "beta-ca").await.unwrap().data;
+    env.apply(&restore_yaml(
+        "into-beta",
+        "beta",
+        &format!("  cloneOf: {{name: alpha}}\n  from: \"{url}\"\n"),
+    ));
+    eventually(
+        "the clone into beta refused",
+        Duration::from_secs(60),
+        || {
+            (restore_field(
+                &kc,
+                "into-beta",
+                "{.status.phase} {.status.conditions[0].reason}",
+            ) == "Failed NotANewControlPlane")
+                .then_some(())
+        },
+    );
+    assert_eq!(
+        env.secret("default", "beta-ca").await.unwrap().data,
+        beta_ca
+    );
+    assert_eq!(pid("beta", "apiserver"), beta_api);
+
+    // A clone of alpha's archive as gamma, on an etcd of its own: the CLI makes the restore,
+    // then gamma, held from its first pass, once the restore has written its trust.
+    let out = nestplane()
+        .args([
+            "backup",
+            "restore",
+            "alpha",
+            "--from",
+            &url,
+            "--as",
+            "gamma",
+            "--own-etcd",
+            "--name",
+            "clone",
+            "--kubeconfig",
+        ])
+        .arg(&kc)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("created NestedControlPlane default/gamma"),
+        "{stderr}"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.starts_with("restored default/gamma from "),
+        "{stdout}"
+    );
+    eprintln!("{stderr}{stdout}");
+    env.wait_ready("default", "gamma", Duration::from_secs(120))
+        .await;
+    let gamma = env.tenant_kubeconfig("default", "gamma").await;
+    assert_eq!(config_maps(&gamma), backed_up);
+    // Its API server never served before it held the archive's keys: it said it was held.
+    let ev = events_for(&kc, "default", "gamma-apiserver");
+    assert!(ev.contains("HeldForRestore"), "gamma-apiserver: {ev}");
+    // Its own etcd, its own etcd CA; alpha's CA and service-account key.
+    assert!(env.pid("default", "gamma", "etcd", 0).is_some());
+    let secret = |name: &'static str| {
+        let env = &env;
+        async move { env.secret("default", name).await.unwrap().data.unwrap() }
+    };
+    assert_eq!(secret("gamma-ca").await, secret("alpha-ca").await);
+    assert_eq!(secret("gamma-sa").await, secret("alpha-sa").await);
+    assert_ne!(
+        secret("gamma-etcd").await["tls.crt"],
+        secret("alpha-etcd").await["tls.crt"]
+    );
+    // What alpha's users held before the backup works on gamma: alpha's admin client
+    // certificate, and the token of alpha's service account.
+    let mut with_alpha_user = kube::config::Kubeconfig::read_from(&alpha).unwrap();
+    let gamma_cluster = kube::config::Kubeconfig::read_from(&gamma)
+        .unwrap()
+        .clusters[0]
+        .cluster
+        .clone();
+    for c in &mut with_alpha_user.clusters {
+        c.cluster = gamma_cluster.clone();
+    }
+    let alpha_user = dir.join("alpha-user-on-gamma.kubeconfig");
+    std::fs::write(&alpha_user, serde_json::to_vec(&with_alpha_user).unwrap()).unwrap();
+    assert_eq!(
+        kubectl_ok(
+            &alpha_user,
+            &["get", "configmap", "-n", "default", "cm-0", "-o", "name"]
+        )
+        .trim(),
+        "configmap/cm-0"
+    );
+    let answers = |token: &str| {
+        let out = kubectl(
+            &token_kubeconfig(&gamma, token, dir.join("token.kubeconfig")),
+            &["get", "--raw", "/api"],
+        );
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(
+            out.status.success() || err.contains("Unauthorized"),
+            "neither answered nor unauthorized: {err}"
+        );
+        out.status.success()
+    };
+    assert!(answers(&alpha_token), "alpha's token on gamma");
+    // A neighbour's is not: beta's service-account key is its own.
+    assert!(
+        !answers(&request_token(&beta, &dir)),
+        "beta's token on gamma"
+    );
+    let events = events_for(&kc, "default", "clone");
+    for e in ["Normal Stopping", "Normal Restored", "Normal Completed"] {
+        assert!(events.contains(e), "no {e}: {events}");
+    }
+    assert!(
+        !jsonpath(
+            &kc,
+            &["ncp", "-n", "default", "gamma"],
+            "{.metadata.annotations}"
+        )
+        .contains("backup.nestplane.io/restore")
+    );
+    // A second clone into gamma, which exists now, is refused and changes nothing.
+    let gamma_api = pid("gamma", "apiserver");
+    env.apply(&restore_yaml(
+        "again",
+        "gamma",
+        &format!("  cloneOf: {{name: alpha}}\n  from: \"{url}\"\n"),
+    ));
+    eventually("the second clone refused", Duration::from_secs(60), || {
+        (restore_field(
+            &kc,
+            "again",
+            "{.status.phase} {.status.conditions[0].reason}",
+        ) == "Failed NotANewControlPlane")
+            .then_some(())
+    });
+    assert_eq!(pid("gamma", "apiserver"), gamma_api);
+    // alpha and beta run as they did.
+    assert_eq!(pid("beta", "apiserver"), beta_api);
+    assert_eq!(config_maps(&alpha), backed_up);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

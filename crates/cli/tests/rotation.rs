@@ -15,7 +15,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -99,53 +99,6 @@ impl Asking {
         );
         assert!(failures.is_empty(), "{what}: requests failed: {failures:?}");
     }
-}
-
-/// A kubeconfig for the cluster of `admin` that authenticates with `token` alone.
-fn token_kubeconfig(admin: &Path, token: &str, path: PathBuf) -> PathBuf {
-    let mut kc = kube::config::Kubeconfig::read_from(admin).unwrap();
-    for a in &mut kc.auth_infos {
-        a.auth_info = Some(kube::config::AuthInfo {
-            token: Some(token.to_string().into()),
-            ..Default::default()
-        });
-    }
-    std::fs::write(&path, serde_json::to_vec(&kc).unwrap()).unwrap();
-    path
-}
-
-/// A token of `default/default` from the TokenRequest API (valid an hour).
-fn request_token(hosted: &Path, dir: &Path) -> String {
-    let body = dir.join("token-request.json");
-    std::fs::write(
-        &body,
-        r#"{"apiVersion":"authentication.k8s.io/v1","kind":"TokenRequest","spec":{"expirationSeconds":3600}}"#,
-    )
-    .unwrap();
-    let out = kubectl_ok(
-        hosted,
-        &[
-            "create",
-            "--raw",
-            "/api/v1/namespaces/default/serviceaccounts/default/token",
-            "-f",
-            body.to_str().unwrap(),
-        ],
-    );
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    v["status"]["token"].as_str().unwrap().to_string()
-}
-
-/// Whether `token` authenticates: `Ok(true)` answered, `Ok(false)` refused as unauthorized.
-fn authenticates(hosted: &Path, token: &str, dir: &Path) -> bool {
-    let kc = token_kubeconfig(hosted, token, dir.join("token.kubeconfig"));
-    let out = kubectl(&kc, &["get", "pods", "-n", "default", "-o", "name"]);
-    let err = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(
-        out.status.success() || err.contains("Unauthorized"),
-        "neither answered nor unauthorized: {err}"
-    );
-    out.status.success()
 }
 
 fn rotation(kc: &Path) -> String {
