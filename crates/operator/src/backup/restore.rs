@@ -159,11 +159,17 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
         )
         .await;
     }
+    let live = matches!(phase.as_str(), rp::STOPPING | rp::RESTORING | rp::STARTING);
+    let held_uid = status.control_plane_uid.clone();
     match &ncp {
+        // Held, and deleted since: whatever was written went to the one deleted.
+        None if live && held_uid.is_some() => {
+            return replaced(&ctx, &r, &format!("{ns}/{cp}")).await;
+        }
         // A clone whose trust is written waits for its control plane to be made (its watch
         // brings the restore back then) without opening the archive again.
         None if phase == rp::STOPPING => return Ok(Action::requeue(RECHECK)),
-        None if phase != rp::PENDING => {
+        None if live => {
             return settle(
                 &ctx,
                 &r,
@@ -176,10 +182,9 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
         }
         // The control plane this restore held, or another of the same name since?
         Some(ncp)
-            if matches!(phase.as_str(), rp::STOPPING | rp::RESTORING | rp::STARTING)
-                && r.status
-                    .as_ref()
-                    .and_then(|s| s.control_plane_uid.as_deref())
+            if live
+                && held_uid
+                    .as_deref()
                     .is_some_and(|uid| ncp.metadata.uid.as_deref() != Some(uid)) =>
         {
             return replaced(&ctx, &r, &format!("{ns}/{cp}")).await;
@@ -248,6 +253,11 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
         }
     }
     let Some(ncp) = ncp else {
+        // Made meanwhile (while the archive was read), before the restore was Stopping: the
+        // next pass refuses it, unless the restore is Stopping already.
+        if phase == rp::PENDING && ncps.get_opt(&cp).await?.is_some() {
+            return Ok(Action::requeue(STEP));
+        }
         // Not made yet: the restore is Stopping from now on, so a control plane made with
         // its hold annotation is held from its first pass.
         phase = rp::STOPPING.into();
@@ -315,7 +325,7 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
             .await;
         }
         // A clone's control plane, made since: held from its first pass, from now on.
-        if s.control_plane_uid.is_none() {
+        if clone_of.is_some() && s.control_plane_uid.is_none() {
             s.stopped_at = Some(Time(Timestamp::now()));
             s.control_plane_uid = ncp.metadata.uid.clone();
             write_status(&ctx, &r, &s).await?;
@@ -606,8 +616,11 @@ async fn clone_trust(
             .map(|(k, v)| (k.clone(), ByteString(v.clone().into_bytes())))
             .collect();
         match api.get_opt(&name).await? {
+            // The archive's keys, as written (a signer certificate may be added since).
             Some(have)
-                if have.data.as_ref() == Some(&data)
+                if data
+                    .iter()
+                    .all(|(k, v)| have.data.as_ref().and_then(|d| d.get(k)) == Some(v))
                     && have.annotations().get(CLONED_BY_ANNOTATION) == r.metadata.uid.as_ref() => {}
             Some(_) => return Ok(Err(not_new(&ns, &name, cluster))),
             None => wanted.push((name, data)),
@@ -684,13 +697,13 @@ fn not_made_for(ncp: &NestedControlPlane, r: &NestedRestore, pending: bool) -> O
     None
 }
 
-/// The control plane this restore held was deleted and another of its name made since:
-/// whatever was written went to the one deleted, and nothing more is written. Failed.
+/// The control plane this restore held was deleted (and perhaps another of its name made
+/// since): whatever was written went with the one deleted, and nothing more is written. Failed.
 async fn replaced(ctx: &BackupContext, r: &NestedRestore, ours: &str) -> Result<Action, Error> {
     let mut s = r.status.clone().unwrap_or_default();
     s.phase = Some(rp::FAILED.into());
     let msg = format!(
-        "{ours} was deleted and made again while this restore held it: nothing is written to the new one; restore it again"
+        "{ours} was deleted while this restore held it: what was written went with it, and nothing is written to one made since; restore again"
     );
     conditions::set(
         &mut s.conditions,
@@ -812,15 +825,34 @@ async fn write_status(
     if r.status.as_ref() == Some(s) {
         return Ok(());
     }
+    let status =
+        status_patch(r.status.as_ref(), s).map_err(|e| Error::Unavailable(e.to_string()))?;
     let api: Api<NestedRestore> =
         Api::namespaced(ctx.client.clone(), &r.namespace().unwrap_or_default());
     api.patch_status(
         &r.name_any(),
         &PatchParams::default(),
-        &Patch::Merge(serde_json::json!({ "status": s })),
+        &Patch::Merge(serde_json::json!({ "status": status })),
     )
     .await?;
     Ok(())
+}
+
+/// The merge patch that makes `old` status `new`. A merge patch leaves what it does not name:
+/// a field `new` leaves out (a clone's `stoppedAt`, cleared) is named, as null. Pure.
+fn status_patch(
+    old: Option<&NestedRestoreStatus>,
+    new: &NestedRestoreStatus,
+) -> Result<serde_json::Value, serde_json::Error> {
+    let mut patch = serde_json::to_value(new)?;
+    if let (Some(fields), Some(old)) = (patch.as_object_mut(), old)
+        && let serde_json::Value::Object(old) = serde_json::to_value(old)?
+    {
+        for k in old.keys() {
+            fields.entry(k.clone()).or_insert(serde_json::Value::Null);
+        }
+    }
+    Ok(patch)
 }
 
 /// Say that the restore waits or is refused (an Event when that is news). A restore that
@@ -862,6 +894,39 @@ async fn settle(ctx: &BackupContext, r: &NestedRestore, stop: Stop) -> Result<Ac
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_status_write_clears_what_it_leaves_out() {
+        let old = NestedRestoreStatus {
+            phase: Some(rp::FAILED.into()),
+            control_plane_uid: Some("uid-1".into()),
+            stopped_at: Some(Time(Timestamp::UNIX_EPOCH)),
+            keys: Some(3),
+            ..Default::default()
+        };
+        let new = NestedRestoreStatus {
+            phase: Some(rp::STOPPING.into()),
+            keys: Some(3),
+            ..Default::default()
+        };
+        let patch = status_patch(Some(&old), &new).unwrap_or_default();
+        assert_eq!(patch["phase"], "Stopping");
+        assert_eq!(patch["keys"], 3);
+        assert!(patch["controlPlaneUID"].is_null());
+        assert!(patch["stoppedAt"].is_null());
+        assert!(
+            patch
+                .as_object()
+                .is_some_and(|o| o.contains_key("controlPlaneUID"))
+        );
+        // Nothing to clear in a first write.
+        let first = status_patch(None, &new).unwrap_or_default();
+        assert!(
+            first
+                .as_object()
+                .is_some_and(|o| !o.contains_key("stoppedAt"))
+        );
+    }
 
     #[test]
     fn a_clone_leaves_out_the_originals_api_server_leases_only() {
