@@ -134,6 +134,12 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
         Some(ncp) => Some(ncp),
         None if clone_of.is_some() && ctx.selects_labels(r.metadata.labels.as_ref()) => None,
         None if clone_of.is_some() => return Ok(Action::await_change()),
+        // Held, and deleted since: what was written went with it.
+        None if matches!(phase.as_str(), rp::STOPPING | rp::RESTORING | rp::STARTING)
+            && status.control_plane_uid.is_some() =>
+        {
+            return replaced(&ctx, &r, &format!("{ns}/{cp}")).await;
+        }
         None => {
             return settle(
                 &ctx,
@@ -246,6 +252,19 @@ pub async fn reconcile(r: Arc<NestedRestore>, ctx: Arc<BackupContext>) -> Result
         if let Some(ncp) = &ncp
             && let Some(why) = not_made_for(ncp, &r, phase == rp::PENDING)
         {
+            // Made for it after its trust was written, but this pass's copy of the restore
+            // is older than its own Stopping: read it again.
+            if phase == rp::PENDING
+                && ncp.annotations().get(RESTORE_HOLD_ANNOTATION) == Some(&r.name_any())
+                && Api::<NestedRestore>::namespaced(ctx.client.clone(), &ns)
+                    .get(&r.name_any())
+                    .await?
+                    .status
+                    .and_then(|s| s.phase)
+                    .is_some_and(|p| p == rp::STOPPING)
+            {
+                return Ok(Action::requeue(STEP));
+            }
             return settle(&ctx, &r, Stop::Refused(rr::NOT_A_NEW_CONTROL_PLANE, why)).await;
         }
         if let Err(stop) = clone_trust(&ctx, &r, &cp, &opened.trust).await? {
@@ -864,7 +883,13 @@ async fn settle(ctx: &BackupContext, r: &NestedRestore, stop: Stop) -> Result<Ac
         .as_deref()
         .is_some_and(|p| p != rp::PENDING && p != rp::FAILED);
     let (reason, msg, action) = match stop {
-        Stop::Waiting(reason, msg) => (reason, msg, Action::requeue(RECHECK)),
+        Stop::Waiting(reason, msg) => {
+            // Failed, and its spec changed since (or it would not be here): it starts over.
+            if s.phase.as_deref() == Some(rp::FAILED) {
+                s.phase = Some(rp::PENDING.into());
+            }
+            (reason, msg, Action::requeue(RECHECK))
+        }
         Stop::Refused(reason, msg) if started => (reason, msg, Action::requeue(RECHECK)),
         Stop::Refused(reason, msg) => {
             s.phase = Some(rp::FAILED.into());
