@@ -38,7 +38,8 @@ pub enum BackupCommand {
     List(ListArgs),
     /// Restore a hosted cluster's (or a control plane's) keys from an archive: its API
     /// server, controller manager and scheduler stop, its keys become the archive's, and
-    /// they start again. Makes a NestedRestore and waits.
+    /// they start again; with `--as NEW`, into a new control plane (a clone, with the
+    /// archive's CA and service-account key). Makes a NestedRestore and waits.
     Restore(RestoreArgs),
 }
 

@@ -75,7 +75,7 @@ enum Command {
     Rotate(rotate::RotateArgs),
     /// Back up a hosted cluster's (or a control plane's) keys (`backup create`, which waits
     /// and prints the archive's URL last), list backups (`backup list`), and restore one
-    /// (`backup restore NAME --from URL`, which waits).
+    /// (`backup restore NAME --from URL [--as NEW]`, which waits).
     Backup(backup::BackupArgs),
 }
 
