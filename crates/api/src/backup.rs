@@ -350,6 +350,135 @@ pub struct NestedRestoreStatus {
     pub conditions: Vec<Condition>,
 }
 
+/// The label on a `NestedBackup` made by a `NestedBackupSchedule`: the schedule's name. The
+/// schedule keeps (and deletes) only the backups of its control plane that carry it.
+pub const SCHEDULE_LABEL: &str = "backup.nestplane.io/schedule";
+
+/// How many completed backups a schedule keeps when its spec does not say.
+pub const DEFAULT_KEEP: i32 = 7;
+/// The most a schedule may keep.
+pub const MAX_KEEP: i32 = 1000;
+/// The shortest period between a schedule's backups, in seconds.
+pub const MIN_EVERY_SECONDS: i64 = 10;
+/// The longest, in seconds (a year).
+pub const MAX_EVERY_SECONDS: i64 = 366 * 86_400;
+/// A schedule's backups are named `<schedule>-<UTC time as YYYYMMDDhhmmss>`: the longest
+/// schedule name that leaves room for that within [`MAX_NAME`].
+pub const MAX_SCHEDULE_NAME: usize = MAX_NAME - 15;
+
+/// Schedule reasons (besides the backup's, which a schedule repeats when its newest backup
+/// waits or is refused).
+pub mod schedule_reasons {
+    /// The newest backup completed (True).
+    pub const BACKED_UP: &str = "BackedUp";
+    /// No backup yet, or the newest is being taken (False).
+    pub const WAITING_FOR_FIRST: &str = "WaitingForFirstBackup";
+    /// `suspend: true`: nothing is made or deleted.
+    pub const SUSPENDED: &str = "Suspended";
+    /// A backup was made (Event).
+    pub const CREATED: &str = "Created";
+    /// A backup past the retention was deleted, with its archive (Event).
+    pub const PRUNED: &str = "Pruned";
+}
+
+/// Backups of one `NestedControlPlane` of this namespace, one every period, the newest
+/// `keep` completed ones kept: older ones are deleted with their archives. A backup is not
+/// made while the schedule's previous one is still being taken, and missed periods are not
+/// made up (one backup, then the next period). Deleting the schedule leaves its backups.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "backup.nestplane.io",
+    version = "v1alpha1",
+    kind = "NestedBackupSchedule",
+    plural = "nestedbackupschedules",
+    namespaced,
+    status = "NestedBackupScheduleStatus",
+    shortname = "nbks",
+    printcolumn(
+        name = "Cluster",
+        type_ = "string",
+        json_path = ".spec.controlPlaneRef.name"
+    ),
+    printcolumn(name = "Every", type_ = "string", json_path = ".spec.every"),
+    printcolumn(name = "Kept", type_ = "integer", json_path = ".status.kept"),
+    printcolumn(
+        name = "Last Backup",
+        type_ = "string",
+        json_path = ".status.lastBackup"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
+    ),
+    printcolumn(
+        name = "Reason",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Next",
+        type_ = "date",
+        json_path = ".status.nextScheduleTime",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedBackupScheduleSpec {
+    /// The control plane to back up: a `NestedControlPlane` of this namespace.
+    pub control_plane_ref: LocalRef,
+    /// How often: a number and a unit, `s`, `m`, `h` or `d` (`30m`, `6h`, `1d`); at least
+    /// `10s`, at most `366d`.
+    pub every: String,
+    /// How many completed backups are kept (default 7, at most 1000): once a newer one has
+    /// completed, the oldest past that number is deleted, with its archive. Failed backups
+    /// older than the newest completed one are deleted too; of the rest, the newest is kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep: Option<i32>,
+    /// The backups' location (a `NestedBackup`'s `location`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub location: Option<String>,
+    /// The backups' key Secret (a `NestedBackup`'s `keySecretRef`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_secret_ref: Option<LocalRef>,
+    /// Make and delete nothing while true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suspend: Option<bool>,
+}
+
+/// What the schedule did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NestedBackupScheduleStatus {
+    /// The newest backup it made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_backup: Option<String>,
+    /// When it made that backup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_schedule_time: Option<Time>,
+    /// The newest of its backups that completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_completed: Option<String>,
+    /// When the next backup is due.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_schedule_time: Option<Time>,
+    /// Its completed backups there now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept: Option<i32>,
+    /// The generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`: the newest backup completed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

@@ -23,6 +23,7 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         crate::hosted::ExternalInfraCluster::crd(),
         crate::backup::NestedBackup::crd(),
         crate::backup::NestedRestore::crd(),
+        crate::backup::NestedBackupSchedule::crd(),
     ]
 }
 

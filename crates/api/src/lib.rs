@@ -16,8 +16,8 @@ pub mod postcreate;
 mod schema;
 
 pub use backup::{
-    NestedBackup, NestedBackupSpec, NestedBackupStatus, NestedRestore, NestedRestoreSpec,
-    NestedRestoreStatus,
+    NestedBackup, NestedBackupSchedule, NestedBackupScheduleSpec, NestedBackupScheduleStatus,
+    NestedBackupSpec, NestedBackupStatus, NestedRestore, NestedRestoreSpec, NestedRestoreStatus,
 };
 pub use controlplane::*;
 pub use datastore::{NestedDatastore, NestedDatastoreSpec, NestedDatastoreStatus};
