@@ -397,7 +397,7 @@ pub struct Context {
 }
 
 /// The controllers besides the four component controllers, by kind.
-pub const WING_CONTROLLERS: [&str; 7] = [
+pub const WING_CONTROLLERS: [&str; 8] = [
     "NestedControlPlane",
     "NestedDatastore",
     "PostCreateConfig",
@@ -405,6 +405,7 @@ pub const WING_CONTROLLERS: [&str; 7] = [
     "NodePool",
     "NestedBackup",
     "NestedRestore",
+    "NestedBackupSchedule",
 ];
 
 /// Which controllers an operator runs (`--controllers`), in kube-controller-manager's
@@ -412,7 +413,7 @@ pub const WING_CONTROLLERS: [&str; 7] = [
 /// removes one; without `*`, only the named ones run. Names are the components' short names
 /// (`etcd`, `apiserver`, `controller-manager`, `scheduler`) or any controller's kind
 /// (`NestedEtcd`, `NestedControlPlane`, `NestedDatastore`, `PostCreateConfig`,
-/// `HostedCluster`, `NodePool`, `NestedBackup`, `NestedRestore`; any case). A list that names only component controllers
+/// `HostedCluster`, `NodePool`, `NestedBackup`, `NestedRestore`, `NestedBackupSchedule`; any case). A list that names only component controllers
 /// leaves the others running. A kind whose controller does not run here is someone else's:
 /// it is only read.
 #[derive(Clone, Debug, PartialEq, Eq)]

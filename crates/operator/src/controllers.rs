@@ -14,8 +14,9 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use nestplane_api::{
-    HostedCluster, NestedAPIServer, NestedBackup, NestedControlPlane, NestedControllerManager,
-    NestedDatastore, NestedEtcd, NestedRestore, NestedScheduler, NodePool, PostCreateConfig,
+    HostedCluster, NestedAPIServer, NestedBackup, NestedBackupSchedule, NestedControlPlane,
+    NestedControllerManager, NestedDatastore, NestedEtcd, NestedRestore, NestedScheduler, NodePool,
+    PostCreateConfig,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -265,6 +266,9 @@ pub fn all(
     if on("NestedRestore") {
         running.push(restores(w, ctx));
     }
+    if on("NestedBackupSchedule") {
+        running.push(backup_schedules(w, ctx));
+    }
     running
 }
 
@@ -491,6 +495,31 @@ fn restores(w: &mut Watches, ctx: &Arc<Context>) -> Running {
     .graceful_shutdown_on(w.stop())
     .run(backup::restore::reconcile, error_policy, rctx)
     .for_each(report("NestedRestore", ctx))
+    .boxed()
+}
+
+/// Backup schedules: looked at again when one of their backups changes (completed: the
+/// oldest past the retention goes), and when the next backup is due.
+fn backup_schedules(w: &mut Watches, ctx: &Arc<Context>) -> Running {
+    let sctx = Arc::new(backup::controller::BackupContext {
+        core: ctx.clone(),
+        dir: w.backup_dir.clone(),
+    });
+    Controller::new(
+        api::<NestedBackupSchedule>(&w.client, &w.namespace),
+        watcher::Config::default(),
+    )
+    .watches(
+        api::<NestedBackup>(&w.client, &w.namespace),
+        watcher::Config::default().labels(nestplane_api::backup::SCHEDULE_LABEL),
+        |b: NestedBackup| {
+            let schedule = b.labels().get(nestplane_api::backup::SCHEDULE_LABEL)?;
+            Some(ObjectRef::new(schedule).within(&b.namespace()?))
+        },
+    )
+    .graceful_shutdown_on(w.stop())
+    .run(backup::schedule::reconcile, error_policy, sctx)
+    .for_each(report("NestedBackupSchedule", ctx))
     .boxed()
 }
 

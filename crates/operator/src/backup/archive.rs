@@ -36,6 +36,8 @@ pub const KEY_LEN: usize = 32;
 const NONCE_LEN: usize = 12;
 /// The longest header accepted (a header is a few hundred bytes).
 const MAX_HEADER: u32 = 64 * 1024;
+/// How many of an archive's first bytes hold its header, at most ([`read_header`] of them).
+pub const HEADER_SPAN: u64 = (MAGIC.len() + 4) as u64 + MAX_HEADER as u64;
 /// What each record costs besides its key and value: two lengths, a lease and a TTL.
 const RECORD_OVERHEAD: u64 = 4 + 4 + 8 + 8;
 /// The longest key accepted (the API server's keys are well under 1 KiB).
