@@ -235,6 +235,25 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
         vec![("alpha-1", "Completed"), ("gamma-1", "Completed")]
     );
 
+    // A schedule: a backup of gamma every 10 s, the newest 2 completed ones kept. It runs
+    // while the rest of this test goes on; what it did is read at the end. A backup carrying
+    // its label whose file name is taken by another's file fails, and when retention deletes
+    // it, that file is left as it is.
+    let foreign = root.join("default/gamma-every-old.npbackup");
+    std::fs::write(&foreign, b"someone else's").unwrap();
+    env.apply(&format!(
+        "apiVersion: backup.nestplane.io/v1alpha1\nkind: NestedBackup\nmetadata:\n  name: gamma-every-old\n  namespace: default\n  labels: {{{SCHEDULE}: gamma-every}}\nspec: {{controlPlaneRef: {{name: gamma}}}}\n"
+    ));
+    wait_phase(&kc, "default", "gamma-every-old", "Failed", "ArchiveExists");
+    env.apply(&schedule_yaml("default", "gamma-every", "gamma", "10s"));
+    // One of another namespace's control plane makes nothing; a period under 10 s is refused.
+    kubectl_ok(&kc, &["create", "namespace", "team-b"]);
+    env.apply(&schedule_yaml("team-b", "steal-every", "alpha", "10s"));
+    env.apply(&schedule_yaml("default", "too-often", "alpha", "1s"));
+    wait_schedule(&kc, "team-b", "steal-every", "False ControlPlaneNotFound");
+    wait_schedule(&kc, "default", "too-often", "False InvalidSpec");
+    assert!(events_for(&kc, "default", "too-often").contains("Warning InvalidSpec"));
+
     // Hostile input. A location outside the namespace's own directory: refused, with a
     // reason, an Event and nothing written; the CLI says why and fails.
     let out = nestplane()
@@ -279,7 +298,6 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
     assert!(!root.join("team-b").exists());
 
     // A control plane of another namespace cannot be named: a backup names one of its own.
-    kubectl_ok(&kc, &["create", "namespace", "team-b"]);
     env.apply(&backup_yaml("team-b", "steal", "alpha", ""));
     wait_phase(&kc, "team-b", "steal", "Pending", "ControlPlaneNotFound");
     assert!(!root.join("team-b").exists());
@@ -330,6 +348,124 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
     let alpha_1 = std::fs::read(&file).unwrap();
     assert_eq!(open(&file, &key).1.len() as u64, keys);
     assert!(!alpha_1.windows(32).any(|w| w == key.as_slice()));
+
+    // The schedule, once it has made a third backup and that one completed: the first is
+    // deleted with its archive, the newest two are there and open with gamma's key, and the
+    // failed one older than them is gone, its name's file (another's) left.
+    let made = |kc: &Path| -> Vec<String> {
+        let mut made: Vec<String> = events_for(kc, "default", "gamma-every")
+            .lines()
+            .filter_map(|l| l.strip_prefix("Normal Created: made NestedBackup default/"))
+            .map(str::to_string)
+            .collect();
+        made.sort();
+        made
+    };
+    let made = eventually(
+        "three backups made by the schedule, the third completed and the first pruned",
+        Duration::from_secs(90),
+        || {
+            let made = made(&kc);
+            let ready = jsonpath(
+                &kc,
+                &["nestedbackupschedule", "-n", "default", "gamma-every"],
+                "{.status.kept} {.status.conditions[?(@.type==\"Ready\")].status}",
+            );
+            (made.len() >= 3
+                && ready == "2 True"
+                && field(&kc, "default", &made[2], "{.status.phase}") == "Completed"
+                && !root.join(format!("default/{}.npbackup", made[0])).exists())
+            .then_some(made)
+        },
+    );
+    let listed = kubectl_ok(
+        &kc,
+        &[
+            "get",
+            "nestedbackups",
+            "-n",
+            "default",
+            "-l",
+            &format!("{SCHEDULE}=gamma-every"),
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.name}={.status.phase}{\"\\n\"}{end}",
+        ],
+    );
+    let newest: Vec<String> = made[made.len() - 2..].to_vec();
+    let mut kept: Vec<&str> = listed
+        .lines()
+        .filter_map(|l| l.strip_suffix("=Completed"))
+        .collect();
+    kept.sort();
+    assert_eq!(kept, newest, "{listed}");
+    assert!(!listed.contains("gamma-every-old"), "{listed}");
+    assert_eq!(std::fs::read(&foreign).unwrap(), b"someone else's");
+    for name in &made[..made.len() - 2] {
+        assert!(
+            !root.join(format!("default/{name}.npbackup")).exists(),
+            "{name}"
+        );
+    }
+    for name in &newest {
+        let (header, _) = open(&root.join(format!("default/{name}.npbackup")), &gamma_key);
+        assert_eq!(header.tenant, "default/gamma");
+    }
+    let events = events_for(&kc, "default", "gamma-every");
+    assert!(
+        events.contains(&format!(
+            "Normal Pruned: deleted NestedBackup default/{} and its archive",
+            made[0]
+        )),
+        "{events}"
+    );
+    assert!(
+        events.contains("Normal Pruned: deleted NestedBackup default/gamma-every-old; "),
+        "{events}"
+    );
+    let table = kubectl_ok(&kc, &["get", "nbks", "-n", "default", "gamma-every"]);
+    assert!(table.contains("10s") && table.contains("True"), "{table}");
+    // The schedule of another namespace's control plane made nothing.
+    assert!(!root.join("team-b").exists());
+    assert_eq!(
+        kubectl_ok(
+            &kc,
+            &[
+                "get",
+                "nestedbackups",
+                "-n",
+                "team-b",
+                "-l",
+                &format!("{SCHEDULE}=steal-every"),
+                "-o",
+                "name"
+            ]
+        ),
+        ""
+    );
+}
+
+const SCHEDULE: &str = nestplane_api::backup::SCHEDULE_LABEL;
+
+fn schedule_yaml(ns: &str, name: &str, cluster: &str, every: &str) -> String {
+    format!(
+        "apiVersion: backup.nestplane.io/v1alpha1\nkind: NestedBackupSchedule\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  controlPlaneRef: {{name: {cluster}}}\n  every: {every}\n  keep: 2\n"
+    )
+}
+
+/// Wait until schedule `ns/name`'s `Ready` is `want` (`<status> <reason>`).
+fn wait_schedule(kc: &Path, ns: &str, name: &str, want: &str) {
+    eventually(
+        &format!("NestedBackupSchedule {ns}/{name} {want}"),
+        Duration::from_secs(60),
+        || {
+            (jsonpath(
+                kc,
+                &["nestedbackupschedule", "-n", ns, name],
+                "{.status.conditions[?(@.type==\"Ready\")].status} {.status.conditions[?(@.type==\"Ready\")].reason}",
+            ) == want)
+                .then_some(())
+        },
+    );
 }
 
 fn restore_yaml(name: &str, cluster: &str, spec: &str) -> String {
