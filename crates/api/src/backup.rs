@@ -56,6 +56,9 @@ pub mod reasons {
     pub const CANNOT_ARCHIVE: &str = "CannotArchive";
     /// The spec cannot be acted on (a name too long for an archive's file name).
     pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// The namespace's archives fill its quota (the operator's `--backup-namespace-quota`):
+    /// waits until there is room.
+    pub const QUOTA_EXCEEDED: &str = "QuotaExceeded";
 }
 
 /// Where a backup is.

@@ -172,6 +172,30 @@ struct OperatorArgs {
     /// is refused.
     #[arg(long)]
     backup_dir: Option<PathBuf>,
+    /// What one namespace's archives may take in all: bytes, or with Ki, Mi, Gi or Ti
+    /// (default 10Gi). A backup that would go past it waits (`QuotaExceeded`).
+    #[arg(long, value_parser = parse_bytes)]
+    backup_namespace_quota: Option<u64>,
+}
+
+/// `1048576`, `512Mi`, `10Gi`: a size in bytes.
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let (digits, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((s, ""), |i| s.split_at(i));
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (bytes, or with Ki, Mi, Gi, Ti)"))?;
+    let shift = match unit {
+        "" => 0,
+        "Ki" => 10,
+        "Mi" => 20,
+        "Gi" => 30,
+        "Ti" => 40,
+        _ => return Err(format!("{s:?}: the unit is one of Ki, Mi, Gi, Ti")),
+    };
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("{s:?} is too large"))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -338,6 +362,7 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
             dns,
             gateway: args.gateway_bind_address,
             backup_dir,
+            backup_namespace_quota: args.backup_namespace_quota,
         },
         token,
     )
@@ -384,4 +409,19 @@ fn dns_upstreams(
         out.push(a);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn a_size_is_bytes_or_a_binary_unit_and_never_overflows() {
+        assert_eq!(parse_bytes("1048576"), Ok(1 << 20));
+        assert_eq!(parse_bytes("512Mi"), Ok(512 << 20));
+        assert_eq!(parse_bytes("10Gi"), Ok(10 << 30));
+        for bad in ["", "Gi", "10G", "10 Gi", "-1", "1.5Gi", "99999999999Ti"] {
+            assert!(parse_bytes(bad).is_err(), "{bad}");
+        }
+    }
 }

@@ -424,6 +424,30 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
     );
     let table = kubectl_ok(&kc, &["get", "nbks", "-n", "default", "gamma-every"]);
     assert!(table.contains("10s") && table.contains("True"), "{table}");
+    // A namespace's archives past its quota (10 GiB by default; a sparse file of that size
+    // here): a new backup waits, saying so, and so does the schedule; once there is room, it
+    // is taken.
+    let filler = root.join("default/filler");
+    std::fs::File::create(&filler)
+        .unwrap()
+        .set_len(nestplane_operator::backup::controller::NAMESPACE_QUOTA)
+        .unwrap();
+    env.apply(&backup_yaml("default", "over-quota", "alpha", ""));
+    wait_phase(&kc, "default", "over-quota", "Pending", "QuotaExceeded");
+    assert!(
+        field(
+            &kc,
+            "default",
+            "over-quota",
+            "{.status.conditions[0].message}"
+        )
+        .contains("the archives of namespace default take"),
+    );
+    wait_schedule(&kc, "default", "gamma-every", "False QuotaExceeded");
+    assert!(!root.join("default/over-quota.npbackup").exists());
+    std::fs::remove_file(&filler).unwrap();
+    wait_phase(&kc, "default", "over-quota", "Completed", "Completed");
+
     // The schedule of another namespace's control plane made nothing.
     assert!(!root.join("team-b").exists());
     assert_eq!(

@@ -105,6 +105,8 @@ pub struct Watches {
     pools: Shared<NodePool>,
     /// Where backups go.
     backup_dir: std::path::PathBuf,
+    /// What one namespace's archives may take.
+    backup_quota: u64,
 }
 
 impl Watches {
@@ -135,6 +137,9 @@ impl Watches {
             hosted_clusters: Shared::new("HostedCluster"),
             pools: Shared::new("NodePool"),
             backup_dir: config.backup_dir(),
+            backup_quota: config
+                .backup_namespace_quota
+                .unwrap_or(backup::controller::NAMESPACE_QUOTA),
         };
         w.ncps.store_into(&ctx.caches.ncps);
         w.etcds.store_into(&ctx.caches.etcds);
@@ -440,6 +445,7 @@ fn backups(w: &mut Watches, ctx: &Arc<Context>) -> Running {
     let bctx = Arc::new(backup::controller::BackupContext {
         core: ctx.clone(),
         dir: w.backup_dir.clone(),
+        quota: w.backup_quota,
     });
     ctl.watches_shared_stream(w.ncps.subscribe(), move |ncp: Arc<NestedControlPlane>| {
         let ns = ncp.namespace();
@@ -476,6 +482,7 @@ fn restores(w: &mut Watches, ctx: &Arc<Context>) -> Running {
     let rctx = Arc::new(backup::controller::BackupContext {
         core: ctx.clone(),
         dir: w.backup_dir.clone(),
+        quota: w.backup_quota,
     });
     ctl.watches_shared_stream(w.ncps.subscribe(), move |ncp: Arc<NestedControlPlane>| {
         let ns = ncp.namespace();
@@ -504,6 +511,7 @@ fn backup_schedules(w: &mut Watches, ctx: &Arc<Context>) -> Running {
     let sctx = Arc::new(backup::controller::BackupContext {
         core: ctx.clone(),
         dir: w.backup_dir.clone(),
+        quota: w.backup_quota,
     });
     Controller::new(
         api::<NestedBackupSchedule>(&w.client, &w.namespace),

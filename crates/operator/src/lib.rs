@@ -76,6 +76,9 @@ pub struct Config {
     /// Where backups are written (`<state_dir>/backups` when `None`): a backup of namespace
     /// `ns` goes under `<dir>/ns/` and nowhere else.
     pub backup_dir: Option<PathBuf>,
+    /// What one namespace's archives may take in all, in bytes
+    /// ([`backup::controller::NAMESPACE_QUOTA`] when `None`).
+    pub backup_namespace_quota: Option<u64>,
 }
 
 impl Config {

@@ -53,6 +53,61 @@ pub struct BackupContext {
     pub core: Arc<Context>,
     /// The operator's backup directory: archives of namespace `ns` go under `<dir>/ns/`.
     pub dir: PathBuf,
+    /// What the files under `<dir>/ns/` may take in all, for each namespace `ns`.
+    pub quota: u64,
+}
+
+/// What one namespace's archives may take in all, by default: 10 GiB.
+pub const NAMESPACE_QUOTA: u64 = 10 << 30;
+/// The most entries [`used_under`] looks at in one namespace's directory.
+pub const MAX_ENTRIES: usize = 100_000;
+
+/// The bytes of the regular files under `dir` (0 when it does not exist), never following a
+/// link; an error past [`MAX_ENTRIES`] entries.
+pub fn used_under(dir: &Path) -> Result<u64, String> {
+    let mut used = 0u64;
+    let mut seen = 0usize;
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        let entries = match std::fs::read_dir(&d) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(format!("{}: {e}", d.display())),
+        };
+        for entry in entries {
+            let entry = entry.map_err(|e| format!("{}: {e}", d.display()))?;
+            seen += 1;
+            if seen > MAX_ENTRIES {
+                return Err(format!(
+                    "{} has more than {MAX_ENTRIES} entries",
+                    dir.display()
+                ));
+            }
+            // `file_type` does not follow links.
+            let kind = entry
+                .file_type()
+                .map_err(|e| format!("{}: {e}", entry.path().display()))?;
+            if kind.is_dir() {
+                todo.push(entry.path());
+            } else if kind.is_file() {
+                let m = entry
+                    .metadata()
+                    .map_err(|e| format!("{}: {e}", entry.path().display()))?;
+                used = used.saturating_add(m.len());
+            }
+        }
+    }
+    Ok(used)
+}
+
+/// Why namespace `ns`'s archives (`used` bytes) leave no room for `more` under `quota`.
+fn over_quota(ns: &str, used: u64, more: u64, quota: u64) -> Option<String> {
+    (used.saturating_add(more) > quota).then(|| {
+        format!(
+            "the archives of namespace {ns} take {used} bytes{}; its quota is {quota} bytes (a schedule's smaller keep, or the operator's --backup-namespace-quota, makes room)",
+            if more > 0 { format!(", and this one needs {more}") } else { String::new() }
+        )
+    })
 }
 
 crate::context::wing_context!(BackupContext);
@@ -141,6 +196,17 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
             return settle(&ctx, &b, Outcome::Waiting(reasons::BACKUP_FAILED, why)).await;
         }
     }
+    // The namespace's archives fill its quota already: nothing is read.
+    let ns_dir = ctx.dir.join(&ns);
+    let used = tokio::task::spawn_blocking(move || used_under(&ns_dir))
+        .await
+        .map_err(|e| Error::Internal(e.to_string()))?;
+    match used.map(|used| over_quota(&ns, used, 0, ctx.quota)) {
+        Ok(None) => {}
+        Ok(Some(why)) | Err(why) => {
+            return settle(&ctx, &b, Outcome::Waiting(reasons::QUOTA_EXCEEDED, why)).await;
+        }
+    }
     // A restore in progress: its keys are half written.
     if let Some(restore) = super::restore::holding(&ctx.client, &ncp).await? {
         return settle(
@@ -179,6 +245,7 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
             complete(&ctx, &b, &path, &header, size, Some((started, restarts))).await
         }
         Err(Failure::Refused(reason, why)) => settle(&ctx, &b, Outcome::Refused(reason, why)).await,
+        Err(Failure::Wait(reason, why)) => settle(&ctx, &b, Outcome::Waiting(reason, why)).await,
         Err(Failure::Retry(why)) => {
             // Said on the object, then retried with the controllers' backoff.
             let mut s = b.status.clone().unwrap_or_default();
@@ -312,6 +379,8 @@ pub const FIRST_ANSWER: Duration = Duration::from_secs(15);
 enum Failure {
     Retry(String),
     Refused(&'static str, String),
+    /// Waits for something a user does (looked at again; `Pending`).
+    Wait(&'static str, String),
 }
 
 impl From<String> for Failure {
@@ -378,13 +447,19 @@ async fn take(
         .map_err(|e| Failure::Refused(reasons::CANNOT_ARCHIVE, e.to_string()))?;
     let restarts = snap.restarts;
     drop(snap);
-    let (root, path, key, uid) = (
+    let (root, path, key, uid, quota) = (
         ctx.dir.clone(),
         path.to_path_buf(),
         key.to_vec(),
         uid.to_string(),
+        (ncp.namespace().unwrap_or_default(), ctx.quota),
     );
     tokio::task::spawn_blocking(move || -> Result<_, Failure> {
+        let (ns, quota) = quota;
+        let used = used_under(&root.join(&ns))?;
+        if let Some(why) = over_quota(&ns, used, sealed.len() as u64, quota) {
+            return Err(Failure::Wait(reasons::QUOTA_EXCEEDED, why));
+        }
         write_new(&root, &path, &uid, &sealed)?;
         drop(sealed);
         let (header, size) = open(&path, &key)?;
@@ -774,6 +849,30 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(left.len(), 1, "{left:?}");
+    }
+
+    #[test]
+    fn a_namespace_s_files_count_against_its_quota_and_links_do_not() {
+        let d = tempfile::tempdir().unwrap();
+        let ns = d.path().join("ns");
+        assert_eq!(used_under(&ns), Ok(0), "none yet");
+        std::fs::create_dir_all(ns.join("nightly")).unwrap();
+        std::fs::write(ns.join("a.npbackup"), [0u8; 300]).unwrap();
+        std::fs::write(ns.join("nightly/b.npbackup"), [0u8; 200]).unwrap();
+        // A big file elsewhere, reached by links, is not the namespace's.
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("big"), [0u8; 4096]).unwrap();
+        std::os::unix::fs::symlink(outside.path().join("big"), ns.join("big.npbackup")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), ns.join("away")).unwrap();
+        assert_eq!(used_under(&ns), Ok(500));
+        assert_eq!(over_quota("ns", 500, 0, 500), None);
+        assert_eq!(over_quota("ns", 500, 1, 1000), None);
+        let why = over_quota("ns", 500, 501, 1000).unwrap();
+        assert!(
+            why.contains("namespace ns take 500 bytes, and this one needs 501"),
+            "{why}"
+        );
+        assert!(over_quota("ns", 1001, 0, 1000).is_some());
     }
 
     #[test]
