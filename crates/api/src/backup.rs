@@ -365,9 +365,9 @@ pub const MAX_KEEP: i32 = 1000;
 pub const MIN_EVERY_SECONDS: i64 = 10;
 /// The longest, in seconds (a year).
 pub const MAX_EVERY_SECONDS: i64 = 366 * 86_400;
-/// A schedule's backups are named `<schedule>-<UTC time as YYYYMMDDhhmmss>`: the longest
-/// schedule name that leaves room for that within [`MAX_NAME`].
-pub const MAX_SCHEDULE_NAME: usize = MAX_NAME - 15;
+/// The longest schedule name: it is the value of its backups' [`SCHEDULE_LABEL`] (a label
+/// value has at most 63 characters).
+pub const MAX_SCHEDULE_NAME: usize = 63;
 
 /// Schedule reasons (besides the backup's, which a schedule repeats when its newest backup
 /// waits or is refused).
@@ -382,6 +382,8 @@ pub mod schedule_reasons {
     pub const CREATED: &str = "Created";
     /// A backup past the retention was deleted, with its archive (Event).
     pub const PRUNED: &str = "Pruned";
+    /// A backup of the name the schedule was to give one exists and is not its (Event).
+    pub const NAME_TAKEN: &str = "NameTaken";
 }
 
 /// Backups of one `NestedControlPlane` of this namespace, one every period, the newest

@@ -236,15 +236,20 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
     );
 
     // A schedule: a backup of gamma every 10 s, the newest 2 completed ones kept. It runs
-    // while the rest of this test goes on; what it did is read at the end. A backup carrying
-    // its label whose file name is taken by another's file fails, and when retention deletes
-    // it, that file is left as it is.
-    let foreign = root.join("default/gamma-every-old.npbackup");
-    std::fs::write(&foreign, b"someone else's").unwrap();
-    env.apply(&format!(
-        "apiVersion: backup.nestplane.io/v1alpha1\nkind: NestedBackup\nmetadata:\n  name: gamma-every-old\n  namespace: default\n  labels: {{{SCHEDULE}: gamma-every}}\nspec: {{controlPlaneRef: {{name: gamma}}}}\n"
-    ));
-    wait_phase(&kc, "default", "gamma-every-old", "Failed", "ArchiveExists");
+    // while the rest of this test goes on; what it did is read at the end. gamma-1, a backup
+    // a user took by hand, is given the schedule's label (as anyone who may edit backups
+    // can): the schedule must not take it for its own and delete it.
+    kubectl_ok(
+        &kc,
+        &[
+            "label",
+            "nestedbackup",
+            "-n",
+            "default",
+            "gamma-1",
+            &format!("{SCHEDULE}=gamma-every"),
+        ],
+    );
     env.apply(&schedule_yaml("default", "gamma-every", "gamma", "10s"));
     // One of another namespace's control plane makes nothing; a period under 10 s is refused.
     kubectl_ok(&kc, &["create", "namespace", "team-b"]);
@@ -349,9 +354,10 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
     assert_eq!(open(&file, &key).1.len() as u64, keys);
     assert!(!alpha_1.windows(32).any(|w| w == key.as_slice()));
 
-    // The schedule, once it has made a third backup and that one completed: the first is
-    // deleted with its archive, the newest two are there and open with gamma's key, and the
-    // failed one older than them is gone, its name's file (another's) left.
+    // The schedule, once it has made three backups: the first is deleted with its archive.
+    // Then it is made to wait an hour, and once none of its backups is being taken, the
+    // newest two are there and open with gamma's key, every older one is gone with its
+    // archive, and gamma-1, labelled by hand, is untouched.
     let made = |kc: &Path| -> Vec<String> {
         let mut made: Vec<String> = events_for(kc, "default", "gamma-every")
             .lines()
@@ -361,69 +367,94 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
         made.sort();
         made
     };
-    let made = eventually(
-        "three backups made by the schedule, the third completed and the first pruned",
+    let archive_of = |name: &str| root.join(format!("default/{name}.npbackup"));
+    let first = eventually(
+        "three backups made by the schedule, and the first pruned",
         Duration::from_secs(90),
         || {
             let made = made(&kc);
-            let ready = jsonpath(
-                &kc,
-                &["nestedbackupschedule", "-n", "default", "gamma-every"],
-                "{.status.kept} {.status.conditions[?(@.type==\"Ready\")].status}",
-            );
-            (made.len() >= 3
-                && ready == "2 True"
-                && field(&kc, "default", &made[2], "{.status.phase}") == "Completed"
-                && !root.join(format!("default/{}.npbackup", made[0])).exists())
-            .then_some(made)
+            (made.len() >= 3 && !archive_of(&made[0]).exists()).then(|| made[0].clone())
         },
     );
-    let listed = kubectl_ok(
+    kubectl_ok(
         &kc,
         &[
-            "get",
-            "nestedbackups",
+            "patch",
+            "nestedbackupschedule",
             "-n",
             "default",
-            "-l",
-            &format!("{SCHEDULE}=gamma-every"),
-            "-o",
-            "jsonpath={range .items[*]}{.metadata.name}={.status.phase}{\"\\n\"}{end}",
+            "gamma-every",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"every":"1h"}}"#,
         ],
     );
+    let phases = |kc: &Path| {
+        kubectl_ok(
+            kc,
+            &[
+                "get",
+                "nestedbackups",
+                "-n",
+                "default",
+                "-l",
+                &format!("{SCHEDULE}=gamma-every"),
+                "-o",
+                "jsonpath={range .items[*]}{.metadata.name}={.status.phase}{\"\\n\"}{end}",
+            ],
+        )
+    };
+    let listed = eventually(
+        "the schedule's backups all taken, and two of them kept",
+        Duration::from_secs(90),
+        || {
+            let listed = phases(&kc);
+            let kept = jsonpath(
+                &kc,
+                &["nestedbackupschedule", "-n", "default", "gamma-every"],
+                "{.status.kept}",
+            );
+            let completed = listed
+                .lines()
+                .filter(|l| l.ends_with("=Completed") && !l.starts_with("gamma-1="))
+                .count();
+            (kept == "2"
+                && completed == 2
+                && !listed.contains("=Running")
+                && !listed.lines().any(|l| l.ends_with('=')))
+            .then_some(listed)
+        },
+    );
+    let made = made(&kc);
     let newest: Vec<String> = made[made.len() - 2..].to_vec();
     let mut kept: Vec<&str> = listed
         .lines()
         .filter_map(|l| l.strip_suffix("=Completed"))
+        .filter(|n| *n != "gamma-1")
         .collect();
     kept.sort();
     assert_eq!(kept, newest, "{listed}");
-    assert!(!listed.contains("gamma-every-old"), "{listed}");
-    assert_eq!(std::fs::read(&foreign).unwrap(), b"someone else's");
     for name in &made[..made.len() - 2] {
-        assert!(
-            !root.join(format!("default/{name}.npbackup")).exists(),
-            "{name}"
-        );
+        assert!(!archive_of(name).exists(), "{name}");
     }
     for name in &newest {
-        let (header, _) = open(&root.join(format!("default/{name}.npbackup")), &gamma_key);
+        let (header, _) = open(&archive_of(name), &gamma_key);
         assert_eq!(header.tenant, "default/gamma");
     }
+    // Labelled by hand, not made by it: kept, with its archive.
+    assert!(listed.contains("gamma-1=Completed"), "{listed}");
+    assert!(archive_of("gamma-1").exists());
     let events = events_for(&kc, "default", "gamma-every");
     assert!(
         events.contains(&format!(
-            "Normal Pruned: deleted NestedBackup default/{} and its archive",
-            made[0]
+            "Normal Pruned: deleted NestedBackup default/{first} and its archive"
         )),
         "{events}"
     );
-    assert!(
-        events.contains("Normal Pruned: deleted NestedBackup default/gamma-every-old; "),
-        "{events}"
-    );
+    assert!(!events.contains("default/gamma-1 "), "{events}");
     let table = kubectl_ok(&kc, &["get", "nbks", "-n", "default", "gamma-every"]);
-    assert!(table.contains("10s") && table.contains("True"), "{table}");
+    assert!(table.contains("1h") && table.contains("True"), "{table}");
+
     // A namespace's archives past its quota (10 GiB by default; a sparse file of that size
     // here): a new backup waits, saying so, and so does the schedule; once there is room, it
     // is taken.
@@ -443,6 +474,7 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
         )
         .contains("the archives of namespace default take"),
     );
+    env.apply(&schedule_yaml("default", "gamma-every", "gamma", "10s"));
     wait_schedule(&kc, "default", "gamma-every", "False QuotaExceeded");
     assert!(!root.join("default/over-quota.npbackup").exists());
     std::fs::remove_file(&filler).unwrap();

@@ -859,9 +859,9 @@ async fn write_status(
 
 /// The merge patch that makes `old` status `new`. A merge patch leaves what it does not name:
 /// a field `new` leaves out (a clone's `stoppedAt`, cleared) is named, as null. Pure.
-fn status_patch(
-    old: Option<&NestedRestoreStatus>,
-    new: &NestedRestoreStatus,
+pub(super) fn status_patch<S: serde::Serialize>(
+    old: Option<&S>,
+    new: &S,
 ) -> Result<serde_json::Value, serde_json::Error> {
     let mut patch = serde_json::to_value(new)?;
     if let (Some(fields), Some(old)) = (patch.as_object_mut(), old)

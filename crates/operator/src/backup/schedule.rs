@@ -130,6 +130,32 @@ pub fn plan(
     plan
 }
 
+/// How far a backup's creation may be from the time in its name, in seconds.
+pub const MADE_WITHIN: i64 = 60;
+
+/// Whether backup `backup`, made at `created` (seconds), is one schedule `name`, made at
+/// `schedule_created`, made: named `<name>-<time>` for a time within [`MADE_WITHIN`] of its
+/// creation, and made after the schedule. Labels can be written by any namespace user; the
+/// creation time only by the API server, so a backup labelled by hand, or left by an
+/// earlier schedule of the same name, is never taken for the schedule's own (and deleted).
+/// Pure.
+pub fn made_by(name: &str, schedule_created: i64, backup: &str, created: i64) -> bool {
+    let Some(at) = backup
+        .strip_prefix(name)
+        .and_then(|r| r.strip_prefix('-'))
+        .filter(|t| t.len() == 14 && t.bytes().all(|b| b.is_ascii_digit()))
+    else {
+        return false;
+    };
+    let Ok(named) = k8s_openapi::jiff::civil::DateTime::strptime("%Y%m%d%H%M%S", at)
+        .and_then(|t| t.to_zoned(k8s_openapi::jiff::tz::TimeZone::UTC))
+        .map(|z| z.timestamp().as_second())
+    else {
+        return false;
+    };
+    created >= schedule_created && (created - named).abs() <= MADE_WITHIN
+}
+
 /// A schedule's period in seconds, or why it is not one.
 pub fn every_seconds(every: &str) -> Result<i64, String> {
     match crate::rotation::parse_duration(every) {
@@ -155,6 +181,11 @@ pub async fn reconcile(
     let ns = s.namespace().unwrap_or_default();
     let name = s.name_any();
     let cp = &s.spec.control_plane_ref.name;
+    let schedule_created = s
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map_or(0, |t| t.0.as_second());
     let mut status = s.status.clone().unwrap_or_default();
     status.observed_generation = s.metadata.generation;
 
@@ -180,7 +211,8 @@ pub async fn reconcile(
 
     let ncps: Api<NestedControlPlane> = Api::namespaced(ctx.client.clone(), &ns);
     match ncps.get_opt(cp).await? {
-        Some(ncp) if !ctx.selects(&ncp) => return Ok(Action::await_change()),
+        // Another operator's (`--watch-filter`); looked at again in case that changes.
+        Some(ncp) if !ctx.selects(&ncp) => return Ok(Action::requeue(RECHECK)),
         Some(_) => {}
         None => {
             let msg = format!("NestedControlPlane {ns}/{cp} not found");
@@ -203,7 +235,10 @@ pub async fn reconcile(
         .await?
         .items
         .into_iter()
-        .filter(|b| &b.spec.control_plane_ref.name == cp)
+        .filter(|b| {
+            &b.spec.control_plane_ref.name == cp
+                && made_by(&name, schedule_created, &b.name_any(), created(b))
+        })
         .collect();
     let in_use = in_use(&ctx, &ns).await?;
     let seen: Vec<Seen> = mine
@@ -217,16 +252,16 @@ pub async fn reconcile(
                 .map_or(0, |t| t.0.as_second()),
             taken: match b.status.as_ref().and_then(|s| s.phase.as_deref()) {
                 Some(phases::COMPLETED) => Taken::Completed,
-                Some(phases::FAILED) => Taken::Failed,
+                // Failed, and its spec changed since: it is being taken again.
+                Some(phases::FAILED)
+                    if b.status.as_ref().and_then(|s| s.observed_generation)
+                        == b.metadata.generation =>
+                {
+                    Taken::Failed
+                }
                 _ => Taken::Taking,
             },
-            in_use: in_use.iter().any(|u| {
-                *u == b.name_any()
-                    || b.status
-                        .as_ref()
-                        .and_then(|s| s.url.as_ref())
-                        .is_some_and(|url| url == u)
-            }),
+            in_use: in_use.names(&ctx, &ns, b),
         })
         .collect();
     let now = Timestamp::now().as_second();
@@ -236,11 +271,17 @@ pub async fn reconcile(
 
     for gone in &p.delete {
         if let Some(b) = mine.iter().find(|b| &b.name_any() == gone) {
-            prune(&ctx, &s, b).await?;
+            // A restore made since the list above names it: it stays.
+            if !self::in_use(&ctx, &ns).await?.names(&ctx, &ns, b) {
+                prune(&ctx, &s, b).await?;
+            }
         }
     }
-    if let Some(made) = &p.make {
-        make(&ctx, &s, made).await?;
+    let made = match &p.make {
+        Some(made) => make(&ctx, &s, made).await?.then_some(made),
+        None => None,
+    };
+    if let Some(made) = made {
         status.last_backup = Some(made.clone());
         status.last_schedule_time = Some(Time(
             Timestamp::from_second(now).unwrap_or(Timestamp::UNIX_EPOCH),
@@ -281,11 +322,12 @@ pub async fn reconcile(
                 b.name_any(),
             )
         });
-    let trouble = newest.filter(|_| p.make.is_none()).and_then(|b| {
+    let trouble = newest.filter(|_| made.is_none()).and_then(|b| {
         let st = b.status.as_ref()?;
         let c = conditions::get(&st.conditions, types::READY)?;
         let waits_or_failed = st.phase.as_deref() == Some(phases::FAILED)
-            || (st.phase.as_deref() == Some(phases::PENDING) && c.status == "False");
+            || (st.phase.as_deref() == Some(phases::PENDING) && c.status == "False")
+            || (st.phase.as_deref() == Some(phases::RUNNING) && c.reason == reasons::BACKUP_FAILED);
         waits_or_failed.then(|| (c.reason.clone(), format!("{}: {}", b.name_any(), c.message)))
     });
     let next_at = status
@@ -323,17 +365,63 @@ pub async fn reconcile(
     };
     settle(&ctx, &s, status, ok, &reason, &msg).await?;
 
-    // Looked at again when a backup of it changes (its watch), and when the next is due.
-    let until = (p.next - Timestamp::now().as_second()).max(1) as u64;
+    // Looked at again when a backup of it changes (its watch), when the next is due, and
+    // while one is being taken (or a made one is not there yet), every RECHECK.
+    if suspended {
+        return Ok(Action::await_change());
+    }
     let busy = seen.iter().any(|b| b.taken == Taken::Taking) || p.make.is_some();
-    let wait = Duration::from_secs(until);
-    Ok(Action::requeue(if busy { wait.min(RECHECK) } else { wait }))
+    let until = (p.next - Timestamp::now().as_second()).max(1) as u64;
+    Ok(Action::requeue(if busy {
+        RECHECK
+    } else {
+        Duration::from_secs(until)
+    }))
+}
+
+fn created(b: &NestedBackup) -> i64 {
+    b.metadata
+        .creation_timestamp
+        .as_ref()
+        .map_or(0, |t| t.0.as_second())
+}
+
+/// Backup `b`'s archive: the URL its status names once written, else where its spec says.
+fn archive_of(ctx: &BackupContext, ns: &str, b: &NestedBackup) -> Option<std::path::PathBuf> {
+    match b.status.as_ref().and_then(|s| s.url.as_deref()) {
+        Some(url) => location::resolve_archive(url, &ctx.dir, ns).ok(),
+        None => location::resolve(b.spec.location.as_deref(), &ctx.dir, ns)
+            .ok()
+            .map(|dir| location::archive_path(&dir, &b.name_any())),
+    }
+}
+
+/// What restores not yet done name: backups, and archives (resolved).
+struct InUse {
+    backups: Vec<String>,
+    urls: Vec<String>,
+}
+
+impl InUse {
+    /// Whether they name backup `b` or its archive.
+    fn names(&self, ctx: &BackupContext, ns: &str, b: &NestedBackup) -> bool {
+        let name = b.name_any();
+        if self.backups.contains(&name) {
+            return true;
+        }
+        let Some(path) = archive_of(ctx, ns, b) else {
+            return false;
+        };
+        self.urls
+            .iter()
+            .any(|u| location::resolve_archive(u, &ctx.dir, ns).is_ok_and(|p| p == path))
+    }
 }
 
 /// The backups (by name) and archives (by URL) that restores not yet done name.
-async fn in_use(ctx: &BackupContext, ns: &str) -> Result<Vec<String>, Error> {
+async fn in_use(ctx: &BackupContext, ns: &str) -> Result<InUse, Error> {
     let restores: Api<NestedRestore> = Api::namespaced(ctx.client.clone(), ns);
-    Ok(restores
+    let open: Vec<NestedRestore> = restores
         .list(&ListParams::default())
         .await?
         .items
@@ -344,13 +432,19 @@ async fn in_use(ctx: &BackupContext, ns: &str) -> Result<Vec<String>, Error> {
                 Some(restore_phases::COMPLETED | restore_phases::FAILED)
             )
         })
-        .flat_map(|r| [r.spec.backup_ref.map(|b| b.name), r.spec.from.clone()])
-        .flatten()
-        .collect())
+        .collect();
+    Ok(InUse {
+        backups: open
+            .iter()
+            .filter_map(|r| r.spec.backup_ref.as_ref().map(|b| b.name.clone()))
+            .collect(),
+        urls: open.iter().filter_map(|r| r.spec.from.clone()).collect(),
+    })
 }
 
-/// Make backup `made` of the schedule's control plane.
-async fn make(ctx: &BackupContext, s: &NestedBackupSchedule, made: &str) -> Result<(), Error> {
+/// Make backup `made` of the schedule's control plane; false when a backup of that name
+/// that is not the schedule's is in the way (said in an Event).
+async fn make(ctx: &BackupContext, s: &NestedBackupSchedule, made: &str) -> Result<bool, Error> {
     let ns = s.namespace().unwrap_or_default();
     let b = NestedBackup {
         metadata: ObjectMeta {
@@ -388,10 +482,34 @@ async fn make(ctx: &BackupContext, s: &NestedBackupSchedule, made: &str) -> Resu
                 &format!("made NestedBackup {ns}/{made}"),
             )
             .await;
-            Ok(())
+            Ok(true)
         }
-        // Made by a pass that stopped before saying so.
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+        // Made by a pass that stopped before saying so, or someone else's.
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            let there = Api::<NestedBackup>::namespaced(ctx.client.clone(), &ns)
+                .get_opt(made)
+                .await?;
+            let schedule_created = s
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map_or(0, |t| t.0.as_second());
+            let ours = there.as_ref().is_some_and(|b| {
+                b.labels().get(SCHEDULE_LABEL) == Some(&s.name_any())
+                    && b.spec.control_plane_ref == s.spec.control_plane_ref
+                    && made_by(&s.name_any(), schedule_created, made, created(b))
+            });
+            if !ours {
+                ctx.event(
+                    s.object_ref(&()),
+                    EventType::Warning,
+                    sr::NAME_TAKEN,
+                    &format!("NestedBackup {ns}/{made} exists and is not this schedule's; a backup is made on the next pass"),
+                )
+                .await;
+            }
+            Ok(ours)
+        }
         Err(e) => Err(e.into()),
     }
 }
@@ -407,15 +525,14 @@ async fn prune(
     let ns = b.namespace().unwrap_or_default();
     let name = b.name_any();
     let uid = b.uid().unwrap_or_default();
-    let what = match location::resolve(b.spec.location.as_deref(), &ctx.dir, &ns) {
-        Ok(dir) => {
-            let path = location::archive_path(&dir, &name);
-            let uid = uid.clone();
-            tokio::task::spawn_blocking(move || remove_own(&path, &uid))
+    let what = match archive_of(ctx, &ns, b) {
+        Some(path) => {
+            let (root, uid) = (ctx.dir.clone(), uid.clone());
+            tokio::task::spawn_blocking(move || remove_own(&root, &path, &uid))
                 .await
                 .map_err(|e| Error::Internal(e.to_string()))?
         }
-        Err(_) => Removed::Nothing,
+        None => Removed::Nothing,
     };
     let note = match what {
         Removed::Archive(url) => format!("deleted NestedBackup {ns}/{name} and its archive {url}"),
@@ -471,9 +588,33 @@ enum Removed {
     Failed(String),
 }
 
-/// Delete the archive at `path` if its header names backup `uid`; never through a link, and
-/// never a file that is not that backup's.
-fn remove_own(path: &Path, uid: &str) -> Removed {
+/// Delete the archive at `path` (under `root`) if its header names backup `uid`; never
+/// through a link (the file's or any directory's below `root`), and never a file that is not
+/// that backup's.
+fn remove_own(root: &Path, path: &Path, uid: &str) -> Removed {
+    let Some(below) = path.parent().and_then(|d| d.strip_prefix(root).ok()) else {
+        return Removed::Other(format!(
+            "{} is not under {}",
+            path.display(),
+            root.display()
+        ));
+    };
+    let mut at = root.to_path_buf();
+    for c in below.components() {
+        at.push(c);
+        match std::fs::symlink_metadata(&at) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Removed::Other(format!(
+                    "{} is not a directory of its own; {} is left as it is",
+                    at.display(),
+                    path.display()
+                ));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Removed::Nothing,
+            Err(e) => return Removed::Failed(format!("{}: {e}", at.display())),
+        }
+    }
     let f = match std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
@@ -545,7 +686,10 @@ async fn settle(
         .patch_status(
             &s.name_any(),
             &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({ "status": status })),
+            &Patch::Merge(serde_json::json!({
+                "status": super::restore::status_patch(s.status.as_ref(), &status)
+                    .map_err(|e| Error::Internal(e.to_string()))?
+            })),
         )
         .await?;
     }
@@ -656,6 +800,26 @@ mod tests {
     }
 
     #[test]
+    fn a_backup_is_the_schedules_only_if_named_for_when_it_was_made_after_the_schedule() {
+        let made = plan("nightly", NOW, 3600, 7, false, None, &[])
+            .make
+            .unwrap();
+        assert!(made_by("nightly", NOW - 5, &made, NOW));
+        assert!(made_by("nightly", NOW - 5, &made, NOW + MADE_WITHIN));
+        // Labelled by hand: another name, or the name of another time.
+        assert!(!made_by("nightly", NOW - 5, "alpha-1", NOW));
+        assert!(!made_by("nightly", NOW - 5, &made, NOW + MADE_WITHIN + 1));
+        assert!(!made_by("nightly", NOW - 5, "nightly-2027011508000", NOW));
+        assert!(!made_by("nightly", NOW - 5, "nightly-x0270115080000", NOW));
+        assert!(
+            !made_by("night", NOW - 5, &made, NOW),
+            "another schedule's prefix"
+        );
+        // Left by an earlier schedule of the same name.
+        assert!(!made_by("nightly", NOW + 1, &made, NOW));
+    }
+
+    #[test]
     fn a_period_is_between_ten_seconds_and_a_year() {
         assert_eq!(every_seconds("10s"), Ok(10));
         assert_eq!(every_seconds("6h"), Ok(21_600));
@@ -684,21 +848,43 @@ mod tests {
         let own = dir.path().join("b.npbackup");
         std::fs::write(&own, &bytes).unwrap();
         // Another backup's UID, a file that is not an archive, a link to an archive: left.
-        assert!(matches!(remove_own(&own, "uid-2"), Removed::Other(_)));
-        assert!(matches!(remove_own(&own, ""), Removed::Other(_)));
+        assert!(matches!(
+            remove_own(dir.path(), &own, "uid-2"),
+            Removed::Other(_)
+        ));
+        assert!(matches!(
+            remove_own(dir.path(), &own, ""),
+            Removed::Other(_)
+        ));
         let other = dir.path().join("other.npbackup");
         std::fs::write(&other, b"someone else's").unwrap();
-        assert!(matches!(remove_own(&other, "uid-1"), Removed::Other(_)));
+        assert!(matches!(
+            remove_own(dir.path(), &other, "uid-1"),
+            Removed::Other(_)
+        ));
         let link = dir.path().join("link.npbackup");
         std::os::unix::fs::symlink(&own, &link).unwrap();
-        assert!(matches!(remove_own(&link, "uid-1"), Removed::Other(_)));
+        assert!(matches!(
+            remove_own(dir.path(), &link, "uid-1"),
+            Removed::Other(_)
+        ));
+        // An archive reached through a directory that is a link: left.
+        let away = tempfile::tempdir().unwrap();
+        std::fs::copy(&own, away.path().join("b.npbackup")).unwrap();
+        std::os::unix::fs::symlink(away.path(), dir.path().join("away")).unwrap();
+        let through = dir.path().join("away/b.npbackup");
+        assert!(matches!(
+            remove_own(dir.path(), &through, "uid-1"),
+            Removed::Other(_)
+        ));
+        assert!(away.path().join("b.npbackup").exists());
         assert!(own.exists() && other.exists() && link.exists());
         // Its own: deleted; then there is nothing.
         assert_eq!(
-            remove_own(&own, "uid-1"),
+            remove_own(dir.path(), &own, "uid-1"),
             Removed::Archive(location::url_of(&own))
         );
         assert!(!own.exists());
-        assert_eq!(remove_own(&own, "uid-1"), Removed::Nothing);
+        assert_eq!(remove_own(dir.path(), &own, "uid-1"), Removed::Nothing);
     }
 }
