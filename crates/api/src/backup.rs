@@ -476,6 +476,11 @@ pub struct NestedBackupScheduleStatus {
     /// Its completed backups there now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kept: Option<i32>,
+    /// The UIDs of the backups it made that are still there: only these are its own (a
+    /// label or a name can be given to any backup by anyone who may edit it; this status
+    /// only by the operator).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub made: Vec<String>,
     /// The generation this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,

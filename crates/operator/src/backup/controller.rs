@@ -57,6 +57,13 @@ pub struct BackupContext {
     pub quota: u64,
 }
 
+/// How often a backup refused by its namespace's quota after reading the keys looks again
+/// (reading them is the expensive part).
+pub const QUOTA_RECHECK: Duration = Duration::from_secs(60);
+/// Checking a namespace's quota and writing an archive are one step: two backups of one
+/// namespace cannot both pass the check and go past the quota together.
+static WRITING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// What one namespace's archives may take in all, by default: 10 GiB.
 pub const NAMESPACE_QUOTA: u64 = 10 << 30;
 /// The most entries [`used_under`] looks at in one namespace's directory.
@@ -76,6 +83,7 @@ pub fn used_under(dir: &Path) -> Result<u64, String> {
         };
         for entry in entries {
             let entry = entry.map_err(|e| format!("{}: {e}", d.display()))?;
+            let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
             seen += 1;
             if seen > MAX_ENTRIES {
                 return Err(format!(
@@ -84,16 +92,20 @@ pub fn used_under(dir: &Path) -> Result<u64, String> {
                 ));
             }
             // `file_type` does not follow links.
-            let kind = entry
-                .file_type()
-                .map_err(|e| format!("{}: {e}", entry.path().display()))?;
+            // (A file removed meanwhile, another backup's temporary one, counts nothing.)
+            let kind = match entry.file_type() {
+                Ok(k) => k,
+                Err(e) if gone(&e) => continue,
+                Err(e) => return Err(format!("{}: {e}", entry.path().display())),
+            };
             if kind.is_dir() {
                 todo.push(entry.path());
             } else if kind.is_file() {
-                let m = entry
-                    .metadata()
-                    .map_err(|e| format!("{}: {e}", entry.path().display()))?;
-                used = used.saturating_add(m.len());
+                match entry.metadata() {
+                    Ok(m) => used = used.saturating_add(m.len()),
+                    Err(e) if gone(&e) => {}
+                    Err(e) => return Err(format!("{}: {e}", entry.path().display())),
+                }
             }
         }
     }
@@ -196,12 +208,24 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
             return settle(&ctx, &b, Outcome::Waiting(reasons::BACKUP_FAILED, why)).await;
         }
     }
-    // The namespace's archives fill its quota already: nothing is read.
+    // The namespace's archives leave no room for one as large as this control plane's last:
+    // nothing is read.
+    let last_size = Api::<NestedBackup>::namespaced(ctx.client.clone(), &ns)
+        .list(&kube::api::ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|o| &o.spec.control_plane_ref.name == cp)
+        .filter_map(|o| o.status)
+        .filter(|s| s.phase.as_deref() == Some(phases::COMPLETED))
+        .max_by_key(|s| s.completed_at.as_ref().map(|t| t.0))
+        .and_then(|s| s.archive_bytes)
+        .map_or(0, |b| b.max(0) as u64);
     let ns_dir = ctx.dir.join(&ns);
     let used = tokio::task::spawn_blocking(move || used_under(&ns_dir))
         .await
         .map_err(|e| Error::Internal(e.to_string()))?;
-    match used.map(|used| over_quota(&ns, used, 0, ctx.quota)) {
+    match used.map(|used| over_quota(&ns, used, last_size, ctx.quota)) {
         Ok(None) => {}
         Ok(Some(why)) | Err(why) => {
             return settle(&ctx, &b, Outcome::Waiting(reasons::QUOTA_EXCEEDED, why)).await;
@@ -245,7 +269,9 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
             complete(&ctx, &b, &path, &header, size, Some((started, restarts))).await
         }
         Err(Failure::Refused(reason, why)) => settle(&ctx, &b, Outcome::Refused(reason, why)).await,
-        Err(Failure::Wait(reason, why)) => settle(&ctx, &b, Outcome::Waiting(reason, why)).await,
+        Err(Failure::Wait(reason, why)) => settle(&ctx, &b, Outcome::Waiting(reason, why))
+            .await
+            .map(|_| Action::requeue(QUOTA_RECHECK)),
         Err(Failure::Retry(why)) => {
             // Said on the object, then retried with the controllers' backoff.
             let mut s = b.status.clone().unwrap_or_default();
@@ -456,6 +482,7 @@ async fn take(
     );
     tokio::task::spawn_blocking(move || -> Result<_, Failure> {
         let (ns, quota) = quota;
+        let _one_at_a_time = WRITING.lock().unwrap_or_else(|e| e.into_inner());
         let used = used_under(&root.join(&ns))?;
         if let Some(why) = over_quota(&ns, used, sealed.len() as u64, quota) {
             return Err(Failure::Wait(reasons::QUOTA_EXCEEDED, why));

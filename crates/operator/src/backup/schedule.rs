@@ -2,7 +2,9 @@
 //! the newest `keep` completed ones kept and older ones deleted with their archives.
 //!
 //! What to make and what to delete is decided by [`plan`] (pure) from the schedule's backups
-//! (those of its control plane carrying its [`SCHEDULE_LABEL`]); a pass only carries it out.
+//! (those it made: their UIDs are in its status, which only the operator writes; a label or
+//! a name proves nothing, since anyone who may edit a backup can give it one); a pass only
+//! carries it out, reading the schedule afresh first.
 //! A backup is not made while the schedule's previous one is still being taken (nothing piles
 //! up behind a control plane that cannot be backed up), missed periods are not made up, and a
 //! backup that an unfinished restore names is never deleted. An archive is deleted only when
@@ -130,32 +132,6 @@ pub fn plan(
     plan
 }
 
-/// How far a backup's creation may be from the time in its name, in seconds.
-pub const MADE_WITHIN: i64 = 60;
-
-/// Whether backup `backup`, made at `created` (seconds), is one schedule `name`, made at
-/// `schedule_created`, made: named `<name>-<time>` for a time within [`MADE_WITHIN`] of its
-/// creation, and made after the schedule. Labels can be written by any namespace user; the
-/// creation time only by the API server, so a backup labelled by hand, or left by an
-/// earlier schedule of the same name, is never taken for the schedule's own (and deleted).
-/// Pure.
-pub fn made_by(name: &str, schedule_created: i64, backup: &str, created: i64) -> bool {
-    let Some(at) = backup
-        .strip_prefix(name)
-        .and_then(|r| r.strip_prefix('-'))
-        .filter(|t| t.len() == 14 && t.bytes().all(|b| b.is_ascii_digit()))
-    else {
-        return false;
-    };
-    let Ok(named) = k8s_openapi::jiff::civil::DateTime::strptime("%Y%m%d%H%M%S", at)
-        .and_then(|t| t.to_zoned(k8s_openapi::jiff::tz::TimeZone::UTC))
-        .map(|z| z.timestamp().as_second())
-    else {
-        return false;
-    };
-    created >= schedule_created && (created - named).abs() <= MADE_WITHIN
-}
-
 /// A schedule's period in seconds, or why it is not one.
 pub fn every_seconds(every: &str) -> Result<i64, String> {
     match crate::rotation::parse_duration(every) {
@@ -180,12 +156,16 @@ pub async fn reconcile(
     }
     let ns = s.namespace().unwrap_or_default();
     let name = s.name_any();
+    // Read again: the status (which backups it made, when) must be its last write, never a
+    // cache's older copy (that would make a backup twice, or forget one it made).
+    let Some(s) = Api::<NestedBackupSchedule>::namespaced(ctx.client.clone(), &ns)
+        .get_opt(&name)
+        .await?
+        .map(Arc::new)
+    else {
+        return Ok(Action::await_change());
+    };
     let cp = &s.spec.control_plane_ref.name;
-    let schedule_created = s
-        .metadata
-        .creation_timestamp
-        .as_ref()
-        .map_or(0, |t| t.0.as_second());
     let mut status = s.status.clone().unwrap_or_default();
     status.observed_generation = s.metadata.generation;
 
@@ -230,14 +210,19 @@ pub async fn reconcile(
     }
 
     let backups: Api<NestedBackup> = Api::namespaced(ctx.client.clone(), &ns);
-    let mine: Vec<NestedBackup> = backups
+    let labelled = backups
         .list(&ListParams::default().labels(&format!("{SCHEDULE_LABEL}={name}")))
         .await?
-        .items
+        .items;
+    // Its own: those it made (by UID), still there.
+    status
+        .made
+        .retain(|uid| labelled.iter().any(|b| b.uid().as_deref() == Some(uid)));
+    let mine: Vec<NestedBackup> = labelled
         .into_iter()
         .filter(|b| {
             &b.spec.control_plane_ref.name == cp
-                && made_by(&name, schedule_created, &b.name_any(), created(b))
+                && b.uid().is_some_and(|uid| status.made.contains(&uid))
         })
         .collect();
     let in_use = in_use(&ctx, &ns).await?;
@@ -245,11 +230,7 @@ pub async fn reconcile(
         .iter()
         .map(|b| Seen {
             name: b.name_any(),
-            created: b
-                .metadata
-                .creation_timestamp
-                .as_ref()
-                .map_or(0, |t| t.0.as_second()),
+            created: created(b),
             taken: match b.status.as_ref().and_then(|s| s.phase.as_deref()) {
                 Some(phases::COMPLETED) => Taken::Completed,
                 // Failed, and its spec changed since: it is being taken again.
@@ -272,13 +253,16 @@ pub async fn reconcile(
     for gone in &p.delete {
         if let Some(b) = mine.iter().find(|b| &b.name_any() == gone) {
             // A restore made since the list above names it: it stays.
-            if !self::in_use(&ctx, &ns).await?.names(&ctx, &ns, b) {
-                prune(&ctx, &s, b).await?;
+            if !self::in_use(&ctx, &ns).await?.names(&ctx, &ns, b) && prune(&ctx, &s, b).await? {
+                status.made.retain(|uid| b.uid().as_ref() != Some(uid));
             }
         }
     }
     let made = match &p.make {
-        Some(made) => make(&ctx, &s, made).await?.then_some(made),
+        Some(made) => make(&ctx, &s, made).await?.map(|uid| {
+            status.made.push(uid);
+            made
+        }),
         None => None,
     };
     if let Some(made) = made {
@@ -442,9 +426,13 @@ async fn in_use(ctx: &BackupContext, ns: &str) -> Result<InUse, Error> {
     })
 }
 
-/// Make backup `made` of the schedule's control plane; false when a backup of that name
-/// that is not the schedule's is in the way (said in an Event).
-async fn make(ctx: &BackupContext, s: &NestedBackupSchedule, made: &str) -> Result<bool, Error> {
+/// Make backup `made` of the schedule's control plane: its UID; `None` when a backup of
+/// that name is in the way (said in an Event).
+async fn make(
+    ctx: &BackupContext,
+    s: &NestedBackupSchedule,
+    made: &str,
+) -> Result<Option<String>, Error> {
     let ns = s.namespace().unwrap_or_default();
     let b = NestedBackup {
         metadata: ObjectMeta {
@@ -473,7 +461,7 @@ async fn make(ctx: &BackupContext, s: &NestedBackupSchedule, made: &str) -> Resu
         .create(&PostParams::default(), &b)
         .await
     {
-        Ok(_) => {
+        Ok(b) => {
             ctx.event_as(
                 s.object_ref(&()),
                 EventType::Normal,
@@ -482,33 +470,19 @@ async fn make(ctx: &BackupContext, s: &NestedBackupSchedule, made: &str) -> Resu
                 &format!("made NestedBackup {ns}/{made}"),
             )
             .await;
-            Ok(true)
+            Ok(b.uid())
         }
-        // Made by a pass that stopped before saying so, or someone else's.
+        // Someone's, or made by a pass that stopped before recording it: not its own either
+        // way (never deleted by it).
         Err(kube::Error::Api(e)) if e.code == 409 => {
-            let there = Api::<NestedBackup>::namespaced(ctx.client.clone(), &ns)
-                .get_opt(made)
-                .await?;
-            let schedule_created = s
-                .metadata
-                .creation_timestamp
-                .as_ref()
-                .map_or(0, |t| t.0.as_second());
-            let ours = there.as_ref().is_some_and(|b| {
-                b.labels().get(SCHEDULE_LABEL) == Some(&s.name_any())
-                    && b.spec.control_plane_ref == s.spec.control_plane_ref
-                    && made_by(&s.name_any(), schedule_created, made, created(b))
-            });
-            if !ours {
-                ctx.event(
-                    s.object_ref(&()),
-                    EventType::Warning,
-                    sr::NAME_TAKEN,
-                    &format!("NestedBackup {ns}/{made} exists and is not this schedule's; a backup is made on the next pass"),
-                )
-                .await;
-            }
-            Ok(ours)
+            ctx.event(
+                s.object_ref(&()),
+                EventType::Warning,
+                sr::NAME_TAKEN,
+                &format!("NestedBackup {ns}/{made} exists and is not one this schedule made; a backup is made on the next pass"),
+            )
+            .await;
+            Ok(None)
         }
         Err(e) => Err(e.into()),
     }
@@ -516,12 +490,12 @@ async fn make(ctx: &BackupContext, s: &NestedBackupSchedule, made: &str) -> Resu
 
 /// Delete backup `b` past the schedule's retention: its archive first (only if the archive
 /// is its own), then the object, so that a pass stopped between the two finds the object
-/// again and ends the job.
+/// again and ends the job. True once it is gone.
 async fn prune(
     ctx: &BackupContext,
     s: &NestedBackupSchedule,
     b: &NestedBackup,
-) -> Result<(), Error> {
+) -> Result<bool, Error> {
     let ns = b.namespace().unwrap_or_default();
     let name = b.name_any();
     let uid = b.uid().unwrap_or_default();
@@ -548,7 +522,7 @@ async fn prune(
                 &format!("NestedBackup {ns}/{name} is past the retention, but its archive could not be deleted: {why}"),
             )
             .await;
-            return Ok(());
+            return Ok(false);
         }
     };
     let api: Api<NestedBackup> = Api::namespaced(ctx.client.clone(), &ns);
@@ -561,7 +535,8 @@ async fn prune(
     };
     match api.delete(&name, &pre).await {
         Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => return Ok(()),
+        // Gone already (another object of its name is not it).
+        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => return Ok(true),
         Err(e) => return Err(e.into()),
     }
     ctx.event_as(
@@ -572,7 +547,7 @@ async fn prune(
         &note,
     )
     .await;
-    Ok(())
+    Ok(true)
 }
 
 /// What [`remove_own`] did.
@@ -797,26 +772,6 @@ mod tests {
             .collect();
         let p = plan("s", NOW, 60, 1, true, Some(NOW - 96), &all);
         assert_eq!((p.make, p.delete.len(), p.kept), (None, 0, 5));
-    }
-
-    #[test]
-    fn a_backup_is_the_schedules_only_if_named_for_when_it_was_made_after_the_schedule() {
-        let made = plan("nightly", NOW, 3600, 7, false, None, &[])
-            .make
-            .unwrap();
-        assert!(made_by("nightly", NOW - 5, &made, NOW));
-        assert!(made_by("nightly", NOW - 5, &made, NOW + MADE_WITHIN));
-        // Labelled by hand: another name, or the name of another time.
-        assert!(!made_by("nightly", NOW - 5, "alpha-1", NOW));
-        assert!(!made_by("nightly", NOW - 5, &made, NOW + MADE_WITHIN + 1));
-        assert!(!made_by("nightly", NOW - 5, "nightly-2027011508000", NOW));
-        assert!(!made_by("nightly", NOW - 5, "nightly-x0270115080000", NOW));
-        assert!(
-            !made_by("night", NOW - 5, &made, NOW),
-            "another schedule's prefix"
-        );
-        // Left by an earlier schedule of the same name.
-        assert!(!made_by("nightly", NOW + 1, &made, NOW));
     }
 
     #[test]
