@@ -1,5 +1,5 @@
-//! `nestplane backup create|list|restore`: thin clients of `NestedBackup` and
-//! `NestedRestore` objects. `create` makes a backup and waits for the operator to take it;
+//! `nestplane backup create|list|restore|schedule`: thin clients of `NestedBackup`,
+//! `NestedRestore` and `NestedBackupSchedule` objects. `create` makes a backup and waits for the operator to take it;
 //! its last line is the archive's own URL. `restore` makes a restore and waits until the
 //! control plane holds the archive's keys and is ready again. What they do is visible, and
 //! repeatable, with `kubectl get nestedbackups,nestedrestores`.
@@ -41,6 +41,41 @@ pub enum BackupCommand {
     /// they start again; with `--as NEW`, into a new control plane (a clone, with the
     /// archive's CA and service-account key). Makes a NestedRestore and waits.
     Restore(RestoreArgs),
+    /// Back up a hosted cluster (or a control plane) every period, keeping the newest
+    /// completed backups: make or change its NestedBackupSchedule (named after the cluster
+    /// unless `--name`), and say what the operator made of it.
+    Schedule(ScheduleArgs),
+}
+
+/// Arguments of `nestplane backup schedule`.
+#[derive(Args, Debug)]
+pub struct ScheduleArgs {
+    /// The HostedCluster or NestedControlPlane.
+    pub cluster: String,
+    /// How often: a number and s, m, h or d (`30m`, `6h`, `1d`).
+    #[arg(long)]
+    pub every: String,
+    /// How many completed backups are kept (default 7).
+    #[arg(long)]
+    pub keep: Option<i32>,
+    /// Its namespace.
+    #[arg(short, long, default_value = "default")]
+    pub namespace: String,
+    /// Where the archives go (as `backup create --to`).
+    #[arg(long)]
+    pub to: Option<String>,
+    /// The key Secret (as `backup create --key-secret`).
+    #[arg(long)]
+    pub key_secret: Option<String>,
+    /// The schedule's name (default: the control plane's, cut to 63 characters); its backups
+    /// are named `<name>-<UTC time>`.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Make and delete nothing until run again without it.
+    #[arg(long)]
+    pub suspend: bool,
+    #[command(flatten)]
+    pub target: Target,
 }
 
 /// Arguments of `nestplane backup restore`.
@@ -124,6 +159,87 @@ pub async fn run(args: BackupArgs) -> anyhow::Result<()> {
         BackupCommand::Create(a) => create(a).await,
         BackupCommand::List(a) => list(a).await,
         BackupCommand::Restore(a) => restore(a).await,
+        BackupCommand::Schedule(a) => schedule(a).await,
+    }
+}
+
+/// The field manager of what `backup schedule` applies.
+const MANAGER: &str = "nestplane-backup-schedule";
+
+async fn schedule(args: ScheduleArgs) -> anyhow::Result<()> {
+    use kube::api::{Patch, PatchParams};
+    use nestplane_api::backup::{MAX_SCHEDULE_NAME, NestedBackupSchedule, reasons};
+    let client = args.target.client().await?;
+    let located = locate(&client, &args.namespace, &args.cluster).await?;
+    let (ns, cp) = located.ncp;
+    let name = args
+        .name
+        .clone()
+        .unwrap_or_else(|| cp.chars().take(MAX_SCHEDULE_NAME).collect());
+    let api: Api<NestedBackupSchedule> = Api::namespaced(client.clone(), &ns);
+    let mut spec = serde_json::json!({
+        "controlPlaneRef": {"name": cp},
+        "every": args.every,
+        "suspend": args.suspend,
+    });
+    for (field, value) in [
+        ("keep", args.keep.map(serde_json::Value::from)),
+        ("location", args.to.clone().map(serde_json::Value::from)),
+        (
+            "keySecretRef",
+            args.key_secret
+                .clone()
+                .map(|n| serde_json::json!({ "name": n })),
+        ),
+    ] {
+        if let Some(v) = value {
+            spec[field] = v;
+        }
+    }
+    let applied = api
+        .patch(
+            &name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(serde_json::json!({
+                "apiVersion": "backup.nestplane.io/v1alpha1",
+                "kind": "NestedBackupSchedule",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": spec,
+            })),
+        )
+        .await
+        .with_context(|| format!("applying NestedBackupSchedule {ns}/{name}"))?;
+    eprintln!(
+        "nestplane: applied NestedBackupSchedule {ns}/{name}: a backup of {ns}/{cp} every {}, the newest {} kept",
+        args.every,
+        args.keep.unwrap_or(nestplane_api::backup::DEFAULT_KEEP)
+    );
+    // What the operator made of it (this generation).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = api.get(&name).await?;
+        let status = s.status.clone().unwrap_or_default();
+        if status.observed_generation.is_some()
+            && status.observed_generation >= applied.metadata.generation
+            && let Some(c) = conditions::get(&status.conditions, types::READY)
+        {
+            let line = format!("{}: {} ({})", c.status, c.message, c.reason);
+            if c.reason == reasons::INVALID_SPEC || c.reason == reasons::CONTROL_PLANE_NOT_FOUND {
+                bail!("NestedBackupSchedule {ns}/{name}: {line}");
+            }
+            eprintln!("nestplane: {name}: {line}");
+            if let Some(next) = status.next_schedule_time {
+                eprintln!("nestplane: {name}: next backup at {}", next.0);
+            }
+            println!("{ns}/{name}");
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "NestedBackupSchedule {ns}/{name} is not looked at by an operator after 60s (`kubectl get nestedbackupschedule -n {ns} {name}`)"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }
 

@@ -250,11 +250,41 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
             &format!("{SCHEDULE}=gamma-every"),
         ],
     );
-    env.apply(&schedule_yaml("default", "gamma-every", "gamma", "10s"));
-    // One of another namespace's control plane makes nothing; a period under 10 s is refused.
+    let schedule = |args: &[&str]| {
+        nestplane()
+            .args(["backup", "schedule"])
+            .args(args)
+            .arg("--kubeconfig")
+            .arg(&kc)
+            .output()
+            .unwrap()
+    };
+    let out = schedule(&[
+        "gamma",
+        "--every",
+        "10s",
+        "--keep",
+        "2",
+        "--name",
+        "gamma-every",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "default/gamma-every"
+    );
+    // One of another namespace's control plane makes nothing; a period under 10 s is refused,
+    // and the CLI says why.
     kubectl_ok(&kc, &["create", "namespace", "team-b"]);
     env.apply(&schedule_yaml("team-b", "steal-every", "alpha", "10s"));
-    env.apply(&schedule_yaml("default", "too-often", "alpha", "1s"));
+    let out = schedule(&["alpha", "--every", "1s", "--name", "too-often"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("is not between 10s and 366d (InvalidSpec)"),
+        "{stderr}"
+    );
     wait_schedule(&kc, "team-b", "steal-every", "False ControlPlaneNotFound");
     wait_schedule(&kc, "default", "too-often", "False InvalidSpec");
     assert!(events_for(&kc, "default", "too-often").contains("Warning InvalidSpec"));
@@ -474,7 +504,20 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
         )
         .contains("the archives of namespace default take"),
     );
-    env.apply(&schedule_yaml("default", "gamma-every", "gamma", "10s"));
+    let out = schedule(&[
+        "gamma",
+        "--every",
+        "10s",
+        "--keep",
+        "2",
+        "--name",
+        "gamma-every",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     wait_schedule(&kc, "default", "gamma-every", "False QuotaExceeded");
     assert!(!root.join("default/over-quota.npbackup").exists());
     std::fs::remove_file(&filler).unwrap();
