@@ -56,6 +56,9 @@ pub mod reasons {
     pub const CANNOT_ARCHIVE: &str = "CannotArchive";
     /// The spec cannot be acted on (a name too long for an archive's file name).
     pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// A `deletionPolicy: Delete` backup is deleted, but its archive is kept for now (a
+    /// restore still to finish names it, or the file cannot be deleted).
+    pub const ARCHIVE_IN_USE: &str = "ArchiveInUse";
     /// The namespace's archives fill its quota (the operator's `--backup-namespace-quota`):
     /// waits until there is room.
     pub const QUOTA_EXCEEDED: &str = "QuotaExceeded";
@@ -131,7 +134,26 @@ pub struct NestedBackupSpec {
     /// `<cluster>-backup-key`, made with a random key if it does not exist.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_secret_ref: Option<LocalRef>,
+    /// What deleting this object does to its archive: `Retain` (the default: the archive
+    /// outlives it) or `Delete` (the archive goes with it, once no restore still to finish
+    /// names it; the object carries [`ARCHIVE_FINALIZER`] until then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deletion_policy: Option<DeletionPolicy>,
 }
+
+/// What deleting a `NestedBackup` does to its archive.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum DeletionPolicy {
+    /// The archive outlives the object.
+    #[default]
+    Retain,
+    /// The archive is deleted with the object.
+    Delete,
+}
+
+/// The finalizer on a `NestedBackup` whose `deletionPolicy` is `Delete`: removed once its
+/// archive is deleted.
+pub const ARCHIVE_FINALIZER: &str = "backup.nestplane.io/archive";
 
 /// What the backup holds, once taken.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -452,6 +474,10 @@ pub struct NestedBackupScheduleSpec {
     /// The backups' key Secret (a `NestedBackup`'s `keySecretRef`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_secret_ref: Option<LocalRef>,
+    /// The backups' `deletionPolicy` (what deleting one by hand does to its archive; the
+    /// retention deletes archives either way).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deletion_policy: Option<DeletionPolicy>,
     /// Make and delete nothing while true.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub suspend: Option<bool>,

@@ -133,6 +133,10 @@ pub struct CreateArgs {
     /// (default: `<cluster>-backup-key`, made with a random key the first time).
     #[arg(long)]
     pub key_secret: Option<String>,
+    /// What deleting the NestedBackup does to its archive: Retain (the default: the archive
+    /// outlives it) or Delete (the archive goes with it).
+    #[arg(long, value_parser = ["Retain", "Delete"])]
+    pub deletion_policy: Option<String>,
     /// Stop waiting after this many seconds (the backup goes on).
     #[arg(long, default_value_t = 600)]
     pub timeout: u64,
@@ -268,6 +272,11 @@ async fn create(args: CreateArgs) -> anyhow::Result<()> {
             control_plane_ref: LocalRef { name: cp.clone() },
             location: args.to.clone(),
             key_secret_ref: args.key_secret.clone().map(|name| LocalRef { name }),
+            deletion_policy: match args.deletion_policy.as_deref() {
+                Some("Delete") => Some(nestplane_api::backup::DeletionPolicy::Delete),
+                Some(_) => Some(nestplane_api::backup::DeletionPolicy::Retain),
+                None => None,
+            },
         },
     );
     b.metadata.namespace = Some(ns.clone());

@@ -523,6 +523,57 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
     std::fs::remove_file(&filler).unwrap();
     wait_phase(&kc, "default", "over-quota", "Completed", "Completed");
 
+    // deletionPolicy: Delete: the archive goes with its backup; the default keeps it.
+    let out = nestplane()
+        .args([
+            "backup",
+            "create",
+            "gamma",
+            "--name",
+            "disposable",
+            "--deletion-policy",
+            "Delete",
+            "--kubeconfig",
+        ])
+        .arg(&kc)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let disposable = root.join("default/disposable.npbackup");
+    assert!(disposable.exists());
+    assert_eq!(
+        field(&kc, "default", "disposable", "{.metadata.finalizers}"),
+        r#"["backup.nestplane.io/archive"]"#
+    );
+    kubectl_ok(
+        &kc,
+        &[
+            "delete",
+            "nestedbackup",
+            "-n",
+            "default",
+            "disposable",
+            "--timeout=60s",
+        ],
+    );
+    assert!(!disposable.exists());
+    kubectl_ok(
+        &kc,
+        &[
+            "delete",
+            "nestedbackup",
+            "-n",
+            "default",
+            "over-quota",
+            "--timeout=60s",
+        ],
+    );
+    assert!(root.join("default/over-quota.npbackup").exists());
+
     // The schedule of another namespace's control plane made nothing.
     assert!(!root.join("team-b").exists());
     assert_eq!(

@@ -138,6 +138,9 @@ fn now() -> Timestamp {
 
 /// Reconcile one backup.
 pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<Action, Error> {
+    if let Some(action) = deletion_policy(&ctx, &b).await? {
+        return Ok(action);
+    }
     let status = b.status.clone().unwrap_or_default();
     let phase = status.phase.as_deref();
     if phase == Some(phases::COMPLETED)
@@ -288,6 +291,62 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
             Err(Error::Unavailable(why))
         }
     }
+}
+
+/// `deletionPolicy: Delete`: the finalizer added before anything is written (and removed
+/// when the policy goes back to `Retain`); on deletion, the backup's own archive deleted
+/// (never another's file, never one a restore still to finish names), then the finalizer
+/// removed. `Some`: the pass ends there.
+async fn deletion_policy(ctx: &BackupContext, b: &NestedBackup) -> Result<Option<Action>, Error> {
+    use nestplane_api::backup::{ARCHIVE_FINALIZER, DeletionPolicy};
+    let ns = b.namespace().unwrap_or_default();
+    let api: Api<NestedBackup> = Api::namespaced(ctx.client.clone(), &ns);
+    let has = crate::finalizer::has(b, ARCHIVE_FINALIZER);
+    let delete = b.spec.deletion_policy == Some(DeletionPolicy::Delete);
+    if b.metadata.deletion_timestamp.is_none() {
+        match (delete, has) {
+            (true, false) => crate::finalizer::add(&api, b, ARCHIVE_FINALIZER).await?,
+            (false, true) => crate::finalizer::remove(&api, b, ARCHIVE_FINALIZER).await?,
+            _ => return Ok(None),
+        }
+        // The next pass sees the finalizer as written.
+        return Ok(Some(Action::requeue(Duration::from_millis(200))));
+    }
+    if !has {
+        return Ok(Some(Action::await_change()));
+    }
+    if super::schedule::in_use(ctx, &ns).await?.names(ctx, &ns, b) {
+        let msg = "a restore still to finish names this backup: its archive is deleted once that restore is done".to_string();
+        ctx.event(
+            b.object_ref(&()),
+            EventType::Warning,
+            reasons::ARCHIVE_IN_USE,
+            &msg,
+        )
+        .await;
+        return Ok(Some(Action::requeue(RECHECK)));
+    }
+    let removed = match super::schedule::archive_of(ctx, &ns, b) {
+        Some(path) => {
+            let (root, uid) = (ctx.dir.clone(), b.uid().unwrap_or_default());
+            tokio::task::spawn_blocking(move || super::schedule::remove_own(&root, &path, &uid))
+                .await
+                .map_err(|e| Error::Internal(e.to_string()))?
+        }
+        None => super::schedule::Removed::Nothing,
+    };
+    if let super::schedule::Removed::Failed(why) = removed {
+        ctx.event(
+            b.object_ref(&()),
+            EventType::Warning,
+            reasons::ARCHIVE_IN_USE,
+            &format!("its archive could not be deleted: {why}"),
+        )
+        .await;
+        return Ok(Some(Action::requeue(RECHECK)));
+    }
+    crate::finalizer::remove(&api, b, ARCHIVE_FINALIZER).await?;
+    Ok(Some(Action::await_change()))
 }
 
 /// How to reach a tenant's keys: its datastore's endpoints, its key root, and its own etcd

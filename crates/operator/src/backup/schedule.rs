@@ -223,6 +223,8 @@ pub async fn reconcile(
         .filter(|b| {
             &b.spec.control_plane_ref.name == cp
                 && b.uid().is_some_and(|uid| status.made.contains(&uid))
+                // Being deleted already (its archive's finalizer): gone, as far as it goes.
+                && b.metadata.deletion_timestamp.is_none()
         })
         .collect();
     let in_use = in_use(&ctx, &ns).await?;
@@ -371,7 +373,11 @@ fn created(b: &NestedBackup) -> i64 {
 }
 
 /// Backup `b`'s archive: the URL its status names once written, else where its spec says.
-fn archive_of(ctx: &BackupContext, ns: &str, b: &NestedBackup) -> Option<std::path::PathBuf> {
+pub(super) fn archive_of(
+    ctx: &BackupContext,
+    ns: &str,
+    b: &NestedBackup,
+) -> Option<std::path::PathBuf> {
     match b.status.as_ref().and_then(|s| s.url.as_deref()) {
         Some(url) => location::resolve_archive(url, &ctx.dir, ns).ok(),
         None => location::resolve(b.spec.location.as_deref(), &ctx.dir, ns)
@@ -381,14 +387,14 @@ fn archive_of(ctx: &BackupContext, ns: &str, b: &NestedBackup) -> Option<std::pa
 }
 
 /// What restores not yet done name: backups, and archives (resolved).
-struct InUse {
+pub(super) struct InUse {
     backups: Vec<String>,
     urls: Vec<String>,
 }
 
 impl InUse {
     /// Whether they name backup `b` or its archive.
-    fn names(&self, ctx: &BackupContext, ns: &str, b: &NestedBackup) -> bool {
+    pub(super) fn names(&self, ctx: &BackupContext, ns: &str, b: &NestedBackup) -> bool {
         let name = b.name_any();
         if self.backups.contains(&name) {
             return true;
@@ -403,7 +409,7 @@ impl InUse {
 }
 
 /// The backups (by name) and archives (by URL) that restores not yet done name.
-async fn in_use(ctx: &BackupContext, ns: &str) -> Result<InUse, Error> {
+pub(super) async fn in_use(ctx: &BackupContext, ns: &str) -> Result<InUse, Error> {
     let restores: Api<NestedRestore> = Api::namespaced(ctx.client.clone(), ns);
     let open: Vec<NestedRestore> = restores
         .list(&ListParams::default())
@@ -454,6 +460,7 @@ async fn make(
             control_plane_ref: s.spec.control_plane_ref.clone(),
             location: s.spec.location.clone(),
             key_secret_ref: s.spec.key_secret_ref.clone(),
+            deletion_policy: s.spec.deletion_policy,
         },
         status: None,
     };
@@ -552,7 +559,7 @@ async fn prune(
 
 /// What [`remove_own`] did.
 #[derive(Debug, PartialEq, Eq)]
-enum Removed {
+pub(super) enum Removed {
     /// The backup's own archive, deleted (its URL).
     Archive(String),
     /// There was none.
@@ -566,7 +573,7 @@ enum Removed {
 /// Delete the archive at `path` (under `root`) if its header names backup `uid`; never
 /// through a link (the file's or any directory's below `root`), and never a file that is not
 /// that backup's.
-fn remove_own(root: &Path, path: &Path, uid: &str) -> Removed {
+pub(super) fn remove_own(root: &Path, path: &Path, uid: &str) -> Removed {
     let Some(below) = path.parent().and_then(|d| d.strip_prefix(root).ok()) else {
         return Removed::Other(format!(
             "{} is not under {}",
