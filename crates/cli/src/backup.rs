@@ -71,9 +71,15 @@ pub struct ScheduleArgs {
     /// are named `<name>-<UTC time>`.
     #[arg(long)]
     pub name: Option<String>,
-    /// Make and delete nothing until run again without it.
-    #[arg(long)]
+    /// Make and delete nothing until `--resume`.
+    #[arg(long, conflicts_with = "resume")]
     pub suspend: bool,
+    /// Make and delete again after `--suspend`.
+    #[arg(long)]
+    pub resume: bool,
+    /// The backups' deletionPolicy (as `backup create --deletion-policy`).
+    #[arg(long, value_parser = ["Retain", "Delete"])]
+    pub deletion_policy: Option<String>,
     #[command(flatten)]
     pub target: Target,
 }
@@ -167,24 +173,22 @@ pub async fn run(args: BackupArgs) -> anyhow::Result<()> {
     }
 }
 
-/// The field manager of what `backup schedule` applies.
-const MANAGER: &str = "nestplane-backup-schedule";
-
 async fn schedule(args: ScheduleArgs) -> anyhow::Result<()> {
     use kube::api::{Patch, PatchParams};
     use nestplane_api::backup::{MAX_SCHEDULE_NAME, NestedBackupSchedule, reasons};
     let client = args.target.client().await?;
     let located = locate(&client, &args.namespace, &args.cluster).await?;
     let (ns, cp) = located.ncp;
-    let name = args
-        .name
-        .clone()
-        .unwrap_or_else(|| cp.chars().take(MAX_SCHEDULE_NAME).collect());
+    let name = args.name.clone().unwrap_or_else(|| {
+        let cut: String = cp.chars().take(MAX_SCHEDULE_NAME).collect();
+        cut.trim_end_matches(['-', '.']).to_string()
+    });
     let api: Api<NestedBackupSchedule> = Api::namespaced(client.clone(), &ns);
+    // Only what was given: a field left out keeps what the schedule has (run again with
+    // `--every` alone, it keeps its `keep`, location, key and suspension).
     let mut spec = serde_json::json!({
         "controlPlaneRef": {"name": cp},
         "every": args.every,
-        "suspend": args.suspend,
     });
     for (field, value) in [
         ("keep", args.keep.map(serde_json::Value::from)),
@@ -195,28 +199,56 @@ async fn schedule(args: ScheduleArgs) -> anyhow::Result<()> {
                 .clone()
                 .map(|n| serde_json::json!({ "name": n })),
         ),
+        (
+            "deletionPolicy",
+            args.deletion_policy.clone().map(serde_json::Value::from),
+        ),
+        (
+            "suspend",
+            (args.suspend || args.resume).then_some(serde_json::Value::from(args.suspend)),
+        ),
     ] {
         if let Some(v) = value {
             spec[field] = v;
         }
     }
-    let applied = api
-        .patch(
-            &name,
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(serde_json::json!({
+    let applied = match api.get_opt(&name).await? {
+        Some(there) if there.spec.control_plane_ref.name != cp => bail!(
+            "NestedBackupSchedule {ns}/{name} backs up {}, not {cp}; give another --name",
+            there.spec.control_plane_ref.name
+        ),
+        Some(_) => api
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "spec": spec })),
+            )
+            .await
+            .with_context(|| format!("changing NestedBackupSchedule {ns}/{name}"))?,
+        None => {
+            let s: NestedBackupSchedule = serde_json::from_value(serde_json::json!({
                 "apiVersion": "backup.nestplane.io/v1alpha1",
                 "kind": "NestedBackupSchedule",
                 "metadata": {"name": name, "namespace": ns},
                 "spec": spec,
-            })),
-        )
-        .await
-        .with_context(|| format!("applying NestedBackupSchedule {ns}/{name}"))?;
+            }))?;
+            api.create(&PostParams::default(), &s)
+                .await
+                .with_context(|| format!("creating NestedBackupSchedule {ns}/{name}"))?
+        }
+    };
+    let keep = applied
+        .spec
+        .keep
+        .unwrap_or(nestplane_api::backup::DEFAULT_KEEP);
     eprintln!(
-        "nestplane: applied NestedBackupSchedule {ns}/{name}: a backup of {ns}/{cp} every {}, the newest {} kept",
+        "nestplane: applied NestedBackupSchedule {ns}/{name}: a backup of {ns}/{cp} every {}, the newest {keep} kept{}",
         args.every,
-        args.keep.unwrap_or(nestplane_api::backup::DEFAULT_KEEP)
+        if applied.spec.suspend == Some(true) {
+            " (suspended)"
+        } else {
+            ""
+        }
     );
     // What the operator made of it (this generation).
     let deadline = Instant::now() + Duration::from_secs(60);

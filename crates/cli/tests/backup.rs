@@ -38,8 +38,8 @@ fn wait_phase(kc: &Path, ns: &str, name: &str, phase: &str, reason: &str) {
             return;
         }
         assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "NestedBackup {ns}/{name} is not {phase} ({reason}) after 60 s: {got}: {}",
+            started.elapsed() < Duration::from_secs(120),
+            "NestedBackup {ns}/{name} is not {phase} ({reason}) after 120 s: {got}: {}",
             field(kc, ns, name, "{.status.conditions[0].message}")
         );
         std::thread::sleep(poll_pause(started));
@@ -519,6 +519,36 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
         String::from_utf8_lossy(&out.stderr)
     );
     wait_schedule(&kc, "default", "gamma-every", "False QuotaExceeded");
+    // Suspended from here on (it makes nothing more; what it made is kept), so that its
+    // backups do not hold the backup slots below. Run again with --every alone, the CLI
+    // keeps what it does not name: keep 2, and the suspension.
+    let out = schedule(&[
+        "gamma",
+        "--every",
+        "10s",
+        "--name",
+        "gamma-every",
+        "--suspend",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = schedule(&["gamma", "--every", "1h", "--name", "gamma-every"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        jsonpath(
+            &kc,
+            &["nestedbackupschedule", "-n", "default", "gamma-every"],
+            "{.spec.keep} {.spec.suspend} {.spec.every}"
+        ),
+        "2 true 1h"
+    );
     assert!(!root.join("default/over-quota.npbackup").exists());
     std::fs::remove_file(&filler).unwrap();
     wait_phase(&kc, "default", "over-quota", "Completed", "Completed");
@@ -557,7 +587,7 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
             "-n",
             "default",
             "disposable",
-            "--timeout=60s",
+            "--timeout=120s",
         ],
     );
     assert!(!disposable.exists());
@@ -569,7 +599,7 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
             "-n",
             "default",
             "over-quota",
-            "--timeout=60s",
+            "--timeout=120s",
         ],
     );
     assert!(root.join("default/over-quota.npbackup").exists());

@@ -61,7 +61,8 @@ pub struct BackupContext {
 /// (reading them is the expensive part).
 pub const QUOTA_RECHECK: Duration = Duration::from_secs(60);
 /// Checking a namespace's quota and writing an archive are one step: two backups of one
-/// namespace cannot both pass the check and go past the quota together.
+/// namespace cannot both pass the check and go past the quota together. One lock for every
+/// namespace: at most [`CONCURRENCY`] backups wait for it, each for a write.
 static WRITING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// What one namespace's archives may take in all, by default: 10 GiB.
@@ -223,6 +224,7 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
         .filter(|s| s.phase.as_deref() == Some(phases::COMPLETED))
         .max_by_key(|s| s.completed_at.as_ref().map(|t| t.0))
         .and_then(|s| s.archive_bytes)
+        .max(status.archive_bytes) // what this one needed when it did not fit
         .map_or(0, |b| b.max(0) as u64);
     let ns_dir = ctx.dir.join(&ns);
     let used = tokio::task::spawn_blocking(move || used_under(&ns_dir))
@@ -272,9 +274,19 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
             complete(&ctx, &b, &path, &header, size, Some((started, restarts))).await
         }
         Err(Failure::Refused(reason, why)) => settle(&ctx, &b, Outcome::Refused(reason, why)).await,
-        Err(Failure::Wait(reason, why)) => settle(&ctx, &b, Outcome::Waiting(reason, why))
-            .await
-            .map(|_| Action::requeue(QUOTA_RECHECK)),
+        Err(Failure::OverQuota(why, needed)) => {
+            // Kept, so that the next passes refuse it before reading the keys again.
+            Api::<NestedBackup>::namespaced(ctx.client.clone(), &ns)
+                .patch_status(
+                    &b.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(serde_json::json!({"status": {"archiveBytes": needed}})),
+                )
+                .await?;
+            settle(&ctx, &b, Outcome::Waiting(reasons::QUOTA_EXCEEDED, why))
+                .await
+                .map(|_| Action::requeue(QUOTA_RECHECK))
+        }
         Err(Failure::Retry(why)) => {
             // Said on the object, then retried with the controllers' backoff.
             let mut s = b.status.clone().unwrap_or_default();
@@ -313,6 +325,27 @@ async fn deletion_policy(ctx: &BackupContext, b: &NestedBackup) -> Result<Option
         return Ok(Some(Action::requeue(Duration::from_millis(200))));
     }
     if !has {
+        return Ok(Some(Action::await_change()));
+    }
+    // Another operator's control plane (`--watch-filter`): its operator deletes the archive
+    // (one that is gone is anyone's: at worst an archive in another directory is left).
+    let cp = &b.spec.control_plane_ref.name;
+    if let Some(ncp) = Api::<NestedControlPlane>::namespaced(ctx.client.clone(), &ns)
+        .get_opt(cp)
+        .await?
+        && !ctx.selects(&ncp)
+    {
+        return Ok(Some(Action::await_change()));
+    }
+    // Read afresh: a backup deleted while it was taken has its archive's URL only in the
+    // status written since.
+    let Some(b) = api.get_opt(&b.name_any()).await? else {
+        return Ok(Some(Action::await_change()));
+    };
+    let b = &b;
+    if b.spec.deletion_policy != Some(DeletionPolicy::Delete) {
+        // Retain (changed since, or a finalizer added by hand): the archive stays.
+        crate::finalizer::remove(&api, b, ARCHIVE_FINALIZER).await?;
         return Ok(Some(Action::await_change()));
     }
     if super::schedule::in_use(ctx, &ns).await?.names(ctx, &ns, b) {
@@ -464,8 +497,9 @@ pub const FIRST_ANSWER: Duration = Duration::from_secs(15);
 enum Failure {
     Retry(String),
     Refused(&'static str, String),
-    /// Waits for something a user does (looked at again; `Pending`).
-    Wait(&'static str, String),
+    /// The archive read (this many bytes) does not fit in the namespace's quota: waits
+    /// (`Pending`, `QuotaExceeded`).
+    OverQuota(String, i64),
 }
 
 impl From<String> for Failure {
@@ -541,12 +575,16 @@ async fn take(
     );
     tokio::task::spawn_blocking(move || -> Result<_, Failure> {
         let (ns, quota) = quota;
-        let _one_at_a_time = WRITING.lock().unwrap_or_else(|e| e.into_inner());
-        let used = used_under(&root.join(&ns))?;
-        if let Some(why) = over_quota(&ns, used, sealed.len() as u64, quota) {
-            return Err(Failure::Wait(reasons::QUOTA_EXCEEDED, why));
+        {
+            // Held for the check and the write only (a write is short; reading the archive
+            // back is not, and needs no lock).
+            let _one_at_a_time = WRITING.lock().unwrap_or_else(|e| e.into_inner());
+            let used = used_under(&root.join(&ns))?;
+            if let Some(why) = over_quota(&ns, used, sealed.len() as u64, quota) {
+                return Err(Failure::OverQuota(why, sealed.len() as i64));
+            }
+            write_new(&root, &path, &uid, &sealed)?;
         }
-        write_new(&root, &path, &uid, &sealed)?;
         drop(sealed);
         let (header, size) = open(&path, &key)?;
         Ok((header, size, restarts))

@@ -210,15 +210,13 @@ pub async fn reconcile(
     }
 
     let backups: Api<NestedBackup> = Api::namespaced(ctx.client.clone(), &ns);
-    let labelled = backups
-        .list(&ListParams::default().labels(&format!("{SCHEDULE_LABEL}={name}")))
-        .await?
-        .items;
+    // Every backup of the namespace: one it made is its own whatever labels it has now.
+    let all = backups.list(&ListParams::default()).await?.items;
     // Its own: those it made (by UID), still there.
     status
         .made
-        .retain(|uid| labelled.iter().any(|b| b.uid().as_deref() == Some(uid)));
-    let mine: Vec<NestedBackup> = labelled
+        .retain(|uid| all.iter().any(|b| b.uid().as_deref() == Some(uid)));
+    let mine: Vec<NestedBackup> = all
         .into_iter()
         .filter(|b| {
             &b.spec.control_plane_ref.name == cp
@@ -261,10 +259,25 @@ pub async fn reconcile(
         }
     }
     let made = match &p.make {
-        Some(made) => make(&ctx, &s, made).await?.map(|uid| {
-            status.made.push(uid);
-            made
-        }),
+        Some(made) => match make(&ctx, &s, made).await? {
+            Some(uid) => {
+                // Recorded at once: a later error in this pass must not leave it unrecorded.
+                status.made.push(uid);
+                let api: Api<NestedBackupSchedule> = Api::namespaced(ctx.client.clone(), &ns);
+                api.patch_status(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::Merge(serde_json::json!({"status": {
+                        "made": status.made,
+                        "lastBackup": made,
+                        "lastScheduleTime": Time(Timestamp::from_second(now).unwrap_or(Timestamp::UNIX_EPOCH)),
+                    }})),
+                )
+                .await?;
+                Some(made)
+            }
+            None => None,
+        },
         None => None,
     };
     if let Some(made) = made {
@@ -574,6 +587,28 @@ pub(super) enum Removed {
 /// through a link (the file's or any directory's below `root`), and never a file that is not
 /// that backup's.
 pub(super) fn remove_own(root: &Path, path: &Path, uid: &str) -> Removed {
+    let removed = remove_archive(root, path, uid);
+    // What an operator stopped while writing it left (it counts against the quota too).
+    if !uid.is_empty() && !matches!(removed, Removed::Failed(_)) {
+        let tmp = path.with_file_name(format!(".tmp-{uid}"));
+        let dirs_own = path
+            .parent()
+            .and_then(|d| d.strip_prefix(root).ok())
+            .is_some_and(|below| {
+                let mut at = root.to_path_buf();
+                below.components().all(|c| {
+                    at.push(c);
+                    std::fs::symlink_metadata(&at).is_ok_and(|m| m.is_dir())
+                })
+            });
+        if dirs_own && std::fs::symlink_metadata(&tmp).is_ok_and(|m| m.is_file()) {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+    removed
+}
+
+fn remove_archive(root: &Path, path: &Path, uid: &str) -> Removed {
     let Some(below) = path.parent().and_then(|d| d.strip_prefix(root).ok()) else {
         return Removed::Other(format!(
             "{} is not under {}",
@@ -841,12 +876,17 @@ mod tests {
         ));
         assert!(away.path().join("b.npbackup").exists());
         assert!(own.exists() && other.exists() && link.exists());
+        // What a stopped write of it left goes with it; another backup's does not.
+        std::fs::write(dir.path().join(".tmp-uid-1"), b"half").unwrap();
+        std::fs::write(dir.path().join(".tmp-uid-2"), b"half").unwrap();
         // Its own: deleted; then there is nothing.
         assert_eq!(
             remove_own(dir.path(), &own, "uid-1"),
             Removed::Archive(location::url_of(&own))
         );
         assert!(!own.exists());
+        assert!(!dir.path().join(".tmp-uid-1").exists());
+        assert!(dir.path().join(".tmp-uid-2").exists());
         assert_eq!(remove_own(dir.path(), &own, "uid-1"), Removed::Nothing);
     }
 }
