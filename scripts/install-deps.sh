@@ -10,6 +10,8 @@
 #  - Debian packages for real nodes: containerd, runc, the CNI plugins, buildah (images),
 #    busybox-static (the shell image), iptables and conntrack (kube-proxy);
 #  - cargo-deny (the test command checks the dependency tree with it), into $NESTPLANE_CACHE_DIR/bin;
+#  - s3s-fs, an S3 server over a directory that the tests run on loopback, built from
+#    crates.io into $NESTPLANE_CACHE_DIR/bin;
 #  - kube-apiserver, kube-controller-manager, kube-scheduler, kubelet and kube-proxy 1.20.2,
 #    built from Debian's `kubernetes` source package, cached under $NESTPLANE_CACHE_DIR
 #    (default ~/.cache/nestplane). Nothing is built when the binaries are already cached, or
@@ -218,6 +220,27 @@ if ! "$DENY" --version 2>/dev/null | grep -qx "cargo-deny $DENY_VERSION"; then
   else
     log "cargo-deny $DENY_VERSION could not be installed; 'make test' will say so (nothing else needs it)"
   fi
+fi
+
+# 1f. s3s-fs, an S3-compatible server over a directory (crates.io), which the tests start on
+# loopback to try `s3://` backup locations against; built once (about 90 s on 2 cores) into
+# $CACHE_DIR/bin. Only the tests need it: when it cannot be built, this says so and goes on
+# (the S3 test then fails with the reason).
+S3S_VERSION=0.14.1
+S3S="$CACHE_DIR/bin/s3s-fs"
+if ! "$S3S" --version 2>/dev/null | grep -qx "s3s-fs $S3S_VERSION"; then
+  s3s_tmp=$(mktemp -d)
+  mkdir -p "$CACHE_DIR/bin"
+  if with_progress "cargo install s3s-fs $S3S_VERSION" "$s3s_tmp/build.log" \
+      env -u CARGO_TARGET_DIR -u CARGO_BUILD_BUILD_DIR \
+      cargo install "s3s-fs@$S3S_VERSION" --features binary --locked --root "$s3s_tmp/root"; then
+    install -m 0755 "$s3s_tmp/root/bin/s3s-fs" "$S3S.tmp" && mv "$S3S.tmp" "$S3S"
+    log "s3s-fs $S3S_VERSION installed in $S3S"
+  else
+    tail -n 20 "$s3s_tmp/build.log" >&2
+    log "s3s-fs $S3S_VERSION could not be built; the S3 backup test will say so (nothing else needs it)"
+  fi
+  rm -rf "$s3s_tmp"
 fi
 
 # 2. Kubernetes server binaries, and the end-to-end suite's servers (agnhost and the sample

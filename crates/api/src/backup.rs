@@ -62,6 +62,35 @@ pub mod reasons {
     /// The namespace's archives fill its quota (the operator's `--backup-namespace-quota`):
     /// waits until there is room.
     pub const QUOTA_EXCEEDED: &str = "QuotaExceeded";
+    /// An `s3://` location's server cannot be reached, or refuses the credentials: looked at
+    /// again.
+    pub const LOCATION_UNAVAILABLE: &str = "LocationUnavailable";
+    /// An `s3://` location's credentials Secret is missing or incomplete, or its server
+    /// refuses them: looked at again.
+    pub const INVALID_CREDENTIALS: &str = "InvalidCredentials";
+}
+
+/// The keys of an S3 credentials Secret.
+pub mod s3_keys {
+    /// The access key ID.
+    pub const ACCESS_KEY_ID: &str = "AWS_ACCESS_KEY_ID";
+    /// The secret access key.
+    pub const SECRET_ACCESS_KEY: &str = "AWS_SECRET_ACCESS_KEY";
+}
+
+/// How to reach an `s3://bucket/prefix` location: the server, and this namespace's own
+/// credentials for it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct S3Access {
+    /// The server's URL (`http://host:port` or `https://host[:port]`, path-style requests):
+    /// one the operator allows (its `--backup-s3-endpoint`); any other is refused.
+    pub endpoint: String,
+    /// The region requests are signed for (`us-east-1` when empty).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<String>,
+    /// A Secret of this namespace holding `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`.
+    pub credentials_secret_ref: LocalRef,
 }
 
 /// Where a backup is.
@@ -126,8 +155,8 @@ pub struct NestedBackupSpec {
     /// The control plane to back up: a `NestedControlPlane` of this namespace.
     pub control_plane_ref: LocalRef,
     /// Where the archive goes: a `file://` directory URL under this namespace's directory of
-    /// the operator's backup directory (`file://<backup dir>/<namespace>/…`). That directory
-    /// when empty.
+    /// the operator's backup directory (`file://<backup dir>/<namespace>/…`; that directory
+    /// when empty), or `s3://bucket[/prefix]` (with `s3`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub location: Option<String>,
     /// A Secret of this namespace whose `key` holds the archive key (32 bytes). When empty,
@@ -139,6 +168,9 @@ pub struct NestedBackupSpec {
     /// names it; the object carries [`ARCHIVE_FINALIZER`] until then).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deletion_policy: Option<DeletionPolicy>,
+    /// How to reach an `s3://` location: required with one, ignored otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub s3: Option<S3Access>,
 }
 
 /// What deleting a `NestedBackup` does to its archive.
@@ -316,10 +348,14 @@ pub struct NestedRestoreSpec {
     /// A completed `NestedBackup` of this namespace: its archive, and its key Secret.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backup_ref: Option<LocalRef>,
-    /// Or an archive's `file://` URL, under this namespace's directory of the operator's
-    /// backup directory.
+    /// Or an archive's URL: `file://`, under this namespace's directory of the operator's
+    /// backup directory, or `s3://bucket/key` (with `s3`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub from: Option<String>,
+    /// How to reach an `s3://` archive named by `from` (a backup's own is used with
+    /// `backupRef`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub s3: Option<S3Access>,
     /// The key Secret (its `key`, 32 bytes). Default: the backup's, else
     /// `<control plane>-backup-key` (for a clone, the original's). Never made by a restore.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -481,6 +517,9 @@ pub struct NestedBackupScheduleSpec {
     /// Make and delete nothing while true.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub suspend: Option<bool>,
+    /// The backups' `s3` (how to reach an `s3://` location).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub s3: Option<S3Access>,
 }
 
 /// What the schedule did.

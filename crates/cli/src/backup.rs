@@ -47,6 +47,34 @@ pub enum BackupCommand {
     Schedule(ScheduleArgs),
 }
 
+/// How to reach an `s3://` location.
+#[derive(Args, Debug, Default, Clone)]
+pub struct S3Flags {
+    /// The S3 server of an `s3://bucket/prefix` location (`http[s]://host:port`; one the
+    /// operator allows with --backup-s3-endpoint).
+    #[arg(long, requires = "s3_credentials")]
+    pub s3_endpoint: Option<String>,
+    /// A Secret of the namespace holding AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY.
+    #[arg(long, requires = "s3_endpoint")]
+    pub s3_credentials: Option<String>,
+    /// The region requests are signed for (default us-east-1).
+    #[arg(long, requires = "s3_endpoint")]
+    pub s3_region: Option<String>,
+}
+
+impl S3Flags {
+    /// The spec's `s3`, when an endpoint is given.
+    pub fn access(&self) -> Option<nestplane_api::backup::S3Access> {
+        Some(nestplane_api::backup::S3Access {
+            endpoint: self.s3_endpoint.clone()?,
+            region: self.s3_region.clone(),
+            credentials_secret_ref: LocalRef {
+                name: self.s3_credentials.clone()?,
+            },
+        })
+    }
+}
+
 /// Arguments of `nestplane backup schedule`.
 #[derive(Args, Debug)]
 pub struct ScheduleArgs {
@@ -80,6 +108,8 @@ pub struct ScheduleArgs {
     /// The backups' deletionPolicy (as `backup create --deletion-policy`).
     #[arg(long, value_parser = ["Retain", "Delete"])]
     pub deletion_policy: Option<String>,
+    #[command(flatten)]
+    pub s3: S3Flags,
     #[command(flatten)]
     pub target: Target,
 }
@@ -116,6 +146,10 @@ pub struct RestoreArgs {
     /// Stop waiting after this many seconds (the restore goes on).
     #[arg(long, default_value_t = 600)]
     pub timeout: u64,
+    /// With an `s3://` archive URL: its server (default: that of the namespace's backup
+    /// whose archive it is).
+    #[command(flatten)]
+    pub s3: S3Flags,
     #[command(flatten)]
     pub target: Target,
 }
@@ -129,7 +163,8 @@ pub struct CreateArgs {
     #[arg(short, long, default_value = "default")]
     pub namespace: String,
     /// Where the archive goes: a `file://` directory under the operator's backup directory
-    /// for the control plane's namespace (the default: that directory).
+    /// for the control plane's namespace (the default: that directory), or
+    /// `s3://bucket[/prefix]` with --s3-endpoint and --s3-credentials.
     #[arg(long)]
     pub to: Option<String>,
     /// The backup's name (default: `<cluster>-<UTC time>`).
@@ -146,6 +181,8 @@ pub struct CreateArgs {
     /// Stop waiting after this many seconds (the backup goes on).
     #[arg(long, default_value_t = 600)]
     pub timeout: u64,
+    #[command(flatten)]
+    pub s3: S3Flags,
     #[command(flatten)]
     pub target: Target,
 }
@@ -206,6 +243,10 @@ async fn schedule(args: ScheduleArgs) -> anyhow::Result<()> {
         (
             "suspend",
             (args.suspend || args.resume).then_some(serde_json::Value::from(args.suspend)),
+        ),
+        (
+            "s3",
+            args.s3.access().and_then(|a| serde_json::to_value(a).ok()),
         ),
     ] {
         if let Some(v) = value {
@@ -309,6 +350,7 @@ async fn create(args: CreateArgs) -> anyhow::Result<()> {
                 Some(_) => Some(nestplane_api::backup::DeletionPolicy::Retain),
                 None => None,
             },
+            s3: args.s3.access(),
         },
     );
     b.metadata.namespace = Some(ns.clone());
@@ -422,6 +464,29 @@ async fn restore(args: RestoreArgs) -> anyhow::Result<()> {
             None,
         )
     };
+    // An `s3://` archive: its server is the one given, else that of the backup whose
+    // archive it is.
+    let s3 = match args.s3.access() {
+        Some(a) => Some(a),
+        None if args.from.starts_with("s3://") => {
+            Api::<NestedBackup>::namespaced(client.clone(), &ns)
+                .list(&Default::default())
+                .await?
+                .items
+                .into_iter()
+                .find(|b| {
+                    b.status.as_ref().and_then(|s| s.url.as_deref()) == Some(args.from.as_str())
+                })
+                .and_then(|b| b.spec.s3)
+        }
+        None => None,
+    };
+    if args.from.starts_with("s3://") && s3.is_none() {
+        bail!(
+            "{} is an s3:// archive of no backup of namespace {ns}: give its server with --s3-endpoint and --s3-credentials",
+            args.from
+        );
+    }
     let mut r = NestedRestore::new(
         &name,
         NestedRestoreSpec {
@@ -432,6 +497,7 @@ async fn restore(args: RestoreArgs) -> anyhow::Result<()> {
             backup_ref,
             from,
             key_secret_ref: args.key_secret.clone().map(|name| LocalRef { name }),
+            s3,
         },
     );
     r.metadata.namespace = Some(ns.clone());

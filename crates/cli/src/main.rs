@@ -176,6 +176,11 @@ struct OperatorArgs {
     /// (default 10Gi). A backup that would go past it waits (`QuotaExceeded`).
     #[arg(long, value_parser = parse_bytes)]
     backup_namespace_quota: Option<u64>,
+    /// An S3 server (`http[s]://host[:port]`) that an `s3://` backup location may name;
+    /// repeat for several. None by default: a namespace user names the server, and the
+    /// operator sends requests to it.
+    #[arg(long = "backup-s3-endpoint", value_name = "URL")]
+    backup_s3_endpoints: Vec<String>,
 }
 
 /// `1048576`, `512Mi`, `10Gi`: a size in bytes.
@@ -328,6 +333,10 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
             extra_images: args.node_images.clone(),
         }
     });
+    for e in &args.backup_s3_endpoints {
+        nestplane_operator::backup::s3::Endpoint::parse(e)
+            .map_err(|why| anyhow::anyhow!("--backup-s3-endpoint: {why}"))?;
+    }
     let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
     let leader_election = args.leader_elect.unwrap_or(in_cluster).then(|| {
         let identity = std::env::var("POD_NAME").unwrap_or_else(|_| {
@@ -363,6 +372,7 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
             gateway: args.gateway_bind_address,
             backup_dir,
             backup_namespace_quota: args.backup_namespace_quota,
+            backup_s3_endpoints: args.backup_s3_endpoints.clone(),
         },
         token,
     )

@@ -1136,3 +1136,264 @@ async fn an_operator_killed_during_a_restore_is_followed_by_one_that_finishes_it
         "{annotations}"
     );
 }
+
+/// An S3-compatible server over a directory (`s3s-fs`, installed by scripts/install-deps.sh)
+/// on a free loopback port, with one access key; killed when dropped.
+struct S3Server {
+    _process: KillOnDrop,
+    url: String,
+    root: tempfile::TempDir,
+}
+
+const S3_ACCESS_KEY: &str = "team-a-access";
+const S3_SECRET_KEY: &str = "team-a-secret-0123456789";
+
+impl S3Server {
+    fn start() -> S3Server {
+        let cache = std::env::var_os("NESTPLANE_CACHE_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| {
+                std::path::PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/nestplane")
+            });
+        let binary = cache.join("bin/s3s-fs");
+        assert!(
+            binary.exists(),
+            "{} not found: run scripts/install-deps.sh (it builds s3s-fs from crates.io)",
+            binary.display()
+        );
+        let root = tempfile::tempdir().unwrap();
+        // A bucket is a directory.
+        std::fs::create_dir(root.path().join("backups")).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let process = KillOnDrop(
+            std::process::Command::new(&binary)
+                .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                .args(["--access-key", S3_ACCESS_KEY, "--secret-key", S3_SECRET_KEY])
+                .arg(root.path())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let url = format!("http://127.0.0.1:{port}");
+        eventually("s3s-fs listening", Duration::from_secs(20), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).ok()
+        });
+        S3Server {
+            _process: process,
+            url,
+            root,
+        }
+    }
+}
+
+fn s3_creds_yaml(name: &str, secret_key: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Secret\nmetadata: {{name: {name}, namespace: default}}\nstringData:\n  AWS_ACCESS_KEY_ID: {S3_ACCESS_KEY}\n  AWS_SECRET_ACCESS_KEY: {secret_key}\n"
+    )
+}
+
+/// `s3://` locations against a real S3-compatible server on loopback: the CLI backs up into
+/// a bucket and restores from it, deleting a `Delete` backup deletes its object; a server the
+/// operator does not allow, wrong credentials and missing ones are refused, and say why
+/// without the secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_s3_location_takes_archives_that_restore_and_go_with_their_backup() {
+    let s3 = S3Server::start();
+    let mut env = Env::start(false).await;
+    env.start_operator_with_s3(vec![s3.url.clone()]);
+    let kc = env.kubeconfig().to_path_buf();
+    env.create_ncp("default", "alpha").await;
+    env.apply(&s3_creds_yaml("s3-creds", S3_SECRET_KEY));
+    env.wait_ready("default", "alpha", Duration::from_secs(180))
+        .await;
+    let alpha = env.tenant_kubeconfig("default", "alpha").await;
+    kubectl_apply(&alpha, &config_map_list(0..50, &|i| i.to_string()));
+    let backed_up = config_maps(&alpha);
+
+    // Into the bucket: the last line is the object's URL, and the object opens with the key.
+    let out = nestplane()
+        .args(["backup", "create", "alpha", "--name", "alpha-s3"])
+        .args([
+            "--to",
+            "s3://backups/team-a/nightly",
+            "--s3-endpoint",
+            &s3.url,
+        ])
+        .args([
+            "--s3-credentials",
+            "s3-creds",
+            "--deletion-policy",
+            "Delete",
+        ])
+        .arg("--kubeconfig")
+        .arg(&kc)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let url = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(url, "s3://backups/team-a/nightly/alpha-s3.npbackup");
+    let object = s3
+        .root
+        .path()
+        .join("backups/team-a/nightly/alpha-s3.npbackup");
+    let key = key_of(&env, "default", "alpha-backup-key").await;
+    let (header, keys) = open(&object, &key);
+    assert_eq!(header.tenant, "default/alpha");
+    assert!(keys.iter().any(|k| k.ends_with("configmaps/default/cm-49")));
+    // The operator writes an object only where none is (`If-None-Match`): never over one.
+    use nestplane_operator::backup::s3 as client;
+    let bucket = client::Bucket::new(
+        client::Endpoint::parse(&s3.url).unwrap(),
+        client::Credentials {
+            access_key: S3_ACCESS_KEY.into(),
+            secret_key: S3_SECRET_KEY.into(),
+            region: client::DEFAULT_REGION.into(),
+        },
+    )
+    .unwrap();
+    let before = std::fs::read(&object).unwrap();
+    assert_eq!(
+        bucket
+            .put_new(
+                "backups",
+                "team-a/nightly/alpha-s3.npbackup",
+                b"over".to_vec()
+            )
+            .await,
+        Err(client::S3Error::Exists)
+    );
+    assert_eq!(std::fs::read(&object).unwrap(), before);
+    // Nothing was written on the operator's machine.
+    assert!(
+        !env.operator_dir()
+            .join("backups/default/alpha-s3.npbackup")
+            .exists()
+    );
+
+    // A Retain backup beside it; and one whose name an object holds already (another
+    // backup's archive): that object is left as it is.
+    env.apply(&format!(
+        "{}  location: s3://backups/team-a/nightly\n  s3: {{endpoint: \"{}\", credentialsSecretRef: {{name: s3-creds}}}}\n",
+        backup_yaml("default", "copy", "alpha", ""),
+        s3.url
+    ));
+    wait_phase(&kc, "default", "copy", "Completed", "Completed");
+    std::fs::copy(
+        &object,
+        s3.root.path().join("backups/team-a/nightly/taken.npbackup"),
+    )
+    .unwrap();
+    env.apply(&format!(
+        "{}  location: s3://backups/team-a/nightly\n  s3: {{endpoint: \"{}\", credentialsSecretRef: {{name: s3-creds}}}}\n",
+        backup_yaml("default", "taken", "alpha", ""),
+        s3.url
+    ));
+    wait_phase(&kc, "default", "taken", "Failed", "ArchiveExists");
+
+    // Hostile: a server the operator does not allow (here the management API server) is
+    // never sent a request; wrong credentials and missing ones wait, and say why.
+    let mgmt = kubectl_ok(
+        &kc,
+        &[
+            "config",
+            "view",
+            "-o",
+            "jsonpath={.clusters[0].cluster.server}",
+        ],
+    );
+    env.apply(&format!(
+        "{}  location: s3://backups/x\n  s3: {{endpoint: \"{}\", credentialsSecretRef: {{name: s3-creds}}}}\n",
+        backup_yaml("default", "elsewhere", "alpha", ""),
+        mgmt.replace("https://", "http://")
+    ));
+    wait_phase(&kc, "default", "elsewhere", "Failed", "LocationRefused");
+    let why = field(
+        &kc,
+        "default",
+        "elsewhere",
+        "{.status.conditions[0].message}",
+    );
+    assert!(why.contains("refused") && why.contains(&s3.url), "{why}");
+    env.apply(&s3_creds_yaml("wrong-creds", "not-the-secret-key-42"));
+    for (name, creds) in [("wrong", "wrong-creds"), ("missing", "no-such-secret")] {
+        env.apply(&format!(
+            "{}  location: s3://backups/team-a\n  s3: {{endpoint: \"{}\", credentialsSecretRef: {{name: {creds}}}}}\n",
+            backup_yaml("default", name, "alpha", ""),
+            s3.url
+        ));
+        wait_phase(&kc, "default", name, "Pending", "InvalidCredentials");
+        let said = format!(
+            "{}{}",
+            field(&kc, "default", name, "{.status}"),
+            events_for(&kc, "default", name)
+        );
+        assert!(
+            !said.contains("not-the-secret-key-42") && !said.contains(S3_SECRET_KEY),
+            "{said}"
+        );
+    }
+    assert!(
+        !s3.root
+            .path()
+            .join("backups/team-a/wrong.npbackup")
+            .exists()
+    );
+
+    // Changed since, then restored from the bucket: the CLI finds the server by the backup.
+    kubectl_ok(
+        &alpha,
+        &["delete", "configmap", "-n", "default", "cm-0", "cm-1"],
+    );
+    kubectl_apply(&alpha, &config_map_list(2..3, &|_| "changed".into()));
+    assert_ne!(config_maps(&alpha), backed_up);
+    let out = nestplane()
+        .args([
+            "backup", "restore", "alpha", "--from", &url, "--name", "from-s3",
+        ])
+        .arg("--kubeconfig")
+        .arg(&kc)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(config_maps(&alpha), backed_up);
+    assert_eq!(restore_field(&kc, "from-s3", "{.spec.s3.endpoint}"), s3.url);
+
+    // deletionPolicy Delete: the object goes with the backup; a Retain one's stays.
+    kubectl_ok(
+        &kc,
+        &[
+            "delete",
+            "nestedbackup",
+            "-n",
+            "default",
+            "alpha-s3",
+            "copy",
+            "--wait=true",
+            "--timeout=60s",
+        ],
+    );
+    assert!(!object.exists());
+    assert!(
+        s3.root
+            .path()
+            .join("backups/team-a/nightly/copy.npbackup")
+            .exists()
+    );
+    assert!(
+        s3.root
+            .path()
+            .join("backups/team-a/nightly/taken.npbackup")
+            .exists()
+    );
+}

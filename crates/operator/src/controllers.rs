@@ -107,9 +107,21 @@ pub struct Watches {
     backup_dir: std::path::PathBuf,
     /// What one namespace's archives may take.
     backup_quota: u64,
+    /// The S3 servers backups may go to.
+    backup_s3_endpoints: Vec<String>,
 }
 
 impl Watches {
+    /// What the backup, restore and schedule controllers have.
+    fn backup_context(&self, ctx: &Arc<Context>) -> Arc<backup::controller::BackupContext> {
+        Arc::new(backup::controller::BackupContext {
+            core: ctx.clone(),
+            dir: self.backup_dir.clone(),
+            quota: self.backup_quota,
+            s3_endpoints: self.backup_s3_endpoints.clone(),
+        })
+    }
+
     /// The watches of an operator with `config`, their caches put where passes read them.
     pub fn new(
         client: &kube::Client,
@@ -140,6 +152,7 @@ impl Watches {
             backup_quota: config
                 .backup_namespace_quota
                 .unwrap_or(backup::controller::NAMESPACE_QUOTA),
+            backup_s3_endpoints: config.backup_s3_endpoints.clone(),
         };
         w.ncps.store_into(&ctx.caches.ncps);
         w.etcds.store_into(&ctx.caches.etcds);
@@ -442,11 +455,7 @@ fn backups(w: &mut Watches, ctx: &Arc<Context>) -> Running {
         kube::runtime::controller::Config::default().concurrency(backup::controller::CONCURRENCY),
     );
     let store = ctl.store();
-    let bctx = Arc::new(backup::controller::BackupContext {
-        core: ctx.clone(),
-        dir: w.backup_dir.clone(),
-        quota: w.backup_quota,
-    });
+    let bctx = w.backup_context(ctx);
     ctl.watches_shared_stream(w.ncps.subscribe(), move |ncp: Arc<NestedControlPlane>| {
         let ns = ncp.namespace();
         let name = ncp.name_any();
@@ -479,11 +488,7 @@ fn restores(w: &mut Watches, ctx: &Arc<Context>) -> Running {
         kube::runtime::controller::Config::default().concurrency(backup::controller::CONCURRENCY),
     );
     let store = ctl.store();
-    let rctx = Arc::new(backup::controller::BackupContext {
-        core: ctx.clone(),
-        dir: w.backup_dir.clone(),
-        quota: w.backup_quota,
-    });
+    let rctx = w.backup_context(ctx);
     ctl.watches_shared_stream(w.ncps.subscribe(), move |ncp: Arc<NestedControlPlane>| {
         let ns = ncp.namespace();
         let name = ncp.name_any();
@@ -508,11 +513,7 @@ fn restores(w: &mut Watches, ctx: &Arc<Context>) -> Running {
 /// Backup schedules: looked at again when one of their backups changes (completed: the
 /// oldest past the retention goes), and when the next backup is due.
 fn backup_schedules(w: &mut Watches, ctx: &Arc<Context>) -> Running {
-    let sctx = Arc::new(backup::controller::BackupContext {
-        core: ctx.clone(),
-        dir: w.backup_dir.clone(),
-        quota: w.backup_quota,
-    });
+    let sctx = w.backup_context(ctx);
     Controller::new(
         api::<NestedBackupSchedule>(&w.client, &w.namespace),
         watcher::Config::default(),

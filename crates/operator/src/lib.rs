@@ -79,6 +79,9 @@ pub struct Config {
     /// What one namespace's archives may take in all, in bytes
     /// ([`backup::controller::NAMESPACE_QUOTA`] when `None`).
     pub backup_namespace_quota: Option<u64>,
+    /// The S3 servers (`http[s]://host[:port]`) an `s3://` location may name; none by
+    /// default (a namespace user names the server, and the operator sends requests to it).
+    pub backup_s3_endpoints: Vec<String>,
 }
 
 impl Config {

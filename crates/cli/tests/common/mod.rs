@@ -175,7 +175,17 @@ impl Env {
         controllers: nestplane_operator::Controllers,
         node_images: Vec<String>,
     ) {
-        self.start_operator_configured(controllers, node_images, None);
+        self.start_operator_configured(controllers, node_images, None, vec![]);
+    }
+
+    /// Start the operator allowing these S3 servers for backups (`--backup-s3-endpoint`).
+    pub fn start_operator_with_s3(&mut self, endpoints: Vec<String>) {
+        self.start_operator_configured(
+            nestplane_operator::Controllers::default(),
+            vec![],
+            None,
+            endpoints,
+        );
     }
 
     /// Start the operator running the shared gateway on a free loopback port (each control
@@ -185,6 +195,7 @@ impl Env {
             nestplane_operator::Controllers::default(),
             vec![],
             Some("127.0.0.1:0".parse().unwrap()),
+            vec![],
         );
     }
 
@@ -193,6 +204,7 @@ impl Env {
         controllers: nestplane_operator::Controllers,
         node_images: Vec<String>,
         gateway: Option<std::net::SocketAddr>,
+        backup_s3_endpoints: Vec<String>,
     ) {
         self.operator = Some(nestplane_operator::Operator::start(
             self.plane.client(),
@@ -206,6 +218,7 @@ impl Env {
                     extra_images: node_images,
                 }),
                 gateway,
+                backup_s3_endpoints,
                 ..Default::default()
             },
         ));

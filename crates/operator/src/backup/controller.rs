@@ -35,7 +35,7 @@ use nestplane_api::conditions;
 use nestplane_api::names::{self, Component, SecretPurpose};
 use ring::rand::{SecureRandom, SystemRandom};
 
-use super::{archive, engine, location};
+use super::{archive, engine, location, s3, store};
 use crate::context::{Context, Error};
 use crate::datastore::etcd;
 use crate::tenant::Tenant;
@@ -55,6 +55,8 @@ pub struct BackupContext {
     pub dir: PathBuf,
     /// What the files under `<dir>/ns/` may take in all, for each namespace `ns`.
     pub quota: u64,
+    /// The S3 servers an `s3://` location may name (`--backup-s3-endpoint`).
+    pub s3_endpoints: Vec<String>,
 }
 
 /// How often a backup refused by its namespace's quota after reading the keys looks again
@@ -168,8 +170,8 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
         // Another operator's control plane (`--watch-filter`): its operator takes it.
         return Ok(Action::await_change());
     }
-    let dir = match location::resolve(b.spec.location.as_deref(), &ctx.dir, &ns) {
-        Ok(dir) => dir,
+    let loc = match location::locate(b.spec.location.as_deref(), &ctx.dir, &ns) {
+        Ok(loc) => loc,
         Err(refused) => {
             return settle(
                 &ctx,
@@ -192,7 +194,16 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
         )
         .await;
     }
-    let path = location::archive_path(&dir, &b.name_any());
+    let archive = loc.archive(&b.name_any());
+    let bucket = match store::reach(&ctx, &ns, &archive, b.spec.s3.as_ref()).await? {
+        Ok(bucket) => bucket,
+        Err(store::Unusable::Refused(reason, why)) => {
+            return settle(&ctx, &b, Outcome::Refused(reason, why)).await;
+        }
+        Err(store::Unusable::Waiting(reason, why)) => {
+            return settle(&ctx, &b, Outcome::Waiting(reason, why)).await;
+        }
+    };
     let key = match archive_key(&ctx, &b).await? {
         Ok(key) => key,
         Err(why) => return settle(&ctx, &b, Outcome::Waiting(reasons::INVALID_KEY, why)).await,
@@ -200,40 +211,42 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
     let uid = b.uid().unwrap_or_default();
     // An archive of this name is there already: this backup's, written by an operator that
     // stopped before saying so, or someone else's, which is left as it is.
-    match existing(&path, &uid, &key).await {
+    match existing(&archive, bucket.as_ref(), &uid, &key).await {
         Existing::None => {}
         Existing::Ours(header, size) => {
-            return complete(&ctx, &b, &path, &header, size, None).await;
+            return complete(&ctx, &b, &archive.url(), &header, size, None).await;
         }
         Existing::Other(why) => {
             return settle(&ctx, &b, Outcome::Refused(reasons::ARCHIVE_EXISTS, why)).await;
         }
-        Existing::Unreadable(why) => {
-            return settle(&ctx, &b, Outcome::Waiting(reasons::BACKUP_FAILED, why)).await;
+        Existing::Unreadable(reason, why) => {
+            return settle(&ctx, &b, Outcome::Waiting(reason, why)).await;
         }
     }
     // The namespace's archives leave no room for one as large as this control plane's last:
-    // nothing is read.
-    let last_size = Api::<NestedBackup>::namespaced(ctx.client.clone(), &ns)
-        .list(&kube::api::ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .filter(|o| &o.spec.control_plane_ref.name == cp)
-        .filter_map(|o| o.status)
-        .filter(|s| s.phase.as_deref() == Some(phases::COMPLETED))
-        .max_by_key(|s| s.completed_at.as_ref().map(|t| t.0))
-        .and_then(|s| s.archive_bytes)
-        .max(status.archive_bytes) // what this one needed when it did not fit
-        .map_or(0, |b| b.max(0) as u64);
-    let ns_dir = ctx.dir.join(&ns);
-    let used = tokio::task::spawn_blocking(move || used_under(&ns_dir))
-        .await
-        .map_err(|e| Error::Internal(e.to_string()))?;
-    match used.map(|used| over_quota(&ns, used, last_size, ctx.quota)) {
-        Ok(None) => {}
-        Ok(Some(why)) | Err(why) => {
-            return settle(&ctx, &b, Outcome::Waiting(reasons::QUOTA_EXCEEDED, why)).await;
+    // nothing is read. (An S3 location's space is its bucket owner's.)
+    if matches!(archive, location::Archive::File(_)) {
+        let last_size = Api::<NestedBackup>::namespaced(ctx.client.clone(), &ns)
+            .list(&kube::api::ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .filter(|o| &o.spec.control_plane_ref.name == cp)
+            .filter_map(|o| o.status)
+            .filter(|s| s.phase.as_deref() == Some(phases::COMPLETED))
+            .max_by_key(|s| s.completed_at.as_ref().map(|t| t.0))
+            .and_then(|s| s.archive_bytes)
+            .max(status.archive_bytes) // what this one needed when it did not fit
+            .map_or(0, |b| b.max(0) as u64);
+        let ns_dir = ctx.dir.join(&ns);
+        let used = tokio::task::spawn_blocking(move || used_under(&ns_dir))
+            .await
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        match used.map(|used| over_quota(&ns, used, last_size, ctx.quota)) {
+            Ok(None) => {}
+            Ok(Some(why)) | Err(why) => {
+                return settle(&ctx, &b, Outcome::Waiting(reasons::QUOTA_EXCEEDED, why)).await;
+            }
         }
     }
     // A restore in progress: its keys are half written.
@@ -268,10 +281,27 @@ pub async fn reconcile(b: Arc<NestedBackup>, ctx: Arc<BackupContext>) -> Result<
         .unwrap_or_else(|| names::DEFAULT_KUBERNETES_VERSION.to_string());
     running(&ctx, &b).await?;
     let started = Instant::now();
-    let taken = take(&ctx, &ncp, &version, &access, &key, &uid, &path).await;
+    let taken = take(
+        &ctx,
+        &ncp,
+        &version,
+        &access,
+        &key,
+        &uid,
+        (&archive, bucket.as_ref()),
+    )
+    .await;
     match taken {
         Ok((header, size, restarts)) => {
-            complete(&ctx, &b, &path, &header, size, Some((started, restarts))).await
+            complete(
+                &ctx,
+                &b,
+                &archive.url(),
+                &header,
+                size,
+                Some((started, restarts)),
+            )
+            .await
         }
         Err(Failure::Refused(reason, why)) => settle(&ctx, &b, Outcome::Refused(reason, why)).await,
         Err(Failure::OverQuota(why, needed)) => {
@@ -360,12 +390,7 @@ async fn deletion_policy(ctx: &BackupContext, b: &NestedBackup) -> Result<Option
         return Ok(Some(Action::requeue(RECHECK)));
     }
     let removed = match super::schedule::archive_of(ctx, &ns, b) {
-        Some(path) => {
-            let (root, uid) = (ctx.dir.clone(), b.uid().unwrap_or_default());
-            tokio::task::spawn_blocking(move || super::schedule::remove_own(&root, &path, &uid))
-                .await
-                .map_err(|e| Error::Internal(e.to_string()))?
-        }
+        Some(a) => store::remove_own(ctx, &ns, b, &a).await,
         None => super::schedule::Removed::Nothing,
     };
     if let super::schedule::Removed::Failed(why) = removed {
@@ -516,7 +541,7 @@ async fn take(
     access: &Access,
     key: &[u8],
     uid: &str,
-    path: &Path,
+    (target, bucket): (&location::Archive, Option<&s3::Bucket>),
 ) -> Result<(archive::Header, u64, u32), Failure> {
     let mut client = etcd::connect_as(&access.endpoints, &access.creds)
         .await
@@ -566,6 +591,50 @@ async fn take(
         .map_err(|e| Failure::Refused(reasons::CANNOT_ARCHIVE, e.to_string()))?;
     let restarts = snap.restarts;
     drop(snap);
+    let path = match (target, bucket) {
+        (location::Archive::File(path), _) => path,
+        (
+            location::Archive::S3 {
+                bucket: name,
+                key: object,
+            },
+            Some(bucket),
+        ) => {
+            // Written unless an object of its name exists, read back and opened.
+            let size = sealed.len() as u64;
+            bucket
+                .put_new(name, object, sealed)
+                .await
+                .map_err(|e| match e {
+                    s3::S3Error::Exists => Failure::Refused(
+                        reasons::ARCHIVE_EXISTS,
+                        format!(
+                            "{} appeared while the backup was written; it is left as it is",
+                            target.url()
+                        ),
+                    ),
+                    e => Failure::Retry(format!("writing the archive: {e}")),
+                })?;
+            let back = store::read(target, Some(bucket), None)
+                .await
+                .map_err(|e| Failure::Retry(format!("reading the archive back: {e}")))?
+                .ok_or_else(|| format!("{} is not there after it was written", target.url()))?;
+            if back.len() as u64 != size {
+                return Err(format!(
+                    "{} holds {} bytes after {size} were written",
+                    target.url(),
+                    back.len()
+                )
+                .into());
+            }
+            let (header, _) = archive::decode(&back, key, &archive::Limits::default())
+                .map_err(|e| format!("the archive written does not open: {e}"))?;
+            return Ok((header, size, restarts));
+        }
+        (location::Archive::S3 { .. }, None) => {
+            return Err("an s3:// archive needs its server".to_string().into());
+        }
+    };
     let (root, path, key, uid, quota) = (
         ctx.dir.clone(),
         path.to_path_buf(),
@@ -721,49 +790,41 @@ enum Existing {
     Ours(archive::Header, u64),
     /// Something else, or this backup's archive that the key no longer opens.
     Other(String),
-    /// It cannot be read now.
-    Unreadable(String),
+    /// It cannot be read now (a reason and why).
+    Unreadable(&'static str, String),
 }
 
-async fn existing(path: &Path, uid: &str, key: &[u8]) -> Existing {
-    let (path, uid, key) = (path.to_path_buf(), uid.to_string(), key.to_vec());
-    tokio::task::spawn_blocking(move || {
-        match std::fs::symlink_metadata(&path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Existing::None,
-            Err(e) => return Existing::Unreadable(format!("{}: {e}", path.display())),
-            Ok(m) if !m.is_file() => {
-                return Existing::Other(format!(
-                    "{} exists and is not an archive; it is left as it is",
-                    path.display()
-                ));
-            }
-            Ok(_) => {}
+async fn existing(
+    a: &location::Archive,
+    bucket: Option<&s3::Bucket>,
+    uid: &str,
+    key: &[u8],
+) -> Existing {
+    let bytes = match store::read(a, bucket, None).await {
+        Ok(None) => return Existing::None,
+        Ok(Some(b)) => b,
+        Err(store::ReadError::Denied(why)) => {
+            return Existing::Unreadable(reasons::INVALID_CREDENTIALS, why);
         }
-        let other = || {
-            Existing::Other(format!(
-                "{} exists and is another backup's; it is left as it is (name this backup otherwise, or choose another location)",
-                path.display()
-            ))
-        };
-        let bytes = match read_archive(&path) {
-            Ok(b) => b,
-            Err(why) => return Existing::Unreadable(why),
-        };
-        match archive::read_header(&bytes) {
-            Ok(h) if !uid.is_empty() && h.id == uid => {
-                match archive::decode(&bytes, &key, &archive::Limits::default()) {
-                    Ok((header, _)) => Existing::Ours(header, bytes.len() as u64),
-                    Err(e) => Existing::Other(format!(
-                        "{} is this backup's archive, but does not open with its key Secret's key ({e}); was the key changed?",
-                        path.display()
-                    )),
-                }
-            }
-            _ => other(),
+        Err(store::ReadError::NotAFile(why)) => return Existing::Other(why),
+        Err(store::ReadError::Failed(why)) => {
+            return Existing::Unreadable(reasons::BACKUP_FAILED, why);
         }
-    })
-    .await
-    .unwrap_or_else(|e| Existing::Other(e.to_string()))
+    };
+    let url = a.url();
+    match archive::read_header(&bytes) {
+        Ok(h) if !uid.is_empty() && h.id == uid => {
+            match archive::decode(&bytes, key, &archive::Limits::default()) {
+                Ok((header, _)) => Existing::Ours(header, bytes.len() as u64),
+                Err(e) => Existing::Other(format!(
+                    "{url} is this backup's archive, but does not open with its key Secret's key ({e}); was the key changed?"
+                )),
+            }
+        }
+        _ => Existing::Other(format!(
+            "{url} exists and is another backup's; it is left as it is (name this backup otherwise, or choose another location)"
+        )),
+    }
 }
 
 /// The archive key from the backup's key Secret. A default key Secret that does not exist is
@@ -905,12 +966,12 @@ async fn running(ctx: &BackupContext, b: &NestedBackup) -> Result<(), Error> {
 async fn complete(
     ctx: &BackupContext,
     b: &NestedBackup,
-    path: &Path,
+    url: &str,
     h: &archive::Header,
     size: u64,
     timing: Option<(Instant, u32)>,
 ) -> Result<Action, Error> {
-    let url = location::url_of(path);
+    let url = url.to_string();
     let mut s = b.status.clone().unwrap_or_default();
     s.phase = Some(phases::COMPLETED.into());
     s.url = Some(url.clone());

@@ -1,9 +1,11 @@
 //! Where a backup's archive may go, decided before anything is read or written. Pure.
 //!
-//! A location is a `file://` URL of a directory. The operator writes archives only under
-//! its backup directory, and a backup of namespace `ns` only under `<backup dir>/ns/`: a
-//! namespace user names a location, and may not make the operator write (or, later, read)
-//! anywhere else on its machine, nor in another namespace's directory.
+//! A location is a `file://` URL of a directory, or an `s3://bucket/prefix` URL. The
+//! operator writes archives only under its backup directory, and a backup of namespace `ns`
+//! only under `<backup dir>/ns/`: a namespace user names a location, and may not make the
+//! operator write or read anywhere else on its machine, nor in another namespace's
+//! directory. In S3, what a namespace may reach is what its own credentials may (see
+//! [`super::s3`]); its bucket and key are checked here to be plain.
 
 use std::path::{Component, Path, PathBuf};
 
@@ -19,6 +21,147 @@ pub const MAX_LEN: usize = 1024;
 pub struct Refused {
     pub given: String,
     pub why: String,
+}
+
+/// Where archives go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Location {
+    /// A directory on the operator's machine.
+    Dir(PathBuf),
+    /// A bucket, and a prefix (empty, or ending in `/`).
+    S3 { bucket: String, prefix: String },
+}
+
+/// One archive.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Archive {
+    /// A file on the operator's machine.
+    File(PathBuf),
+    /// An object.
+    S3 { bucket: String, key: String },
+}
+
+impl Location {
+    /// The archive of backup `name` here.
+    pub fn archive(&self, name: &str) -> Archive {
+        match self {
+            Location::Dir(dir) => Archive::File(archive_path(dir, name)),
+            Location::S3 { bucket, prefix } => Archive::S3 {
+                bucket: bucket.clone(),
+                key: format!("{prefix}{name}{ARCHIVE_SUFFIX}"),
+            },
+        }
+    }
+}
+
+impl Archive {
+    /// Its URL (`file:///…` or `s3://bucket/key`).
+    pub fn url(&self) -> String {
+        match self {
+            Archive::File(p) => url_of(p),
+            Archive::S3 { bucket, key } => format!("s3://{bucket}/{key}"),
+        }
+    }
+}
+
+/// Whether `s` is a plain bucket name: 3 to 63 of `a-z0-9.-`, a letter or digit at each end.
+fn plain_bucket(s: &str) -> bool {
+    (3..=63).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-')
+        && s.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && s.ends_with(|c: char| c.is_ascii_alphanumeric())
+        && !s.contains("..")
+}
+
+/// `s3://bucket[/a/b/]` as a bucket and a prefix (`""` or `"a/b/"`): every segment of
+/// `A-Za-z0-9-._`, none empty, `.` or `..`.
+fn parse_s3(given: &str) -> Result<(String, String), String> {
+    let rest = given
+        .strip_prefix("s3://")
+        .ok_or_else(|| "an S3 location is s3://bucket[/prefix]".to_string())?;
+    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+    if !plain_bucket(bucket) {
+        return Err(format!(
+            "{bucket:?} is not a bucket name (3 to 63 of a-z, 0-9, `.` and `-`)"
+        ));
+    }
+    let prefix = prefix.strip_suffix('/').unwrap_or(prefix);
+    if prefix.is_empty() {
+        return Ok((bucket.to_string(), String::new()));
+    }
+    for s in prefix.split('/') {
+        if s.is_empty()
+            || s == "."
+            || s == ".."
+            || !s
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'))
+        {
+            return Err(
+                "an S3 prefix's segments are of A-Z, a-z, 0-9, `-`, `.` and `_`, and none is empty, `.` or `..`"
+                    .into(),
+            );
+        }
+    }
+    Ok((bucket.to_string(), format!("{prefix}/")))
+}
+
+/// Where `location` is: [`resolve`] for a directory, or an `s3://` bucket and prefix.
+pub fn locate(location: Option<&str>, root: &Path, namespace: &str) -> Result<Location, Refused> {
+    match location {
+        Some(given) if given.starts_with("s3://") => {
+            if given.len() > MAX_LEN {
+                return Err(Refused {
+                    given: nestplane_api::conditions::cut(given, 200),
+                    why: format!("longer than {MAX_LEN} bytes"),
+                });
+            }
+            parse_s3(given)
+                .map(|(bucket, prefix)| Location::S3 { bucket, prefix })
+                .map_err(|why| Refused {
+                    given: nestplane_api::conditions::cut(given, 200),
+                    why,
+                })
+        }
+        _ => resolve(location, root, namespace).map(Location::Dir),
+    }
+}
+
+/// The archive at `url`: [`resolve_archive`] for a file, or an `s3://bucket/prefix/name`
+/// object of a plain name.
+pub fn locate_archive(url: &str, root: &Path, namespace: &str) -> Result<Archive, Refused> {
+    if !url.starts_with("s3://") {
+        return resolve_archive(url, root, namespace).map(Archive::File);
+    }
+    let refuse = |why: String| Refused {
+        given: nestplane_api::conditions::cut(url, 200),
+        why,
+    };
+    let Some((dir, name)) = url.rsplit_once('/').filter(|(d, _)| *d != "s3:/") else {
+        return Err(refuse(
+            "an archive is s3://bucket/[prefix/]name.npbackup".into(),
+        ));
+    };
+    if !plain_name(name) {
+        return Err(refuse(format!(
+            "an archive's name is a plain file name ending in {ARCHIVE_SUFFIX}"
+        )));
+    }
+    let stem = &name[..name.len() - ARCHIVE_SUFFIX.len()];
+    match locate(Some(dir), root, namespace)? {
+        l @ Location::S3 { .. } => Ok(l.archive(stem)),
+        Location::Dir(_) => Err(refuse("not an s3:// URL".into())),
+    }
+}
+
+/// Whether `name` is a plain archive file name.
+fn plain_name(name: &str) -> bool {
+    name.strip_suffix(ARCHIVE_SUFFIX)
+        .is_some_and(|stem| !stem.is_empty() && !stem.starts_with('.'))
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'))
 }
 
 /// The directory of `location` (the namespace's own directory when `None` or empty), which
@@ -41,7 +184,7 @@ pub fn resolve(location: Option<&str>, root: &Path, namespace: &str) -> Result<P
         && scheme != "file"
     {
         return Err(refuse(format!(
-            "only file:// locations are supported here, not {scheme}://"
+            "a location is a file:// or s3:// URL, not {scheme}://"
         )));
     }
     let Some(rest) = given.strip_prefix("file://") else {
@@ -90,13 +233,7 @@ pub fn resolve_archive(url: &str, root: &Path, namespace: &str) -> Result<PathBu
     let Some((dir, name)) = url.rsplit_once('/') else {
         return Err(refuse("an archive is a file:// URL".into()));
     };
-    let plain = name
-        .strip_suffix(ARCHIVE_SUFFIX)
-        .is_some_and(|stem| !stem.is_empty() && !stem.starts_with('.'))
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'));
-    if !plain {
+    if !plain_name(name) {
         return Err(refuse(format!(
             "an archive's name is a plain file name ending in {ARCHIVE_SUFFIX}"
         )));
@@ -212,5 +349,59 @@ mod tests {
                 .why
                 .contains("not s3://")
         );
+    }
+
+    #[test]
+    fn s3_locations_name_a_plain_bucket_and_prefix() {
+        let root = Path::new(ROOT);
+        let loc = locate(Some("s3://backups/team-a/nightly/"), root, "team-a").unwrap();
+        assert_eq!(
+            loc,
+            Location::S3 {
+                bucket: "backups".into(),
+                prefix: "team-a/nightly/".into()
+            }
+        );
+        let a = loc.archive("alpha-1");
+        assert_eq!(a.url(), "s3://backups/team-a/nightly/alpha-1.npbackup");
+        assert_eq!(locate_archive(&a.url(), root, "team-a").unwrap(), a);
+        assert_eq!(
+            locate(Some("s3://backups"), root, "team-a")
+                .unwrap()
+                .archive("x")
+                .url(),
+            "s3://backups/x.npbackup"
+        );
+        for hostile in [
+            "s3://",
+            "s3://Backups/x",
+            "s3://ab/x",
+            "s3://-backups/x",
+            "s3://back..ups/x",
+            "s3://backups/../x",
+            "s3://backups/a//b",
+            "s3://backups/./b",
+            "s3://backups/a b",
+            "s3://backups/a%2e%2e",
+            "s3://backups/a?x",
+            "s3://backups/a#x",
+            "s3://backups/a\\b",
+        ] {
+            assert!(locate(Some(hostile), root, "team-a").is_err(), "{hostile}");
+        }
+        for hostile in [
+            "s3://backups/x",
+            "s3://backups/.npbackup",
+            "s3://backups/../x.npbackup",
+            "s3://x.npbackup",
+            "s3:///x.npbackup",
+        ] {
+            assert!(
+                locate_archive(hostile, root, "team-a").is_err(),
+                "{hostile}"
+            );
+        }
+        // A file:// URL still goes through the directory's rules.
+        assert!(locate_archive("file:///etc/x.npbackup", root, "team-a").is_err());
     }
 }

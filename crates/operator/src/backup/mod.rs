@@ -1,6 +1,6 @@
 //! Tenant backups (issue #28): the archive format ([`archive`], pure), the engine that
 //! reads a tenant's keys at one revision and writes them back under any prefix ([`engine`]),
-//! where archives may go ([`location`], pure), and the `NestedBackup`, `NestedRestore` and
+//! where archives may go ([`location`], pure), `s3://` servers ([`s3`]), and the `NestedBackup`, `NestedRestore` and
 //! `NestedBackupSchedule` controllers ([`controller`], [`restore`], [`schedule`]).
 //! `docs/backup.md` describes them.
 
@@ -9,7 +9,9 @@ pub mod controller;
 pub mod engine;
 pub mod location;
 pub mod restore;
+pub mod s3;
 pub mod schedule;
+pub mod store;
 
 #[cfg(test)]
 mod tests;

@@ -19,7 +19,6 @@
 //! exists and is `Stopping` or `Restoring`: deleting the restore releases it.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,7 +39,8 @@ use nestplane_api::backup::{
 use nestplane_api::conditions;
 use nestplane_api::names::{self, Component, SecretPurpose};
 
-use super::controller::{BackupContext, datastore_access, read_archive};
+use super::controller::{BackupContext, datastore_access};
+use super::store;
 use super::{archive, engine, location};
 use crate::context::{Context, Error};
 use crate::tenant::Tenant;
@@ -749,7 +749,7 @@ async fn open_archive(
 ) -> Result<Result<(String, archive::Opened), Stop>, Error> {
     let ns = r.namespace().unwrap_or_default();
     let cp = &r.spec.control_plane_ref.name;
-    let (url, backup_key) = match (&r.spec.backup_ref, &r.spec.from) {
+    let (url, backup_key, access) = match (&r.spec.backup_ref, &r.spec.from) {
         (Some(b), None) => {
             let backups: Api<NestedBackup> = Api::namespaced(ctx.client.clone(), &ns);
             let Some(backup) = backups.get_opt(&b.name).await? else {
@@ -773,9 +773,9 @@ async fn open_archive(
                 .key_secret_ref
                 .map(|k| k.name)
                 .unwrap_or_else(|| default_key_secret(&backup.spec.control_plane_ref.name));
-            (url, Some(key))
+            (url, Some(key), backup.spec.s3)
         }
-        (None, Some(from)) => (from.clone(), None),
+        (None, Some(from)) => (from.clone(), None, r.spec.s3.clone()),
         _ => {
             return Ok(Err(Stop::Refused(
                 reasons::INVALID_SPEC,
@@ -783,14 +783,19 @@ async fn open_archive(
             )));
         }
     };
-    let path: PathBuf = match location::resolve_archive(&url, &ctx.dir, &ns) {
-        Ok(p) => p,
+    let archive = match location::locate_archive(&url, &ctx.dir, &ns) {
+        Ok(a) => a,
         Err(refused) => {
             return Ok(Err(Stop::Refused(
                 reasons::LOCATION_REFUSED,
                 refused.to_string(),
             )));
         }
+    };
+    let bucket = match store::reach(ctx, &ns, &archive, access.as_ref()).await? {
+        Ok(b) => b,
+        Err(store::Unusable::Refused(reason, why)) => return Ok(Err(Stop::Refused(reason, why))),
+        Err(store::Unusable::Waiting(reason, why)) => return Ok(Err(Stop::Waiting(reason, why))),
     };
     let secret = r
         .spec
@@ -812,16 +817,33 @@ async fn open_archive(
             format!("the key Secret {ns}/{secret} does not hold a `{KEY_KEY}` of {KEY_LEN} bytes"),
         )));
     };
-    let shown = location::url_of(&path);
+    let shown = archive.url();
+    let bytes = match store::read(&archive, bucket.as_ref(), None).await {
+        Ok(Some(bytes)) => bytes,
+        Ok(None) => {
+            return Ok(Err(Stop::Refused(
+                rr::INVALID_ARCHIVE,
+                format!("{shown}: there is no such archive"),
+            )));
+        }
+        // Its server refuses the credentials, or cannot be reached: looked at again.
+        Err(store::ReadError::Denied(why)) => {
+            return Ok(Err(Stop::Waiting(reasons::INVALID_CREDENTIALS, why)));
+        }
+        Err(store::ReadError::Failed(why)) if bucket.is_some() => {
+            return Ok(Err(Stop::Waiting(reasons::LOCATION_UNAVAILABLE, why)));
+        }
+        Err(why) => return Ok(Err(Stop::Refused(rr::INVALID_ARCHIVE, why.to_string()))),
+    };
     let opened = tokio::task::spawn_blocking(move || {
-        let bytes = read_archive(&path)?;
         archive::decode_all(&bytes, &key, &archive::Limits::default())
-            .map_err(|e| format!("{}: {e}", path.display()))
+            .map_err(|e| format!("{shown}: {e}"))
+            .map(|o| (shown, o))
     })
     .await
     .map_err(|e| Error::Internal(e.to_string()))?;
     Ok(match opened {
-        Ok(o) => Ok((shown, o)),
+        Ok(o) => Ok(o),
         Err(why) => Err(Stop::Refused(rr::INVALID_ARCHIVE, why)),
     })
 }

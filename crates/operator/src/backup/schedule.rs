@@ -390,12 +390,12 @@ pub(super) fn archive_of(
     ctx: &BackupContext,
     ns: &str,
     b: &NestedBackup,
-) -> Option<std::path::PathBuf> {
+) -> Option<location::Archive> {
     match b.status.as_ref().and_then(|s| s.url.as_deref()) {
-        Some(url) => location::resolve_archive(url, &ctx.dir, ns).ok(),
-        None => location::resolve(b.spec.location.as_deref(), &ctx.dir, ns)
+        Some(url) => location::locate_archive(url, &ctx.dir, ns).ok(),
+        None => location::locate(b.spec.location.as_deref(), &ctx.dir, ns)
             .ok()
-            .map(|dir| location::archive_path(&dir, &b.name_any())),
+            .map(|loc| loc.archive(&b.name_any())),
     }
 }
 
@@ -412,12 +412,13 @@ impl InUse {
         if self.backups.contains(&name) {
             return true;
         }
-        let Some(path) = archive_of(ctx, ns, b) else {
+        let Some(archive) = archive_of(ctx, ns, b) else {
             return false;
         };
+        // (Objects are compared by bucket and key, whatever server: one more archive kept.)
         self.urls
             .iter()
-            .any(|u| location::resolve_archive(u, &ctx.dir, ns).is_ok_and(|p| p == path))
+            .any(|u| location::locate_archive(u, &ctx.dir, ns).is_ok_and(|a| a == archive))
     }
 }
 
@@ -474,6 +475,7 @@ async fn make(
             location: s.spec.location.clone(),
             key_secret_ref: s.spec.key_secret_ref.clone(),
             deletion_policy: s.spec.deletion_policy,
+            s3: s.spec.s3.clone(),
         },
         status: None,
     };
@@ -520,12 +522,7 @@ async fn prune(
     let name = b.name_any();
     let uid = b.uid().unwrap_or_default();
     let what = match archive_of(ctx, &ns, b) {
-        Some(path) => {
-            let (root, uid) = (ctx.dir.clone(), uid.clone());
-            tokio::task::spawn_blocking(move || remove_own(&root, &path, &uid))
-                .await
-                .map_err(|e| Error::Internal(e.to_string()))?
-        }
+        Some(a) => super::store::remove_own(ctx, &ns, b, &a).await,
         None => Removed::Nothing,
     };
     let note = match what {
