@@ -1323,7 +1323,11 @@ async fn an_s3_location_takes_archives_that_restore_and_go_with_their_backup() {
         "elsewhere",
         "{.status.conditions[0].message}",
     );
-    assert!(why.contains("refused") && why.contains(&s3.url), "{why}");
+    // (Which servers are allowed is the administrator's business: not said.)
+    assert!(
+        why.contains("refused") && why.contains("--backup-s3-endpoint") && !why.contains(&s3.url),
+        "{why}"
+    );
     env.apply(&s3_creds_yaml("wrong-creds", "not-the-secret-key-42"));
     for (name, creds) in [("wrong", "wrong-creds"), ("missing", "no-such-secret")] {
         env.apply(&format!(

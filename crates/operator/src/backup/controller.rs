@@ -794,35 +794,50 @@ enum Existing {
     Unreadable(&'static str, String),
 }
 
+#[allow(clippy::result_large_err)]
 async fn existing(
     a: &location::Archive,
     bucket: Option<&s3::Bucket>,
     uid: &str,
     key: &[u8],
 ) -> Existing {
-    let bytes = match store::read(a, bucket, None).await {
-        Ok(None) => return Existing::None,
-        Ok(Some(b)) => b,
+    let read = |first| store::read(a, bucket, first);
+    let judge = |r: Result<Option<Vec<u8>>, store::ReadError>| match r {
+        Ok(found) => Ok(found),
         Err(store::ReadError::Denied(why)) => {
-            return Existing::Unreadable(reasons::INVALID_CREDENTIALS, why);
+            Err(Existing::Unreadable(reasons::INVALID_CREDENTIALS, why))
         }
-        Err(store::ReadError::NotAFile(why)) => return Existing::Other(why),
+        Err(store::ReadError::NotAFile(why) | store::ReadError::TooLarge(why)) => {
+            Err(Existing::Other(why))
+        }
         Err(store::ReadError::Failed(why)) => {
-            return Existing::Unreadable(reasons::BACKUP_FAILED, why);
+            Err(Existing::Unreadable(reasons::BACKUP_FAILED, why))
         }
     };
     let url = a.url();
-    match archive::read_header(&bytes) {
-        Ok(h) if !uid.is_empty() && h.id == uid => {
-            match archive::decode(&bytes, key, &archive::Limits::default()) {
-                Ok((header, _)) => Existing::Ours(header, bytes.len() as u64),
-                Err(e) => Existing::Other(format!(
-                    "{url} is this backup's archive, but does not open with its key Secret's key ({e}); was the key changed?"
-                )),
-            }
+    // Its header first: another's object is never read whole.
+    let head = match judge(read(Some(archive::HEADER_SPAN)).await) {
+        Ok(None) => return Existing::None,
+        Ok(Some(head)) => head,
+        Err(e) => return e,
+    };
+    match archive::read_header(&head) {
+        Ok(h) if !uid.is_empty() && h.id == uid => {}
+        _ => {
+            return Existing::Other(format!(
+                "{url} exists and is another backup's; it is left as it is (name this backup otherwise, or choose another location)"
+            ));
         }
-        _ => Existing::Other(format!(
-            "{url} exists and is another backup's; it is left as it is (name this backup otherwise, or choose another location)"
+    }
+    let bytes = match judge(read(None).await) {
+        Ok(None) => return Existing::None,
+        Ok(Some(b)) => b,
+        Err(e) => return e,
+    };
+    match archive::decode(&bytes, key, &archive::Limits::default()) {
+        Ok((header, _)) => Existing::Ours(header, bytes.len() as u64),
+        Err(e) => Existing::Other(format!(
+            "{url} is this backup's archive, but does not open with its key Secret's key ({e}); was the key changed?"
         )),
     }
 }

@@ -830,6 +830,9 @@ async fn open_archive(
         Err(store::ReadError::Denied(why)) => {
             return Ok(Err(Stop::Waiting(reasons::INVALID_CREDENTIALS, why)));
         }
+        Err(store::ReadError::TooLarge(why)) => {
+            return Ok(Err(Stop::Refused(rr::INVALID_ARCHIVE, why)));
+        }
         Err(store::ReadError::Failed(why)) if bucket.is_some() => {
             return Ok(Err(Stop::Waiting(reasons::LOCATION_UNAVAILABLE, why)));
         }

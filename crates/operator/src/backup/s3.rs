@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
@@ -24,6 +24,8 @@ use crate::context::Error;
 pub const DEFAULT_REGION: &str = "us-east-1";
 /// How long one request may take, answer included.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a connection may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest error answer read from a server.
 const ERROR_BODY: usize = 8 * 1024;
 
@@ -76,14 +78,14 @@ pub fn allowed_endpoint(given: &str, allowed: &[String]) -> Result<Endpoint, Str
     {
         return Ok(e);
     }
+    // (Which servers are allowed is not said: their names are the administrator's.)
     Err(if allowed.is_empty() {
         format!(
             "endpoint {given:?} refused: this operator sends backups to no S3 server (its administrator allows them with --backup-s3-endpoint)"
         )
     } else {
         format!(
-            "endpoint {given:?} refused: this operator sends backups only to {}",
-            allowed.join(", ")
+            "endpoint {given:?} refused: it is not one of the S3 servers this operator's administrator allows (--backup-s3-endpoint)"
         )
     })
 }
@@ -195,6 +197,9 @@ pub enum S3Error {
     /// The server could not be reached, or did not answer in time.
     #[error("{0}")]
     Transport(String),
+    /// The object is larger than may be read.
+    #[error("{0}")]
+    TooLarge(String),
 }
 
 impl S3Error {
@@ -255,29 +260,55 @@ fn error_text(status: u16, body: &[u8]) -> String {
     }
 }
 
+/// One client for every request (the platform's roots read once): connections time out
+/// after [`CONNECT_TIMEOUT`]. An `https` endpoint needs the platform's roots; `http` does not.
+fn client() -> Client {
+    static CLIENT: std::sync::OnceLock<Client> = std::sync::OnceLock::new();
+    CLIENT
+        .get_or_init(|| {
+            let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+            http.set_connect_timeout(Some(CONNECT_TIMEOUT));
+            http.enforce_http(false);
+            let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+            let builder = hyper_rustls::HttpsConnectorBuilder::new();
+            let https = match builder.with_provider_and_native_roots(provider.clone()) {
+                Ok(b) => b.https_or_http().enable_http1().wrap_connector(http),
+                Err(e) => {
+                    tracing::warn!("no platform TLS roots ({e}): https S3 endpoints will fail");
+                    let tls = rustls::ClientConfig::builder_with_provider(provider)
+                        .with_safe_default_protocol_versions()
+                        .map(|b| {
+                            b.with_root_certificates(rustls::RootCertStore::empty())
+                                .with_no_client_auth()
+                        });
+                    match tls {
+                        Ok(tls) => hyper_rustls::HttpsConnectorBuilder::new()
+                            .with_tls_config(tls)
+                            .https_or_http()
+                            .enable_http1()
+                            .wrap_connector(http),
+                        Err(e) => unreachable!("ring's protocol versions: {e}"),
+                    }
+                }
+            };
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build(https)
+        })
+        .clone()
+}
+
 impl Bucket {
     /// A client of `endpoint` with `creds`.
     pub fn new(endpoint: Endpoint, creds: Credentials) -> Result<Bucket, String> {
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_provider_and_native_roots(std::sync::Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .map_err(|e| format!("TLS roots: {e}"))?
-            .https_or_http()
-            .enable_http1()
-            .build();
-        let client =
-            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                .build(https);
         Ok(Bucket {
             endpoint,
             creds,
-            client,
+            client: client(),
         })
     }
 
     /// Send one signed request for `bucket/key`; the answer's status and body (read up to
-    /// `limit` bytes).
+    /// `limit` bytes: past it an error, or with `truncate` the first `limit`).
     async fn send(
         &self,
         method: &str,
@@ -285,7 +316,7 @@ impl Bucket {
         key: &str,
         extra: &[(&str, &str)],
         body: Bytes,
-        limit: usize,
+        (limit, truncate): (usize, bool),
     ) -> Result<(u16, Vec<u8>), S3Error> {
         let path = encode_path(&format!("/{bucket}/{key}"));
         let payload = sha256_hex(&body);
@@ -326,17 +357,40 @@ impl Bucket {
                 .await
                 .map_err(|e| S3Error::Transport(format!("{shown}: {e}")))?;
             let status = resp.status().as_u16();
-            let cap = if (200..300).contains(&status) {
-                limit
-            } else {
-                ERROR_BODY
-            };
-            let body = Limited::new(resp.into_body(), cap)
-                .collect()
-                .await
-                .map_err(|e| S3Error::Transport(format!("{shown}: reading the answer: {e}")))?
-                .to_bytes();
-            Ok((status, body.to_vec()))
+            let ok = (200..300).contains(&status);
+            let cap = if ok { limit } else { ERROR_BODY };
+            let length = resp
+                .headers()
+                .get(hyper::header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+            if ok && !truncate && length.is_some_and(|n| n > cap as u64) {
+                return Err(S3Error::TooLarge(format!(
+                    "{shown}: the object is {} bytes; at most {cap} are read",
+                    length.unwrap_or_default()
+                )));
+            }
+            // Read up to `cap` bytes: past it, an error (or, for a ranged read whose server
+            // sent more than asked, the first `cap` bytes and the connection dropped).
+            let mut body = resp.into_body();
+            let mut out: Vec<u8> = Vec::new();
+            while let Some(frame) = body.frame().await {
+                let frame = frame
+                    .map_err(|e| S3Error::Transport(format!("{shown}: reading the answer: {e}")))?;
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                if out.len() + data.len() > cap {
+                    if truncate || !ok {
+                        out.extend_from_slice(&data[..cap - out.len()]);
+                        break;
+                    }
+                    return Err(S3Error::TooLarge(format!(
+                        "{shown}: the object is larger than the {cap} bytes that are read"
+                    )));
+                }
+                out.extend_from_slice(&data);
+            }
+            Ok((status, out))
         };
         tokio::time::timeout(REQUEST_TIMEOUT, answer)
             .await
@@ -365,7 +419,7 @@ impl Bucket {
                 key,
                 &[("if-none-match", "*")],
                 Bytes::from(bytes),
-                ERROR_BODY,
+                (ERROR_BODY, true),
             )
             .await?;
         match status {
@@ -388,7 +442,14 @@ impl Bucket {
         let extra: Vec<(&str, &str)> = range.iter().map(|r| ("range", r.as_str())).collect();
         let cap = usize::try_from(limit).unwrap_or(usize::MAX);
         let (status, body) = self
-            .send("GET", bucket, key, &extra, Bytes::new(), cap)
+            .send(
+                "GET",
+                bucket,
+                key,
+                &extra,
+                Bytes::new(),
+                (cap, first.is_some()),
+            )
             .await?;
         match status {
             200..=299 => Ok(Some(body)),
@@ -402,7 +463,7 @@ impl Bucket {
     /// Delete `bucket/key` (nothing when there is none).
     pub async fn delete(&self, bucket: &str, key: &str) -> Result<(), S3Error> {
         let (status, body) = self
-            .send("DELETE", bucket, key, &[], Bytes::new(), ERROR_BODY)
+            .send("DELETE", bucket, key, &[], Bytes::new(), (ERROR_BODY, true))
             .await?;
         match status {
             200..=299 | 404 => Ok(()),

@@ -50,6 +50,8 @@ pub enum ReadError {
     Denied(String),
     /// Something that is not a file is in its place.
     NotAFile(String),
+    /// It is larger than an archive may be.
+    TooLarge(String),
     /// It cannot be read now.
     Failed(String),
 }
@@ -57,9 +59,10 @@ pub enum ReadError {
 impl std::fmt::Display for ReadError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ReadError::Denied(why) | ReadError::NotAFile(why) | ReadError::Failed(why) => {
-                f.write_str(why)
-            }
+            ReadError::Denied(why)
+            | ReadError::NotAFile(why)
+            | ReadError::TooLarge(why)
+            | ReadError::Failed(why) => f.write_str(why),
         }
     }
 }
@@ -100,12 +103,10 @@ pub async fn read(
         (Archive::S3 { bucket: name, key }, Some(bucket)) => bucket
             .get(name, key, first, read_limit())
             .await
-            .map_err(|e| {
-                if e.denied() {
-                    ReadError::Denied(e.to_string())
-                } else {
-                    ReadError::Failed(e.to_string())
-                }
+            .map_err(|e| match e {
+                s3::S3Error::TooLarge(why) => ReadError::TooLarge(why),
+                e if e.denied() => ReadError::Denied(e.to_string()),
+                e => ReadError::Failed(e.to_string()),
             }),
         (Archive::S3 { .. }, None) => Err(ReadError::Failed(
             "an s3:// archive needs its server".into(),
@@ -147,11 +148,19 @@ pub(super) async fn remove_own(
             {
                 Ok(Some(head)) => head,
                 Ok(None) => return Removed::Nothing,
+                // Refused for good (the credentials revoked): left, so that deleting a
+                // namespace does not wait on it.
+                Err(e) if e.denied() => {
+                    return Removed::Other(format!("{} is left as it is: {e}", a.url()));
+                }
                 Err(e) => return Removed::Failed(e.to_string()),
             };
             match archive::read_header(&head) {
                 Ok(h) if !uid.is_empty() && h.id == uid => match bucket.delete(name, key).await {
                     Ok(()) => Removed::Archive(a.url()),
+                    Err(e) if e.denied() => {
+                        Removed::Other(format!("{} is left as it is: {e}", a.url()))
+                    }
                     Err(e) => Removed::Failed(e.to_string()),
                 },
                 _ => Removed::Other(format!(
