@@ -145,6 +145,12 @@ pub struct LocalRef {
         priority = 1
     ),
     printcolumn(
+        name = "Deltas Until",
+        type_ = "date",
+        json_path = ".status.pointInTime.until",
+        priority = 1
+    ),
+    printcolumn(
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
@@ -233,6 +239,29 @@ pub struct NestedBackupStatus {
     /// `Ready`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+    /// The delta segments written after this backup by its schedule (`deltas`): a restore
+    /// of it can reach any revision up to `pointInTime.revision` and any time up to
+    /// `pointInTime.until`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub point_in_time: Option<PointInTime>,
+}
+
+/// How far a backup's delta segments reach.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PointInTime {
+    /// Segments written (`<archive>.d000001.npdelta`, …).
+    pub segments: i64,
+    /// The newest revision they hold.
+    pub revision: i64,
+    /// Until when the control plane's keys are known: the last segment's cut, or the last
+    /// time the watch saw no change.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until: Option<Time>,
+    /// Why no more are written (the watch fell behind the datastore's compaction: the
+    /// schedule's next backup starts a new chain).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<String>,
 }
 
 /// The annotation on a `NestedControlPlane` that holds its API server, controller manager
@@ -281,6 +310,11 @@ pub mod restore_reasons {
     pub const RESTORE_FAILED: &str = "RestoreFailed";
     /// Stopping, restoring, starting (the phase says which).
     pub const IN_PROGRESS: &str = "InProgress";
+    /// The point asked (`toTime`, `toRevision`) is past what the delta segments reach yet:
+    /// looked at again.
+    pub const POINT_NOT_REACHED: &str = "PointNotReached";
+    /// The point asked is before the backup.
+    pub const POINT_BEFORE_BACKUP: &str = "PointBeforeBackup";
 }
 
 /// A restore of one `NestedControlPlane` of this namespace from an archive: its API server,
@@ -356,6 +390,14 @@ pub struct NestedRestoreSpec {
     /// `backupRef`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub s3: Option<S3Access>,
+    /// Point in time: the archive, then its delta segments up to and including this
+    /// datastore revision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to_revision: Option<i64>,
+    /// Point in time: the archive, then its delta segments' changes seen at or before this
+    /// time (RFC 3339). Waits while the segments do not reach it yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to_time: Option<Time>,
     /// The key Secret (its `key`, 32 bytes). Default: the backup's, else
     /// `<control plane>-backup-key` (for a clone, the original's). Never made by a restore.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -442,6 +484,9 @@ pub mod schedule_reasons {
     pub const PRUNED: &str = "Pruned";
     /// A backup of the name the schedule was to give one exists and is not its (Event).
     pub const NAME_TAKEN: &str = "NameTaken";
+    /// The watch behind the delta segments fell behind the datastore's compaction: a new
+    /// backup is made at once to start a new chain (Event).
+    pub const DELTAS_BEHIND: &str = "DeltasFellBehind";
 }
 
 /// Backups of one `NestedControlPlane` of this namespace, one every period, the newest
@@ -520,6 +565,20 @@ pub struct NestedBackupScheduleSpec {
     /// The backups' `s3` (how to reach an `s3://` location).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub s3: Option<S3Access>,
+    /// Point in time: after each backup completes, the control plane's changes are
+    /// followed with a watch and written beside its archive as delta segments, one every
+    /// period, so that a restore can reach any revision or time since.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deltas: Option<Deltas>,
+}
+
+/// How delta segments are cut.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Deltas {
+    /// How often a segment is cut: `10s` to `1h` (a restore to a time reaches what the
+    /// segments written by then hold).
+    pub every: String,
 }
 
 /// What the schedule did.

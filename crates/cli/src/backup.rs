@@ -108,6 +108,11 @@ pub struct ScheduleArgs {
     /// The backups' deletionPolicy (as `backup create --deletion-policy`).
     #[arg(long, value_parser = ["Retain", "Delete"])]
     pub deletion_policy: Option<String>,
+    /// Point in time: follow the cluster's changes after each backup and write them beside
+    /// it as delta segments, one every this period (10s to 1h), so that `backup restore
+    /// --to-time` / `--to-revision` can reach any point since.
+    #[arg(long)]
+    pub deltas_every: Option<String>,
     #[command(flatten)]
     pub s3: S3Flags,
     #[command(flatten)]
@@ -150,6 +155,14 @@ pub struct RestoreArgs {
     /// whose archive it is).
     #[command(flatten)]
     pub s3: S3Flags,
+    /// Point in time: the backup, then its delta segments' changes seen at or before this
+    /// time (RFC 3339, `2026-11-29T10:15:00Z`). Needs a schedule with --deltas-every.
+    #[arg(long, conflicts_with = "to_revision")]
+    pub to_time: Option<String>,
+    /// Point in time: the backup, then its delta segments' changes up to this datastore
+    /// revision (an object's resourceVersion).
+    #[arg(long)]
+    pub to_revision: Option<i64>,
     #[command(flatten)]
     pub target: Target,
 }
@@ -247,6 +260,12 @@ async fn schedule(args: ScheduleArgs) -> anyhow::Result<()> {
         (
             "s3",
             args.s3.access().and_then(|a| serde_json::to_value(a).ok()),
+        ),
+        (
+            "deltas",
+            args.deltas_every
+                .clone()
+                .map(|every| serde_json::json!({ "every": every })),
         ),
     ] {
         if let Some(v) = value {
@@ -464,6 +483,13 @@ async fn restore(args: RestoreArgs) -> anyhow::Result<()> {
             None,
         )
     };
+    let to_time = match &args.to_time {
+        Some(t) => Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            t.parse::<k8s_openapi::jiff::Timestamp>()
+                .with_context(|| format!("--to-time {t:?} is not an RFC 3339 time"))?,
+        )),
+        None => None,
+    };
     // An `s3://` archive: its server is the one given, else that of the backup whose
     // archive it is.
     let s3 = match args.s3.access() {
@@ -498,6 +524,8 @@ async fn restore(args: RestoreArgs) -> anyhow::Result<()> {
             from,
             key_secret_ref: args.key_secret.clone().map(|name| LocalRef { name }),
             s3,
+            to_revision: args.to_revision,
+            to_time,
         },
     );
     r.metadata.namespace = Some(ns.clone());

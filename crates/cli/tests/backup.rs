@@ -52,7 +52,7 @@ fn config_map_list(range: std::ops::Range<usize>, value: &dyn Fn(usize) -> Strin
     range
         .map(|i| {
             format!(
-                "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: cm-{i}, namespace: default}}\ndata: {{n: \"{}\"}}\n",
+                "---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: cm-{i}, namespace: default}}\ndata: {{\"n\": \"{}\"}}\n",
                 value(i)
             )
         })
@@ -752,7 +752,7 @@ async fn a_restore_gives_a_tenant_back_its_backup_and_leaves_its_neighbour_alone
     );
     kubectl_apply(
         &alpha,
-        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: after-backup, namespace: default}\ndata: {n: new}\n",
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: after-backup, namespace: default}\ndata: {\"n\": new}\n",
     );
     assert_ne!(config_maps(&alpha), backed_up);
     let beta_before = config_maps(&beta);
@@ -1101,7 +1101,7 @@ async fn an_operator_killed_during_a_restore_is_followed_by_one_that_finishes_it
     kubectl_ok(&alpha, &["delete", "configmaps", "-n", "default", "--all"]);
     kubectl_apply(
         &alpha,
-        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: after-backup, namespace: default}\ndata: {n: new}\n",
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: after-backup, namespace: default}\ndata: {\"n\": new}\n",
     );
 
     // The operator is killed (SIGKILL) once the restore has begun stopping alpha.
@@ -1400,4 +1400,201 @@ async fn an_s3_location_takes_archives_that_restore_and_go_with_their_backup() {
             .join("backups/team-a/nightly/taken.npbackup")
             .exists()
     );
+}
+
+/// Point in time: a schedule with `deltas` follows the control plane after its backup and
+/// writes what changes beside the archive; a restore reaches a time between two changes, and
+/// a revision (an object's resourceVersion); deleting the backup deletes its segments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_reaches_a_point_in_time_through_delta_segments() {
+    let env = Env::start(true).await;
+    let kc = env.kubeconfig().to_path_buf();
+    let root = env.operator_dir().join("backups/default");
+    env.create_ncp("default", "alpha").await;
+    env.wait_ready("default", "alpha", Duration::from_secs(180))
+        .await;
+    let alpha = env.tenant_kubeconfig("default", "alpha").await;
+    kubectl_apply(&alpha, &config_map_list(0..20, &|i| i.to_string()));
+
+    // The CLI makes the schedule; its first backup is the chain's base.
+    let out = nestplane()
+        .args([
+            "backup", "schedule", "alpha", "--every", "1h", "--keep", "2",
+        ])
+        .args(["--deltas-every", "10s", "--deletion-policy", "Delete"])
+        .arg("--kubeconfig")
+        .arg(&kc)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_schedule(&kc, "default", "alpha", "True BackedUp");
+    let base = jsonpath(
+        &kc,
+        &["nestedbackupschedule", "-n", "default", "alpha"],
+        "{.status.lastCompleted}",
+    );
+
+    // Changes after the backup: cm-0 changed, then (after `between`) cm-1 deleted and a new one.
+    kubectl_apply(&alpha, &config_map_list(0..1, &|_| "first".into()));
+    std::thread::sleep(Duration::from_secs(2));
+    let between = k8s_openapi::jiff::Timestamp::now();
+    std::thread::sleep(Duration::from_secs(2));
+    kubectl_ok(&alpha, &["delete", "configmap", "-n", "default", "cm-1"]);
+    kubectl_apply(&alpha, &config_map_list(0..1, &|_| "second".into()));
+    let second_rv = kubectl_ok(
+        &alpha,
+        &[
+            "get",
+            "configmap",
+            "-n",
+            "default",
+            "cm-0",
+            "-o",
+            "jsonpath={.metadata.resourceVersion}",
+        ],
+    );
+    kubectl_apply(&alpha, &config_map_list(20..21, &|_| "late".into()));
+    let latest = config_maps(&alpha);
+    let after = k8s_openapi::jiff::Timestamp::now();
+
+    // The segments reach past the last change (the backup's status says so), 0600, beside
+    // the archive.
+    let waited = std::time::Instant::now();
+    eventually(
+        "the delta segments reach past the last change",
+        Duration::from_secs(60),
+        || {
+            if waited.elapsed() > Duration::from_secs(55) {
+                eprintln!(
+                    "{}\n{}\n{:?}",
+                    field(&kc, "default", &base, "{.status}"),
+                    jsonpath(
+                        &kc,
+                        &["nestedbackupschedule", "-n", "default", "alpha"],
+                        "{.status}"
+                    ),
+                    std::fs::read_dir(&root).map(|d| d
+                        .filter_map(|e| e.ok())
+                        .map(|e| e.file_name())
+                        .collect::<Vec<_>>())
+                );
+            }
+            let until = field(&kc, "default", &base, "{.status.pointInTime.until}");
+            until
+                .parse::<k8s_openapi::jiff::Timestamp>()
+                .ok()
+                .filter(|u| *u > after)
+        },
+    );
+    let first = root.join(format!("{base}.d000001.npdelta"));
+    let mode = std::fs::metadata(&first).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let segments: i64 = field(&kc, "default", &base, "{.status.pointInTime.segments}")
+        .parse()
+        .unwrap();
+    assert!(segments >= 1);
+
+    // Everything is changed again, then restored to the time between the two changes.
+    kubectl_apply(&alpha, &config_map_list(0..21, &|_| "wrecked".into()));
+    let out = nestplane()
+        .args([
+            "backup", "restore", "alpha", "--from", &base, "--name", "to-time",
+        ])
+        .args(["--to-time", &between.to_string()])
+        .arg("--kubeconfig")
+        .arg(&kc)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut want: std::collections::BTreeMap<String, String> = (0..20)
+        .map(|i| (format!("cm-{i}"), i.to_string()))
+        .collect();
+    want.insert("cm-0".into(), "first".into());
+    assert_eq!(config_maps(&alpha), want);
+
+    // To the revision of cm-0's second change: cm-1 deleted, cm-20 not yet made.
+    env.apply(&restore_yaml(
+        "to-revision",
+        "alpha",
+        &format!("  backupRef: {{name: {base}}}\n  toRevision: {second_rv}\n"),
+    ));
+    eventually(
+        "the restore to a revision completes",
+        Duration::from_secs(120),
+        || (restore_field(&kc, "to-revision", "{.status.phase}") == "Completed").then_some(()),
+    );
+    assert_eq!(
+        restore_field(&kc, "to-revision", "{.status.revision}"),
+        second_rv
+    );
+    want.remove("cm-1");
+    want.insert("cm-0".into(), "second".into());
+    assert_eq!(config_maps(&alpha), want);
+    let mut at_latest = latest.clone();
+    at_latest.retain(|k, _| k != "cm-20");
+    assert_eq!(config_maps(&alpha), at_latest);
+
+    // A point before the backup is refused; one the segments do not reach yet waits.
+    env.apply(&restore_yaml(
+        "too-early",
+        "alpha",
+        &format!("  backupRef: {{name: {base}}}\n  toRevision: 1\n"),
+    ));
+    eventually(
+        "a point before the backup is refused",
+        Duration::from_secs(60),
+        || {
+            (restore_field(&kc, "too-early", "{.status.conditions[0].reason}")
+                == "PointBeforeBackup")
+                .then_some(())
+        },
+    );
+    env.apply(&restore_yaml(
+        "too-late",
+        "alpha",
+        &format!("  backupRef: {{name: {base}}}\n  toRevision: 999999999\n"),
+    ));
+    eventually("a point not reached waits", Duration::from_secs(60), || {
+        (restore_field(&kc, "too-late", "{.status.conditions[0].reason}") == "PointNotReached")
+            .then_some(())
+    });
+    kubectl_ok(
+        &kc,
+        &[
+            "delete",
+            "nestedrestore",
+            "-n",
+            "default",
+            "too-late",
+            "too-early",
+        ],
+    );
+
+    // Deleting the backup (deletionPolicy Delete) deletes its archive and its segments.
+    kubectl_ok(
+        &kc,
+        &["delete", "nestedbackupschedule", "-n", "default", "alpha"],
+    );
+    kubectl_ok(
+        &kc,
+        &[
+            "delete",
+            "nestedbackup",
+            "-n",
+            "default",
+            &base,
+            "--wait=true",
+            "--timeout=60s",
+        ],
+    );
+    assert!(!root.join(format!("{base}.npbackup")).exists());
+    assert!(!first.exists());
 }

@@ -119,6 +119,8 @@ impl Watches {
             dir: self.backup_dir.clone(),
             quota: self.backup_quota,
             s3_endpoints: self.backup_s3_endpoints.clone(),
+            tailers: Default::default(),
+            shutdown: self.shutdown.clone(),
         })
     }
 

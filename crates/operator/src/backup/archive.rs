@@ -104,9 +104,22 @@ pub struct Header {
     /// The sealed trust's length (JSON after the records; 0: none).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub trust_bytes: u64,
+    /// Empty for a backup; `delta` for a delta segment ([`super::delta`]).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub kind: String,
+    /// A delta segment's place in its backup's chain (from 1).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub sequence: u64,
+    /// The revision the chain stood at before a delta segment.
+    #[serde(default, skip_serializing_if = "is_zero_i64")]
+    pub since: i64,
 }
 
 fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+fn is_zero_i64(n: &i64) -> bool {
     *n == 0
 }
 
@@ -303,6 +316,9 @@ pub fn header_for(
         created: created.to_string(),
         id: String::new(),
         trust_bytes: 0,
+        kind: String::new(),
+        sequence: 0,
+        since: 0,
     }
 }
 

@@ -57,6 +57,10 @@ pub struct BackupContext {
     pub quota: u64,
     /// The S3 servers an `s3://` location may name (`--backup-s3-endpoint`).
     pub s3_endpoints: Vec<String>,
+    /// The tasks writing schedules' delta segments.
+    pub tailers: super::tail::Tailers,
+    /// Cancelled when the operator stops: the tasks end with it.
+    pub shutdown: tokio_util::sync::CancellationToken,
 }
 
 /// How often a backup refused by its namespace's quota after reading the keys looks again
@@ -662,6 +666,26 @@ async fn take(
     .map_err(|e| Failure::Retry(format!("writing the archive: {e}")))?
 }
 
+/// Write `bytes` to `path` as [`write_new`] does, if namespace `ns`'s files leave room for
+/// them under `quota` (checked and written as one step, as a backup's archive is).
+pub(super) fn write_counted(
+    root: &Path,
+    ns: &str,
+    quota: u64,
+    path: &Path,
+    uid: &str,
+    bytes: &[u8],
+) -> Result<(), String> {
+    let _one_at_a_time = WRITING.lock().unwrap_or_else(|e| e.into_inner());
+    let used = used_under(&root.join(ns))?;
+    if let Some(why) = over_quota(ns, used, bytes.len() as u64, quota) {
+        return Err(why);
+    }
+    write_new(root, path, uid, bytes).map_err(|f| match f {
+        Failure::Refused(_, why) | Failure::Retry(why) | Failure::OverQuota(why, _) => why,
+    })
+}
+
 /// Make the operator's backup directory `root` (0700; it is the operator's to choose), and
 /// every directory below it down to `dir` (0700), refusing one that is not a directory of its
 /// own (a symbolic link).
@@ -845,7 +869,7 @@ async fn existing(
 /// The archive key from the backup's key Secret. A default key Secret that does not exist is
 /// made, with a random key, owned by nothing (deleting the control plane must not delete the
 /// only key that opens its backups). `Err`: why there is no key, for the user.
-async fn archive_key(
+pub(super) async fn archive_key(
     ctx: &BackupContext,
     b: &NestedBackup,
 ) -> Result<Result<Vec<u8>, String>, Error> {

@@ -55,6 +55,27 @@ impl Location {
 }
 
 impl Archive {
+    /// Delta segment `sequence` of this archive's backup, beside it:
+    /// `<name>.d000001.npdelta`.
+    pub fn segment(&self, sequence: u64) -> Archive {
+        let named = |name: &str| {
+            format!(
+                "{}.d{sequence:06}{}",
+                name.strip_suffix(ARCHIVE_SUFFIX).unwrap_or(name),
+                super::delta::SEGMENT_SUFFIX
+            )
+        };
+        match self {
+            Archive::File(p) => Archive::File(
+                p.with_file_name(named(&p.file_name().unwrap_or_default().to_string_lossy())),
+            ),
+            Archive::S3 { bucket, key } => Archive::S3 {
+                bucket: bucket.clone(),
+                key: named(key),
+            },
+        }
+    }
+
     /// Its URL (`file:///…` or `s3://bucket/key`).
     pub fn url(&self) -> String {
         match self {
@@ -364,6 +385,16 @@ mod tests {
         );
         let a = loc.archive("alpha-1");
         assert_eq!(a.url(), "s3://backups/team-a/nightly/alpha-1.npbackup");
+        assert_eq!(
+            a.segment(12).url(),
+            "s3://backups/team-a/nightly/alpha-1.d000012.npdelta"
+        );
+        assert_eq!(
+            Location::Dir(PathBuf::from("/b/ns"))
+                .archive("x")
+                .segment(1),
+            Archive::File(PathBuf::from("/b/ns/x.d000001.npdelta"))
+        );
         assert_eq!(locate_archive(&a.url(), root, "team-a").unwrap(), a);
         assert_eq!(
             locate(Some("s3://backups"), root, "team-a")

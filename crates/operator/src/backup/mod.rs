@@ -6,12 +6,14 @@
 
 pub mod archive;
 pub mod controller;
+pub mod delta;
 pub mod engine;
 pub mod location;
 pub mod restore;
 pub mod s3;
 pub mod schedule;
 pub mod store;
+pub mod tail;
 
 #[cfg(test)]
 mod tests;

@@ -41,7 +41,7 @@ use nestplane_api::names::{self, Component, SecretPurpose};
 
 use super::controller::{BackupContext, datastore_access};
 use super::store;
-use super::{archive, engine, location};
+use super::{archive, delta, engine, location};
 use crate::context::{Context, Error};
 use crate::tenant::Tenant;
 
@@ -749,6 +749,8 @@ async fn open_archive(
 ) -> Result<Result<(String, archive::Opened), Stop>, Error> {
     let ns = r.namespace().unwrap_or_default();
     let cp = &r.spec.control_plane_ref.name;
+    // How far the backup's delta segments reach, as its status says.
+    let mut until: Option<i64> = None;
     let (url, backup_key, access) = match (&r.spec.backup_ref, &r.spec.from) {
         (Some(b), None) => {
             let backups: Api<NestedBackup> = Api::namespaced(ctx.client.clone(), &ns);
@@ -771,8 +773,15 @@ async fn open_archive(
             let key = backup
                 .spec
                 .key_secret_ref
+                .clone()
                 .map(|k| k.name)
                 .unwrap_or_else(|| default_key_secret(&backup.spec.control_plane_ref.name));
+            until = backup
+                .status
+                .as_ref()
+                .and_then(|s| s.point_in_time.as_ref())
+                .and_then(|p| p.until.as_ref())
+                .map(|t| t.0.as_millisecond());
             (url, Some(key), backup.spec.s3)
         }
         (None, Some(from)) => (from.clone(), None, r.spec.s3.clone()),
@@ -838,6 +847,18 @@ async fn open_archive(
         }
         Err(why) => return Ok(Err(Stop::Refused(rr::INVALID_ARCHIVE, why.to_string()))),
     };
+    let point = match (r.spec.to_revision, &r.spec.to_time) {
+        (None, None) => None,
+        (Some(rev), None) => Some(delta::Point::Revision(rev)),
+        (None, Some(t)) => Some(delta::Point::Time(t.0.as_millisecond())),
+        (Some(_), Some(_)) => {
+            return Ok(Err(Stop::Refused(
+                reasons::INVALID_SPEC,
+                "a restore goes to a revision (toRevision) or a time (toTime), not both".into(),
+            )));
+        }
+    };
+    let key_for_segments = key.clone();
     let opened = tokio::task::spawn_blocking(move || {
         archive::decode_all(&bytes, &key, &archive::Limits::default())
             .map_err(|e| format!("{shown}: {e}"))
@@ -845,10 +866,117 @@ async fn open_archive(
     })
     .await
     .map_err(|e| Error::Internal(e.to_string()))?;
-    Ok(match opened {
-        Ok(o) => Ok(o),
-        Err(why) => Err(Stop::Refused(rr::INVALID_ARCHIVE, why)),
-    })
+    let (shown, mut opened) = match opened {
+        Ok(o) => o,
+        Err(why) => return Ok(Err(Stop::Refused(rr::INVALID_ARCHIVE, why))),
+    };
+    if let Some(point) = point
+        && let Err(stop) = to_point(
+            &archive,
+            bucket.as_ref(),
+            &key_for_segments,
+            &mut opened,
+            point,
+            until,
+        )
+        .await
+    {
+        return Ok(Err(stop));
+    }
+    Ok(Ok((shown, opened)))
+}
+
+/// The keys of `opened` (a backup) after its delta segments' changes up to `point`: every
+/// segment opened with the backup's key and checked to continue its chain (its backup's
+/// UID, its sequence, the revision before it). `until`: how far the backup's status says
+/// the segments reach in time.
+async fn to_point(
+    a: &location::Archive,
+    bucket: Option<&super::s3::Bucket>,
+    key: &[u8],
+    opened: &mut archive::Opened,
+    point: delta::Point,
+    until: Option<i64>,
+) -> Result<(), Stop> {
+    let base = opened.header.revision;
+    let taken_ms = opened
+        .header
+        .created
+        .parse::<Timestamp>()
+        .map(|t| t.as_millisecond())
+        .unwrap_or(i64::MIN);
+    let shown = a.url();
+    match point {
+        delta::Point::Revision(rev) if rev < base => {
+            return Err(Stop::Refused(
+                rr::POINT_BEFORE_BACKUP,
+                format!(
+                    "{shown} was taken at revision {base}, after revision {rev}: restore from an older backup"
+                ),
+            ));
+        }
+        delta::Point::Time(t) if t < taken_ms => {
+            return Err(Stop::Refused(
+                rr::POINT_BEFORE_BACKUP,
+                format!(
+                    "{shown} was taken at {}, after the time asked: restore from an older backup",
+                    opened.header.created
+                ),
+            ));
+        }
+        _ => {}
+    }
+    let mut events = Vec::new();
+    let mut since = base;
+    // When the last segment read was cut: the changes seen by then are all read.
+    let mut cut_ms = taken_ms;
+    for sequence in 1..=delta::MAX_SEGMENTS {
+        let done = match point {
+            delta::Point::Revision(rev) => since >= rev,
+            delta::Point::Time(t) => cut_ms >= t,
+        };
+        if done {
+            break;
+        }
+        let seg = a.segment(sequence);
+        let bytes = match store::read(&seg, bucket, None).await {
+            Ok(Some(b)) => b,
+            Ok(None) => break,
+            Err(e) => return Err(Stop::Waiting(reasons::LOCATION_UNAVAILABLE, e.to_string())),
+        };
+        let (h, records) = archive::decode(&bytes, key, &archive::Limits::default())
+            .map_err(|e| Stop::Refused(rr::INVALID_ARCHIVE, format!("{}: {e}", seg.url())))?;
+        delta::check_link(&h, &opened.header.id, sequence, since)
+            .map_err(|why| Stop::Refused(rr::INVALID_ARCHIVE, format!("{}: {why}", seg.url())))?;
+        events.extend(
+            delta::from_records(records)
+                .map_err(|e| Stop::Refused(rr::INVALID_ARCHIVE, format!("{}: {e}", seg.url())))?,
+        );
+        since = h.revision;
+        if let Ok(t) = h.created.parse::<Timestamp>() {
+            cut_ms = cut_ms.max(t.as_millisecond());
+        }
+    }
+    // Every segment read, and the status says nothing changed after the last until then.
+    let reach_ms = cut_ms.max(until.unwrap_or(i64::MIN));
+    let reached = match point {
+        delta::Point::Revision(rev) => since >= rev,
+        delta::Point::Time(t) => reach_ms >= t,
+    };
+    if !reached {
+        let at = Timestamp::from_millisecond(reach_ms)
+            .map(|t| t.to_string())
+            .unwrap_or_default();
+        return Err(Stop::Waiting(
+            rr::POINT_NOT_REACHED,
+            format!("the delta segments of {shown} reach revision {since} and {at} so far"),
+        ));
+    }
+    let records = std::mem::take(&mut opened.records);
+    let (records, revision) = delta::apply(records, base, events, point);
+    opened.records = records;
+    opened.header.revision = revision;
+    Ok(())
 }
 
 fn progress(s: &mut NestedRestoreStatus, r: &NestedRestore, msg: &str) {

@@ -146,6 +146,18 @@ pub fn every_seconds(every: &str) -> Result<i64, String> {
     }
 }
 
+/// `deltas.every` in seconds, if it is a period of [`super::tail::EVERY`].
+pub fn delta_seconds(every: &str) -> Result<u64, String> {
+    let (min, max) = super::tail::EVERY;
+    match crate::rotation::parse_duration(every) {
+        Some(s) if s >= 0 && (min..=max).contains(&(s as u64)) => Ok(s as u64),
+        _ => Err(format!(
+            "deltas.every: {every:?} is not a period between {min}s and {}h",
+            max / 3600
+        )),
+    }
+}
+
 /// Reconcile one schedule.
 pub async fn reconcile(
     s: Arc<NestedBackupSchedule>,
@@ -179,10 +191,15 @@ pub async fn reconcile(
             (Ok(_), Some(k)) if !(1..=MAX_KEEP).contains(&k) => {
                 Some(format!("keep: {k} is not between 1 and {MAX_KEEP}"))
             }
-            _ => None,
+            _ => s
+                .spec
+                .deltas
+                .as_ref()
+                .and_then(|d| delta_seconds(&d.every).err()),
         }
     };
     if let Some(why) = invalid {
+        ctx.tailers.stop(&s.uid().unwrap_or_default());
         settle(&ctx, &s, status, false, reasons::INVALID_SPEC, &why).await?;
         return Ok(Action::await_change());
     }
@@ -247,7 +264,19 @@ pub async fn reconcile(
         .collect();
     let now = Timestamp::now().as_second();
     let suspended = s.spec.suspend == Some(true);
-    let last_made = status.last_schedule_time.as_ref().map(|t| t.0.as_second());
+    let mut last_made = status.last_schedule_time.as_ref().map(|t| t.0.as_second());
+    // The delta segments of the newest backup fell behind compaction: the next backup is due
+    // now (it starts a new chain).
+    let base_uid = status
+        .last_completed
+        .as_ref()
+        .and_then(|n| mine.iter().find(|b| &b.name_any() == n))
+        .and_then(|b| b.uid());
+    if let Some(base) = base_uid
+        && ctx.tailers.fell_behind(&s.uid().unwrap_or_default(), &base)
+    {
+        last_made = last_made.map(|t| t.min(now - every));
+    }
     let p = plan(&name, now, every, keep, suspended, last_made, &seen);
 
     for gone in &p.delete {
@@ -310,7 +339,6 @@ pub async fn reconcile(
             )
         });
     status.last_completed = newest_completed.map(|b| b.name_any());
-
     // Ready tells of the newest backup: its wait or refusal, else the newest completed one.
     let newest = mine
         .iter()
@@ -363,6 +391,14 @@ pub async fn reconcile(
         )
     };
     settle(&ctx, &s, status, ok, &reason, &msg).await?;
+    // Once the status names the newest completed backup (its follower reads it there).
+    match (&s.spec.deltas, newest_completed) {
+        (Some(d), Some(b)) if !suspended => {
+            let every = delta_seconds(&d.every).unwrap_or(super::tail::EVERY.1);
+            ctx.tailers.ensure(&ctx, &s, b, Duration::from_secs(every));
+        }
+        _ => ctx.tailers.stop(&s.uid().unwrap_or_default()),
+    }
 
     // Looked at again when a backup of it changes (its watch), when the next is due, and
     // while one is being taken (or a made one is not there yet), every RECHECK.

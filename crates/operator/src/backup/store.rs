@@ -114,9 +114,46 @@ pub async fn read(
     }
 }
 
-/// Delete backup `b`'s archive `a` if it is its own (its header names the backup's UID),
-/// never another's; a file never through a link. An object whose server cannot be used
-/// (the endpoint no longer allowed, the credentials gone) is left, and said so.
+/// Write `bytes` as `a`, which must not exist (a file of namespace `ns` counted against its
+/// quota, 0600, never through a link; an object written with `If-None-Match`).
+pub async fn write_new(
+    ctx: &BackupContext,
+    ns: &str,
+    a: &Archive,
+    bucket: Option<&Bucket>,
+    uid: &str,
+    bytes: Vec<u8>,
+) -> Result<(), String> {
+    match (a, bucket) {
+        (Archive::File(path), _) => {
+            let (root, ns, quota, path, uid) = (
+                ctx.dir.clone(),
+                ns.to_string(),
+                ctx.quota,
+                path.clone(),
+                uid.to_string(),
+            );
+            tokio::task::spawn_blocking(move || {
+                super::controller::write_counted(&root, &ns, quota, &path, &uid, &bytes)
+            })
+            .await
+            .map_err(|e| e.to_string())?
+        }
+        (Archive::S3 { bucket: name, key }, Some(bucket)) => {
+            bucket.put_new(name, key, bytes).await.map_err(|e| match e {
+                s3::S3Error::Exists => format!("{} exists already", a.url()),
+                e => e.to_string(),
+            })
+        }
+        (Archive::S3 { .. }, None) => Err("an s3:// archive needs its server".into()),
+    }
+}
+
+/// Delete backup `b`'s archive `a`, and its delta segments, if they are its own (their
+/// header names the backup's UID), never another's; a file never through a link. An object
+/// whose server cannot be used (the endpoint no longer allowed, the credentials gone or
+/// refused) is left, and said so. The segments go first: a pass stopped midway finds the
+/// archive, and the rest, again.
 pub(super) async fn remove_own(
     ctx: &BackupContext,
     ns: &str,
@@ -124,24 +161,40 @@ pub(super) async fn remove_own(
     a: &Archive,
 ) -> Removed {
     let uid = b.uid().unwrap_or_default();
-    match a {
-        Archive::File(path) => {
-            let (root, path) = (ctx.dir.clone(), path.clone());
+    let bucket = match reach(ctx, ns, a, b.spec.s3.as_ref()).await {
+        Ok(Ok(bucket)) => bucket,
+        Ok(Err(Unusable::Refused(_, why) | Unusable::Waiting(_, why))) => {
+            return Removed::Other(format!("{} is left as it is: {why}", a.url()));
+        }
+        Err(e) => return Removed::Failed(e.to_string()),
+    };
+    for sequence in 1..=super::delta::MAX_SEGMENTS {
+        match remove_one(ctx, &a.segment(sequence), bucket.as_ref(), &uid).await {
+            Removed::Archive(_) => {}
+            Removed::Nothing | Removed::Other(_) => break,
+            failed @ Removed::Failed(_) => return failed,
+        }
+    }
+    remove_one(ctx, a, bucket.as_ref(), &uid).await
+}
+
+async fn remove_one(
+    ctx: &BackupContext,
+    a: &Archive,
+    bucket: Option<&Bucket>,
+    uid: &str,
+) -> Removed {
+    match (a, bucket) {
+        (Archive::File(path), _) => {
+            let (root, path, uid) = (ctx.dir.clone(), path.clone(), uid.to_string());
             tokio::task::spawn_blocking(move || {
                 super::schedule::remove_own(Path::new(&root), &path, &uid)
             })
             .await
             .unwrap_or_else(|e| Removed::Failed(e.to_string()))
         }
-        Archive::S3 { bucket: name, key } => {
-            let bucket = match reach(ctx, ns, a, b.spec.s3.as_ref()).await {
-                Ok(Ok(Some(bucket))) => bucket,
-                Ok(Ok(None)) => return Removed::Nothing,
-                Ok(Err(Unusable::Refused(_, why) | Unusable::Waiting(_, why))) => {
-                    return Removed::Other(format!("{} is left as it is: {why}", a.url()));
-                }
-                Err(e) => return Removed::Failed(e.to_string()),
-            };
+        (Archive::S3 { .. }, None) => Removed::Nothing,
+        (Archive::S3 { bucket: name, key }, Some(bucket)) => {
             let head = match bucket
                 .get(name, key, Some(archive::HEADER_SPAN), archive::HEADER_SPAN)
                 .await

@@ -1,0 +1,419 @@
+//! Point in time: after a schedule's newest backup completes, its control plane's changes
+//! are followed with a watch on its key root (from the backup's revision, with the
+//! tenant's own etcd credentials) and written beside the archive as delta segments
+//! ([`super::delta`]), one every `deltas.every` when there were changes. The backup's
+//! `status.pointInTime` says how far they reach.
+//!
+//! One task per schedule, for its newest completed backup; a newer one completed replaces
+//! it. The task looks at its schedule every period and ends when it is no longer wanted
+//! (the schedule gone, suspended, without `deltas`, or with a newer backup). An operator
+//! that starts again goes on from the last segment written (it looks for segments past the
+//! status, so a segment written just before a stop is not written twice). A watch that falls
+//! behind the datastore's compaction cannot go on: the backup says so, and the schedule makes
+//! a new backup at once, which starts a new chain.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use etcd_client::{EventType as WatchEventType, WatchOptions};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::EventType;
+use kube::{Resource, ResourceExt};
+use nestplane_api::NestedControlPlane;
+use nestplane_api::backup::{
+    NestedBackup, NestedBackupSchedule, PointInTime, phases, schedule_reasons as sr,
+};
+use nestplane_api::names::{self, Component};
+
+use super::controller::{BackupContext, RECHECK, archive_key, datastore_access};
+use super::delta::{self, Change, Event};
+use super::{archive, store};
+use crate::datastore::etcd;
+use crate::tenant::Tenant;
+
+/// A segment is cut early past this many bytes of events.
+pub const SEGMENT_BYTES: usize = 64 << 20;
+/// The shortest and longest `deltas.every`.
+pub const EVERY: (u64, u64) = (10, 3600);
+
+struct Running {
+    base: String,
+    task: tokio::task::JoinHandle<()>,
+    behind: Arc<AtomicBool>,
+}
+
+/// The tasks following control planes, by schedule UID.
+#[derive(Default)]
+pub struct Tailers(std::sync::Mutex<HashMap<String, Running>>);
+
+impl Drop for Tailers {
+    fn drop(&mut self) {
+        for r in self.0.lock().unwrap_or_else(|e| e.into_inner()).values() {
+            r.task.abort();
+        }
+    }
+}
+
+impl Tailers {
+    /// Follow `base` (schedule `s`'s newest completed backup) every `every`, unless that is
+    /// done already.
+    pub fn ensure(
+        &self,
+        ctx: &Arc<BackupContext>,
+        s: &NestedBackupSchedule,
+        base: &NestedBackup,
+        every: Duration,
+    ) {
+        let (Some(suid), Some(buid)) = (s.uid(), base.uid()) else {
+            return;
+        };
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(r) = map.get(&suid) {
+            if r.base == buid && !r.task.is_finished() {
+                return;
+            }
+            if r.base == buid && r.behind.load(Ordering::Relaxed) {
+                // Fell behind: a new backup starts a new chain; nothing to follow until then.
+                return;
+            }
+            r.task.abort();
+        }
+        let behind = Arc::new(AtomicBool::new(false));
+        let follow = Follow {
+            ctx: ctx.clone(),
+            ns: s.namespace().unwrap_or_default(),
+            schedule: s.name_any(),
+            schedule_uid: suid.clone(),
+            base: base.name_any(),
+            base_uid: buid.clone(),
+            every,
+            behind: behind.clone(),
+        };
+        let stop = ctx.shutdown.clone();
+        let task = tokio::spawn(async move {
+            tokio::select! {
+                () = follow.run() => {}
+                () = stop.cancelled() => {}
+            }
+        });
+        map.insert(
+            suid,
+            Running {
+                base: buid,
+                task,
+                behind,
+            },
+        );
+    }
+
+    /// Stop following for schedule `uid`.
+    pub fn stop(&self, uid: &str) {
+        if let Some(r) = self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(uid) {
+            r.task.abort();
+        }
+    }
+
+    /// Whether schedule `uid`'s watch fell behind compaction while following its newest
+    /// backup `base` (a new backup is due at once).
+    pub fn fell_behind(&self, uid: &str, base: &str) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(uid)
+            .is_some_and(|r| r.base == base && r.behind.load(Ordering::Relaxed))
+    }
+}
+
+struct Follow {
+    ctx: Arc<BackupContext>,
+    ns: String,
+    schedule: String,
+    schedule_uid: String,
+    base: String,
+    base_uid: String,
+    every: Duration,
+    behind: Arc<AtomicBool>,
+}
+
+enum Stop {
+    /// No longer wanted.
+    Done,
+    /// The watch's revision was compacted.
+    Compacted(String),
+    /// Tried again after [`RECHECK`].
+    Retry(String),
+}
+
+impl From<kube::Error> for Stop {
+    fn from(e: kube::Error) -> Self {
+        Stop::Retry(e.to_string())
+    }
+}
+
+impl From<crate::context::Error> for Stop {
+    fn from(e: crate::context::Error) -> Self {
+        Stop::Retry(e.to_string())
+    }
+}
+
+impl Follow {
+    async fn run(self) {
+        loop {
+            match self.follow().await {
+                Stop::Done => return,
+                Stop::Compacted(why) => {
+                    self.behind.store(true, Ordering::Relaxed);
+                    let msg = format!(
+                        "the delta segments of NestedBackup {}/{} stop: {why}; a new backup starts a new chain",
+                        self.ns, self.base
+                    );
+                    let _ = self
+                        .patch(serde_json::json!({ "stopped": msg.clone() }))
+                        .await;
+                    if let Ok(Some(s)) = self.schedules().get_opt(&self.schedule).await {
+                        self.ctx
+                            .event(
+                                s.object_ref(&()),
+                                EventType::Warning,
+                                sr::DELTAS_BEHIND,
+                                &msg,
+                            )
+                            .await;
+                    }
+                    return;
+                }
+                Stop::Retry(why) => {
+                    tracing::warn!(
+                        "delta segments of NestedBackup {}/{}: {why}; trying again",
+                        self.ns,
+                        self.base
+                    );
+                    tokio::time::sleep(RECHECK).await;
+                }
+            }
+        }
+    }
+
+    fn schedules(&self) -> Api<NestedBackupSchedule> {
+        Api::namespaced(self.ctx.client.clone(), &self.ns)
+    }
+
+    fn backups(&self) -> Api<NestedBackup> {
+        Api::namespaced(self.ctx.client.clone(), &self.ns)
+    }
+
+    /// The base backup, read afresh, while the schedule still wants it followed.
+    async fn wanted(&self) -> Result<Option<NestedBackup>, Stop> {
+        let Some(s) = self.schedules().get_opt(&self.schedule).await? else {
+            return Ok(None);
+        };
+        let still = s.uid().as_deref() == Some(&self.schedule_uid)
+            && s.spec.deltas.is_some()
+            && s.spec.suspend != Some(true)
+            && s.metadata.deletion_timestamp.is_none()
+            && s.status
+                .as_ref()
+                .and_then(|st| st.last_completed.as_deref())
+                == Some(self.base.as_str());
+        if !still {
+            return Ok(None);
+        }
+        Ok(self.backups().get_opt(&self.base).await?.filter(|b| {
+            b.uid().as_deref() == Some(&self.base_uid)
+                && b.metadata.deletion_timestamp.is_none()
+                && b.status.as_ref().and_then(|st| st.phase.as_deref()) == Some(phases::COMPLETED)
+        }))
+    }
+
+    async fn patch(&self, pit: serde_json::Value) -> Result<(), kube::Error> {
+        self.backups()
+            .patch_status(
+                &self.base,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "status": { "pointInTime": pit } })),
+            )
+            .await
+            .map(|_| ())
+    }
+
+    async fn follow(&self) -> Stop {
+        match self.follow_inner().await {
+            Ok(()) => Stop::Done,
+            Err(stop) => stop,
+        }
+    }
+
+    async fn follow_inner(&self) -> Result<(), Stop> {
+        let ctx = &self.ctx;
+        let Some(base) = self.wanted().await? else {
+            return Ok(());
+        };
+        let ncp = Api::<NestedControlPlane>::namespaced(ctx.client.clone(), &self.ns)
+            .get_opt(&base.spec.control_plane_ref.name)
+            .await?
+            .ok_or_else(|| Stop::Retry("its control plane is not there".into()))?;
+        let t = Tenant::load(&ctx.client, &ctx.caches, ncp.clone()).await?;
+        let access = datastore_access(ctx, &t).await?.map_err(Stop::Retry)?;
+        let key = archive_key(ctx, &base).await?.map_err(Stop::Retry)?;
+        let archive = super::schedule::archive_of(ctx, &self.ns, &base)
+            .ok_or_else(|| Stop::Retry("its archive's URL is not one to write beside".into()))?;
+        let bucket = match store::reach(ctx, &self.ns, &archive, base.spec.s3.as_ref()).await? {
+            Ok(b) => b,
+            Err(store::Unusable::Refused(_, why) | store::Unusable::Waiting(_, why)) => {
+                return Err(Stop::Retry(why));
+            }
+        };
+        let status = base.status.clone().unwrap_or_default();
+        let pit = status.point_in_time.clone().unwrap_or_default();
+        let mut sequence = pit.segments.max(0) as u64 + 1;
+        let mut since = if pit.segments > 0 {
+            pit.revision
+        } else {
+            status.revision.unwrap_or_default()
+        };
+        // Segments written past what the status says (a stop between the two writes).
+        loop {
+            let seg = archive.segment(sequence);
+            let head = store::read(&seg, bucket.as_ref(), Some(archive::HEADER_SPAN))
+                .await
+                .map_err(|e| Stop::Retry(e.to_string()))?;
+            let Some(head) = head else { break };
+            match archive::read_header(&head) {
+                Ok(h) if delta::check_link(&h, &self.base_uid, sequence, since).is_ok() => {
+                    since = h.revision;
+                    sequence += 1;
+                }
+                _ => {
+                    return Err(Stop::Retry(format!(
+                        "{} is in the way of the next segment",
+                        seg.url()
+                    )));
+                }
+            }
+        }
+        let version = t
+            .running_version(Component::ApiServer)
+            .map(|v| v.to_string())
+            .or_else(|| ncp.spec.version.clone())
+            .unwrap_or_else(|| names::DEFAULT_KUBERNETES_VERSION.to_string());
+        let tenant = format!("{}/{}", self.ns, ncp.name_any());
+
+        let mut client = etcd::connect_as(&access.endpoints, &access.creds)
+            .await
+            .map_err(|e| Stop::Retry(e.to_string()))?;
+        let mut stream = client
+            .watch(
+                access.root.as_str(),
+                Some(
+                    WatchOptions::new()
+                        .with_prefix()
+                        .with_start_revision(since + 1),
+                ),
+            )
+            .await
+            .map_err(|e| Stop::Retry(format!("watching: {e}")))?;
+        let mut events: Vec<Event> = Vec::new();
+        let mut bytes = 0usize;
+        let mut tick = tokio::time::interval(self.every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            let cut = tokio::select! {
+                msg = stream.message() => {
+                    let resp = match msg {
+                        Ok(Some(r)) => r,
+                        Ok(None) => return Err(Stop::Retry("the watch ended".into())),
+                        Err(e) => return Err(Stop::Retry(format!("the watch: {e}"))),
+                    };
+                    if resp.compact_revision() > 0 {
+                        return Err(Stop::Compacted(format!(
+                            "the datastore was compacted at revision {}, past revision {} the segments reach",
+                            resp.compact_revision(),
+                            since
+                        )));
+                    }
+                    if resp.canceled() {
+                        return Err(Stop::Retry(format!("the watch was cancelled: {}", resp.cancel_reason())));
+                    }
+                    let seen_ms = Timestamp::now().as_millisecond();
+                    for e in resp.events() {
+                        let Some(kv) = e.kv() else { continue };
+                        let Some(rel) = kv.key().strip_prefix(access.root.as_bytes()) else {
+                            continue;
+                        };
+                        let change = match e.event_type() {
+                            WatchEventType::Put => Change::Put {
+                                value: kv.value().to_vec(),
+                                lease: (kv.lease() != 0).then_some(archive::Lease {
+                                    id: kv.lease(),
+                                    ttl: crate::backup::engine::LEASE_TTL.1,
+                                }),
+                            },
+                            WatchEventType::Delete => Change::Delete,
+                        };
+                        bytes += rel.len() + kv.value().len();
+                        events.push(Event {
+                            revision: kv.mod_revision(),
+                            seen_ms,
+                            key: rel.to_vec(),
+                            change,
+                        });
+                    }
+                    bytes > SEGMENT_BYTES
+                }
+                _ = tick.tick() => {
+                    if self.wanted().await?.is_none() {
+                        return Ok(());
+                    }
+                    true
+                }
+            };
+            if !cut {
+                continue;
+            }
+            let now = Timestamp::now();
+            if events.is_empty() {
+                // Nothing changed: the segments reach until now.
+                self.patch(serde_json::json!({
+                    "segments": sequence - 1,
+                    "revision": since,
+                    "until": Time(now),
+                }))
+                .await?;
+                continue;
+            }
+            let records = delta::to_records(&events);
+            let last = events.last().map_or(since, |e| e.revision);
+            let created = now.to_string();
+            let mut header = archive::header_for(&tenant, &version, last, &created, &records);
+            header.id = self.base_uid.clone();
+            header.kind = delta::KIND.into();
+            header.sequence = sequence;
+            header.since = since;
+            let sealed = archive::encode(&header, &records, &key)
+                .map_err(|e| Stop::Retry(format!("sealing a segment: {e}")))?;
+            let seg = archive.segment(sequence);
+            store::write_new(ctx, &self.ns, &seg, bucket.as_ref(), &self.base_uid, sealed)
+                .await
+                .map_err(|why| Stop::Retry(format!("writing {}: {why}", seg.url())))?;
+            self.patch(
+                serde_json::to_value(PointInTime {
+                    segments: sequence as i64,
+                    revision: last,
+                    until: Some(Time(now)),
+                    stopped: None,
+                })
+                .unwrap_or_default(),
+            )
+            .await?;
+            since = last;
+            sequence += 1;
+            events.clear();
+            bytes = 0;
+        }
+    }
+}
