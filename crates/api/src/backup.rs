@@ -487,6 +487,9 @@ pub mod schedule_reasons {
     /// The watch behind the delta segments fell behind the datastore's compaction: a new
     /// backup is made at once to start a new chain (Event).
     pub const DELTAS_BEHIND: &str = "DeltasFellBehind";
+    /// A delta segment could not be written (Event; tried again with a growing pause), or
+    /// the chain stopped because the control plane holds what no segment may.
+    pub const DELTAS_FAILED: &str = "DeltasFailed";
 }
 
 /// Backups of one `NestedControlPlane` of this namespace, one every period, the newest

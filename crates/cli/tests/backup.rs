@@ -1578,6 +1578,24 @@ async fn a_restore_reaches_a_point_in_time_through_delta_segments() {
         ],
     );
 
+    // A chain with a segment missing is refused, not restored in part.
+    std::fs::remove_file(&first).unwrap();
+    env.apply(&restore_yaml(
+        "gap",
+        "alpha",
+        &format!("  backupRef: {{name: {base}}}\n  toRevision: {second_rv}\n"),
+    ));
+    eventually(
+        "a chain with a gap is refused",
+        Duration::from_secs(60),
+        || {
+            (restore_field(&kc, "gap", "{.status.phase} {.status.conditions[0].reason}")
+                == "Failed InvalidArchive")
+                .then_some(())
+        },
+    );
+    assert!(restore_field(&kc, "gap", "{.status.conditions[0].message}").contains("missing"));
+
     // Deleting the backup (deletionPolicy Delete) deletes its archive and its segments.
     kubectl_ok(
         &kc,
@@ -1596,5 +1614,11 @@ async fn a_restore_reaches_a_point_in_time_through_delta_segments() {
         ],
     );
     assert!(!root.join(format!("{base}.npbackup")).exists());
-    assert!(!first.exists());
+    let left: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&base))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }

@@ -141,6 +141,69 @@ impl Point {
     }
 }
 
+/// A backup's keys, changed by its events one segment at a time up to a point (so that a
+/// long chain is never held in memory whole).
+#[derive(Debug)]
+pub struct Replay {
+    keys: BTreeMap<Vec<u8>, Record>,
+    base_revision: i64,
+    point: Point,
+    /// The revision the keys stand at.
+    pub revision: i64,
+    /// An event past the point was seen: nothing later applies.
+    pub passed: bool,
+}
+
+impl Replay {
+    /// From `base` (a backup's records) at `base_revision`.
+    pub fn new(base: Vec<Record>, base_revision: i64, point: Point) -> Replay {
+        Replay {
+            keys: base.into_iter().map(|r| (r.key.clone(), r)).collect(),
+            base_revision,
+            point,
+            revision: base_revision,
+            passed: false,
+        }
+    }
+
+    /// Apply `events` (in order, after those fed before) up to the point.
+    pub fn feed(&mut self, events: impl IntoIterator<Item = Event>) {
+        for e in events {
+            if self.passed {
+                return;
+            }
+            if e.revision <= self.base_revision {
+                continue;
+            }
+            if !self.point.includes(&e) {
+                self.passed = true;
+                return;
+            }
+            self.revision = e.revision;
+            match e.change {
+                Change::Put { value, lease } => {
+                    self.keys.insert(
+                        e.key.clone(),
+                        Record {
+                            key: e.key,
+                            value,
+                            lease,
+                        },
+                    );
+                }
+                Change::Delete => {
+                    self.keys.remove(&e.key);
+                }
+            }
+        }
+    }
+
+    /// The keys (sorted) and the revision they stand at.
+    pub fn finish(self) -> (Vec<Record>, i64) {
+        (self.keys.into_values().collect(), self.revision)
+    }
+}
+
 /// The keys of a backup (`base`, sorted as an archive holds them) after its events up to
 /// `point`, sorted again; and the revision they stand at (the base's when no event applies).
 pub fn apply(
@@ -149,34 +212,24 @@ pub fn apply(
     events: impl IntoIterator<Item = Event>,
     point: Point,
 ) -> (Vec<Record>, i64) {
-    let mut keys: BTreeMap<Vec<u8>, Record> =
-        base.into_iter().map(|r| (r.key.clone(), r)).collect();
-    let mut revision = base_revision;
-    for e in events {
-        if e.revision <= base_revision {
-            continue;
-        }
-        if !point.includes(&e) {
-            break;
-        }
-        revision = e.revision;
-        match e.change {
-            Change::Put { value, lease } => {
-                keys.insert(
-                    e.key.clone(),
-                    Record {
-                        key: e.key,
-                        value,
-                        lease,
-                    },
-                );
-            }
-            Change::Delete => {
-                keys.remove(&e.key);
-            }
-        }
+    let mut r = Replay::new(base, base_revision, point);
+    r.feed(events);
+    r.finish()
+}
+
+/// Why `events` of a segment whose header says revisions `since`..`revision` are not all
+/// within them.
+pub fn check_events(events: &[Event], since: i64, revision: i64) -> Result<(), String> {
+    match events
+        .iter()
+        .find(|e| e.revision <= since || e.revision > revision)
+    {
+        Some(e) => Err(format!(
+            "an event of revision {} is outside the segment's revisions {since}..{revision}",
+            e.revision
+        )),
+        None => Ok(()),
     }
-    (keys.into_values().collect(), revision)
 }
 
 /// Why segment `sequence`'s header does not continue the chain of backup `id` that stood at
@@ -311,5 +364,11 @@ mod tests {
         assert!(check_link(&h, "uid-1", 2, 14).is_err());
         h.kind = String::new();
         assert!(check_link(&h, "uid-1", 2, 15).is_err());
+        // Events outside the segment's revisions.
+        let events =
+            from_records(to_records(&[put(16, 0, "a", "1"), put(21, 0, "b", "1")])).unwrap();
+        assert!(check_events(&events[..1], 15, 20).is_ok());
+        assert!(check_events(&events, 15, 20).is_err());
+        assert!(check_events(&events[..1], 16, 20).is_err());
     }
 }

@@ -750,7 +750,7 @@ async fn open_archive(
     let ns = r.namespace().unwrap_or_default();
     let cp = &r.spec.control_plane_ref.name;
     // How far the backup's delta segments reach, as its status says.
-    let mut until: Option<i64> = None;
+    let mut pit: Option<nestplane_api::backup::PointInTime> = None;
     let (url, backup_key, access) = match (&r.spec.backup_ref, &r.spec.from) {
         (Some(b), None) => {
             let backups: Api<NestedBackup> = Api::namespaced(ctx.client.clone(), &ns);
@@ -776,12 +776,7 @@ async fn open_archive(
                 .clone()
                 .map(|k| k.name)
                 .unwrap_or_else(|| default_key_secret(&backup.spec.control_plane_ref.name));
-            until = backup
-                .status
-                .as_ref()
-                .and_then(|s| s.point_in_time.as_ref())
-                .and_then(|p| p.until.as_ref())
-                .map(|t| t.0.as_millisecond());
+            pit = backup.status.as_ref().and_then(|s| s.point_in_time.clone());
             (url, Some(key), backup.spec.s3)
         }
         (None, Some(from)) => (from.clone(), None, r.spec.s3.clone()),
@@ -877,7 +872,7 @@ async fn open_archive(
             &key_for_segments,
             &mut opened,
             point,
-            until,
+            pit.as_ref(),
         )
         .await
     {
@@ -888,15 +883,16 @@ async fn open_archive(
 
 /// The keys of `opened` (a backup) after its delta segments' changes up to `point`: every
 /// segment opened with the backup's key and checked to continue its chain (its backup's
-/// UID, its sequence, the revision before it). `until`: how far the backup's status says
-/// the segments reach in time.
+/// UID, its sequence, the revision before it, its events within its revisions), applied
+/// one at a time. `pit`: how far the backup's status says the segments reach (with
+/// `backupRef`; an archive named by URL has only its segments to tell).
 async fn to_point(
     a: &location::Archive,
     bucket: Option<&super::s3::Bucket>,
     key: &[u8],
     opened: &mut archive::Opened,
     point: delta::Point,
-    until: Option<i64>,
+    pit: Option<&nestplane_api::backup::PointInTime>,
 ) -> Result<(), Stop> {
     let base = opened.header.revision;
     let taken_ms = opened
@@ -906,6 +902,9 @@ async fn to_point(
         .map(|t| t.as_millisecond())
         .unwrap_or(i64::MIN);
     let shown = a.url();
+    let until = pit
+        .and_then(|p| p.until.as_ref())
+        .map(|t| t.0.as_millisecond());
     match point {
         delta::Point::Revision(rev) if rev < base => {
             return Err(Stop::Refused(
@@ -926,57 +925,108 @@ async fn to_point(
         }
         _ => {}
     }
-    let mut events = Vec::new();
-    let mut since = base;
-    // When the last segment read was cut: the changes seen by then are all read.
-    let mut cut_ms = taken_ms;
-    for sequence in 1..=delta::MAX_SEGMENTS {
-        let done = match point {
-            delta::Point::Revision(rev) => since >= rev,
-            delta::Point::Time(t) => cut_ms >= t,
+    // What the status says first: a point it does not reach is waited for (or, once the
+    // chain stopped, refused) without reading a segment.
+    if let Some(p) = pit {
+        let reaches = match point {
+            delta::Point::Revision(rev) => p.revision >= rev,
+            delta::Point::Time(t) => until.is_some_and(|u| u >= t),
         };
+        if !reaches {
+            return Err(match &p.stopped {
+                Some(why) => Stop::Refused(
+                    rr::POINT_NOT_REACHED,
+                    format!(
+                        "{why}; the point asked is past what it reaches: restore from a newer backup"
+                    ),
+                ),
+                None => not_reached(&shown, p.revision, until.unwrap_or(taken_ms)),
+            });
+        }
+    }
+    let records = std::mem::take(&mut opened.records);
+    let mut replay = delta::Replay::new(records, base, point);
+    let mut since = base;
+    // When the last segment read was cut: every change seen by then is read.
+    let mut cut_ms = taken_ms;
+    let mut read = 0i64;
+    for sequence in 1..=delta::MAX_SEGMENTS {
+        let done = replay.passed
+            || match point {
+                delta::Point::Revision(rev) => since >= rev,
+                delta::Point::Time(t) => cut_ms > t,
+            };
         if done {
             break;
         }
         let seg = a.segment(sequence);
         let bytes = match store::read(&seg, bucket, None).await {
             Ok(Some(b)) => b,
-            Ok(None) => break,
+            Ok(None) => {
+                if pit.is_some_and(|p| p.segments >= sequence as i64) {
+                    return Err(Stop::Refused(
+                        rr::INVALID_ARCHIVE,
+                        format!(
+                            "{} is missing: the backup's status says {} segments were written",
+                            seg.url(),
+                            pit.map_or(0, |p| p.segments)
+                        ),
+                    ));
+                }
+                break;
+            }
             Err(e) => return Err(Stop::Waiting(reasons::LOCATION_UNAVAILABLE, e.to_string())),
         };
-        let (h, records) = archive::decode(&bytes, key, &archive::Limits::default())
-            .map_err(|e| Stop::Refused(rr::INVALID_ARCHIVE, format!("{}: {e}", seg.url())))?;
-        delta::check_link(&h, &opened.header.id, sequence, since)
-            .map_err(|why| Stop::Refused(rr::INVALID_ARCHIVE, format!("{}: {why}", seg.url())))?;
-        events.extend(
-            delta::from_records(records)
-                .map_err(|e| Stop::Refused(rr::INVALID_ARCHIVE, format!("{}: {e}", seg.url())))?,
-        );
+        let (id, k, url) = (opened.header.id.clone(), key.to_vec(), seg.url());
+        let segment = tokio::task::spawn_blocking(move || {
+            let (h, records) = archive::decode(&bytes, &k, &archive::Limits::default())
+                .map_err(|e| format!("{url}: {e}"))?;
+            delta::check_link(&h, &id, sequence, since).map_err(|why| format!("{url}: {why}"))?;
+            let events = delta::from_records(records).map_err(|e| format!("{url}: {e}"))?;
+            delta::check_events(&events, h.since, h.revision)
+                .map_err(|why| format!("{url}: {why}"))?;
+            Ok::<_, String>((h, events))
+        })
+        .await
+        .map_err(|e| Stop::Waiting(rr::RESTORE_FAILED, e.to_string()))?
+        .map_err(|why| Stop::Refused(rr::INVALID_ARCHIVE, why))?;
+        let (h, events) = segment;
+        replay.feed(events);
         since = h.revision;
+        read = sequence as i64;
         if let Ok(t) = h.created.parse::<Timestamp>() {
             cut_ms = cut_ms.max(t.as_millisecond());
         }
     }
-    // Every segment read, and the status says nothing changed after the last until then.
-    let reach_ms = cut_ms.max(until.unwrap_or(i64::MIN));
-    let reached = match point {
-        delta::Point::Revision(rev) => since >= rev,
-        delta::Point::Time(t) => reach_ms >= t,
+    // `until` counts only when every segment the status names was read.
+    let whole = pit.is_some_and(|p| p.segments == read && p.revision == since);
+    let reach_ms = if whole {
+        cut_ms.max(until.unwrap_or(i64::MIN))
+    } else {
+        cut_ms
     };
+    let reached = replay.passed
+        || match point {
+            delta::Point::Revision(rev) => since >= rev,
+            delta::Point::Time(t) => reach_ms >= t,
+        };
     if !reached {
-        let at = Timestamp::from_millisecond(reach_ms)
-            .map(|t| t.to_string())
-            .unwrap_or_default();
-        return Err(Stop::Waiting(
-            rr::POINT_NOT_REACHED,
-            format!("the delta segments of {shown} reach revision {since} and {at} so far"),
-        ));
+        return Err(not_reached(&shown, since, reach_ms));
     }
-    let records = std::mem::take(&mut opened.records);
-    let (records, revision) = delta::apply(records, base, events, point);
+    let (records, revision) = replay.finish();
     opened.records = records;
     opened.header.revision = revision;
     Ok(())
+}
+
+fn not_reached(shown: &str, revision: i64, at_ms: i64) -> Stop {
+    let at = Timestamp::from_millisecond(at_ms)
+        .map(|t| t.to_string())
+        .unwrap_or_default();
+    Stop::Waiting(
+        rr::POINT_NOT_REACHED,
+        format!("the delta segments of {shown} reach revision {revision} and {at} so far"),
+    )
 }
 
 fn progress(s: &mut NestedRestoreStatus, r: &NestedRestore, msg: &str) {

@@ -90,10 +90,29 @@ pub fn plan(
     last_made: Option<i64>,
     seen: &[Seen],
 ) -> Plan {
+    plan_due(name, now, every, keep, suspended, last_made, seen, false)
+}
+
+/// [`plan`], with a backup due `now` whatever the period says when `due_now` (the delta
+/// segments of the newest backup stopped: a new backup starts a new chain).
+#[allow(clippy::too_many_arguments)]
+pub fn plan_due(
+    name: &str,
+    now: i64,
+    every: i64,
+    keep: usize,
+    suspended: bool,
+    last_made: Option<i64>,
+    seen: &[Seen],
+    due_now: bool,
+) -> Plan {
     let mut seen: Vec<&Seen> = seen.iter().collect();
     seen.sort_by(|a, b| (b.created, &b.name).cmp(&(a.created, &a.name)));
     let latest = seen.first().map(|s| s.created).max(last_made);
     let mut next = latest.map_or(now, |l| l.saturating_add(every));
+    if due_now {
+        next = next.min(now);
+    }
     let busy = seen.iter().any(|s| s.taken == Taken::Taking);
     let mut plan = Plan::default();
     if !suspended && !busy && now >= next {
@@ -264,20 +283,23 @@ pub async fn reconcile(
         .collect();
     let now = Timestamp::now().as_second();
     let suspended = s.spec.suspend == Some(true);
-    let mut last_made = status.last_schedule_time.as_ref().map(|t| t.0.as_second());
-    // The delta segments of the newest backup fell behind compaction: the next backup is due
-    // now (it starts a new chain).
-    let base_uid = status
-        .last_completed
-        .as_ref()
-        .and_then(|n| mine.iter().find(|b| &b.name_any() == n))
-        .and_then(|b| b.uid());
-    if let Some(base) = base_uid
-        && ctx.tailers.fell_behind(&s.uid().unwrap_or_default(), &base)
-    {
-        last_made = last_made.map(|t| t.min(now - every));
-    }
-    let p = plan(&name, now, every, keep, suspended, last_made, &seen);
+    let last_made = status.last_schedule_time.as_ref().map(|t| t.0.as_second());
+    // The delta segments of the newest backup stopped (the watch fell behind compaction):
+    // the next backup is due now, and starts a new chain. (Said in the backup's status, so
+    // an operator that starts again knows it too.)
+    // (Once: not again after a backup made since, whatever became of it.)
+    let due_now = s.spec.deltas.is_some()
+        && status.last_backup.is_some()
+        && status.last_backup == status.last_completed
+        && status
+            .last_completed
+            .as_ref()
+            .and_then(|n| mine.iter().find(|b| &b.name_any() == n))
+            .and_then(|b| b.status.as_ref()?.point_in_time.as_ref()?.stopped.as_ref())
+            .is_some();
+    let p = plan_due(
+        &name, now, every, keep, suspended, last_made, &seen, due_now,
+    );
 
     for gone in &p.delete {
         if let Some(b) = mine.iter().find(|b| &b.name_any() == gone) {
@@ -782,6 +804,12 @@ mod tests {
         let p = plan("nightly", NOW + 3600, 3600, 7, false, Some(NOW), &made);
         assert_eq!(p.make.as_deref(), Some("nightly-20270115090000"));
         // The status's time counts even when the backup itself was deleted by hand.
+        // Due now when the newest backup's delta segments stopped (once nothing is taken).
+        let p = plan_due("nightly", NOW + 10, 3600, 7, false, Some(NOW), &made, true);
+        assert_eq!(
+            p.make.as_deref(),
+            Some(backup_name("nightly", NOW + 10).as_str())
+        );
         let p = plan("nightly", NOW + 10, 3600, 7, false, Some(NOW), &[]);
         assert_eq!((p.make, p.next), (None, NOW + 3600));
     }

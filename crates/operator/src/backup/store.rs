@@ -152,8 +152,8 @@ pub async fn write_new(
 /// Delete backup `b`'s archive `a`, and its delta segments, if they are its own (their
 /// header names the backup's UID), never another's; a file never through a link. An object
 /// whose server cannot be used (the endpoint no longer allowed, the credentials gone or
-/// refused) is left, and said so. The segments go first: a pass stopped midway finds the
-/// archive, and the rest, again.
+/// refused) is left, and said so. The segments go first, the last first: a pass stopped
+/// midway finds the archive, and the rest, again.
 pub(super) async fn remove_own(
     ctx: &BackupContext,
     ns: &str,
@@ -168,11 +168,32 @@ pub(super) async fn remove_own(
         }
         Err(e) => return Removed::Failed(e.to_string()),
     };
-    for sequence in 1..=super::delta::MAX_SEGMENTS {
-        match remove_one(ctx, &a.segment(sequence), bucket.as_ref(), &uid).await {
-            Removed::Archive(_) => {}
-            Removed::Nothing | Removed::Other(_) => break,
-            failed @ Removed::Failed(_) => return failed,
+    // The last first (as many as the status says, and any written past it), so that a pass
+    // stopped midway leaves no segment behind a gap.
+    let mut last = b
+        .status
+        .as_ref()
+        .and_then(|s| s.point_in_time.as_ref())
+        .map_or(0, |p| p.segments.max(0) as u64)
+        .min(super::delta::MAX_SEGMENTS);
+    while last < super::delta::MAX_SEGMENTS {
+        match read(
+            &a.segment(last + 1),
+            bucket.as_ref(),
+            Some(archive::HEADER_SPAN),
+        )
+        .await
+        {
+            Ok(Some(_)) => last += 1,
+            Ok(None) => break,
+            Err(e) => return Removed::Failed(e.to_string()),
+        }
+    }
+    for sequence in (1..=last).rev() {
+        if let failed @ Removed::Failed(_) =
+            remove_one(ctx, &a.segment(sequence), bucket.as_ref(), &uid).await
+        {
+            return failed;
         }
     }
     remove_one(ctx, a, bucket.as_ref(), &uid).await

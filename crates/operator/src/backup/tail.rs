@@ -35,8 +35,17 @@ use super::{archive, store};
 use crate::datastore::etcd;
 use crate::tenant::Tenant;
 
-/// A segment is cut early past this many bytes of events.
-pub const SEGMENT_BYTES: usize = 64 << 20;
+/// A segment is cut early past this many bytes of events (keys, values, and
+/// [`EVENT_OVERHEAD`] each).
+pub const SEGMENT_BYTES: usize = 16 << 20;
+/// What one event costs in memory besides its key and value.
+pub const EVENT_OVERHEAD: usize = 128;
+/// A segment is cut early past this many events, or this many distinct leases (what a
+/// restore accepts of an archive is more).
+pub const SEGMENT_EVENTS: usize = 100_000;
+pub const SEGMENT_LEASES: usize = 500;
+/// The longest pause between tries after an error.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
 /// The shortest and longest `deltas.every`.
 pub const EVERY: (u64, u64) = (10, 3600);
 
@@ -71,6 +80,16 @@ impl Tailers {
         let (Some(suid), Some(buid)) = (s.uid(), base.uid()) else {
             return;
         };
+        // Its chain stopped (fell behind compaction): the next backup starts a new one.
+        if base
+            .status
+            .as_ref()
+            .and_then(|st| st.point_in_time.as_ref())
+            .is_some_and(|p| p.stopped.is_some())
+        {
+            self.stop(&suid);
+            return;
+        }
         let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(r) = map.get(&suid) {
             if r.base == buid && !r.task.is_finished() {
@@ -116,16 +135,6 @@ impl Tailers {
             r.task.abort();
         }
     }
-
-    /// Whether schedule `uid`'s watch fell behind compaction while following its newest
-    /// backup `base` (a new backup is due at once).
-    pub fn fell_behind(&self, uid: &str, base: &str) -> bool {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(uid)
-            .is_some_and(|r| r.base == base && r.behind.load(Ordering::Relaxed))
-    }
 }
 
 struct Follow {
@@ -144,6 +153,8 @@ enum Stop {
     Done,
     /// The watch's revision was compacted.
     Compacted(String),
+    /// The control plane holds what no segment may (a key a restore would refuse).
+    Cannot(String),
     /// Tried again after [`RECHECK`].
     Retry(String),
 }
@@ -162,9 +173,31 @@ impl From<crate::context::Error> for Stop {
 
 impl Follow {
     async fn run(self) {
+        let mut backoff = RECHECK;
+        let mut said = String::new();
         loop {
             match self.follow().await {
                 Stop::Done => return,
+                Stop::Cannot(why) => {
+                    let msg = format!(
+                        "the delta segments of NestedBackup {}/{} stop: {why}",
+                        self.ns, self.base
+                    );
+                    let _ = self
+                        .patch(serde_json::json!({ "stopped": msg.clone() }))
+                        .await;
+                    if let Ok(Some(s)) = self.schedules().get_opt(&self.schedule).await {
+                        self.ctx
+                            .event(
+                                s.object_ref(&()),
+                                EventType::Warning,
+                                sr::DELTAS_FAILED,
+                                &msg,
+                            )
+                            .await;
+                    }
+                    return;
+                }
                 Stop::Compacted(why) => {
                     self.behind.store(true, Ordering::Relaxed);
                     let msg = format!(
@@ -187,12 +220,27 @@ impl Follow {
                     return;
                 }
                 Stop::Retry(why) => {
-                    tracing::warn!(
-                        "delta segments of NestedBackup {}/{}: {why}; trying again",
-                        self.ns,
-                        self.base
+                    let msg = format!(
+                        "the delta segments of NestedBackup {}/{}: {why}; tried again in {backoff:?}",
+                        self.ns, self.base
                     );
-                    tokio::time::sleep(RECHECK).await;
+                    tracing::warn!("{msg}");
+                    // Said once for each new reason (an Event on the schedule).
+                    if why != said
+                        && let Ok(Some(s)) = self.schedules().get_opt(&self.schedule).await
+                    {
+                        self.ctx
+                            .event(
+                                s.object_ref(&()),
+                                EventType::Warning,
+                                sr::DELTAS_FAILED,
+                                &msg,
+                            )
+                            .await;
+                        said = why;
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
             }
         }
@@ -275,14 +323,21 @@ impl Follow {
         } else {
             status.revision.unwrap_or_default()
         };
-        // Segments written past what the status says (a stop between the two writes).
+        // Segments written past what the status says (a stop between the two writes):
+        // opened with the key, so that only this chain's are taken as written.
         loop {
             let seg = archive.segment(sequence);
-            let head = store::read(&seg, bucket.as_ref(), Some(archive::HEADER_SPAN))
+            let bytes = store::read(&seg, bucket.as_ref(), None)
                 .await
                 .map_err(|e| Stop::Retry(e.to_string()))?;
-            let Some(head) = head else { break };
-            match archive::read_header(&head) {
+            let Some(bytes) = bytes else { break };
+            let k = key.clone();
+            let opened = tokio::task::spawn_blocking(move || {
+                archive::decode(&bytes, &k, &archive::Limits::default()).map(|(h, _)| h)
+            })
+            .await
+            .map_err(|e| Stop::Retry(e.to_string()))?;
+            match opened {
                 Ok(h) if delta::check_link(&h, &self.base_uid, sequence, since).is_ok() => {
                     since = h.revision;
                     sequence += 1;
@@ -295,6 +350,9 @@ impl Follow {
                 }
             }
         }
+        let start = since
+            .checked_add(1)
+            .ok_or_else(|| Stop::Retry(format!("revision {since} cannot be followed")))?;
         let version = t
             .running_version(Component::ApiServer)
             .map(|v| v.to_string())
@@ -308,16 +366,13 @@ impl Follow {
         let mut stream = client
             .watch(
                 access.root.as_str(),
-                Some(
-                    WatchOptions::new()
-                        .with_prefix()
-                        .with_start_revision(since + 1),
-                ),
+                Some(WatchOptions::new().with_prefix().with_start_revision(start)),
             )
             .await
             .map_err(|e| Stop::Retry(format!("watching: {e}")))?;
         let mut events: Vec<Event> = Vec::new();
         let mut bytes = 0usize;
+        let mut leases = std::collections::BTreeSet::new();
         let mut tick = tokio::time::interval(self.every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
@@ -355,7 +410,12 @@ impl Follow {
                             },
                             WatchEventType::Delete => Change::Delete,
                         };
-                        bytes += rel.len() + kv.value().len();
+                        // What a restore would refuse is never written: the chain stops.
+                        archive::check_key(rel).map_err(|e| Stop::Cannot(e.to_string()))?;
+                        bytes += rel.len() + kv.value().len() + EVENT_OVERHEAD;
+                        if kv.lease() != 0 {
+                            leases.insert(kv.lease());
+                        }
                         events.push(Event {
                             revision: kv.mod_revision(),
                             seen_ms,
@@ -364,6 +424,8 @@ impl Follow {
                         });
                     }
                     bytes > SEGMENT_BYTES
+                        || events.len() >= SEGMENT_EVENTS
+                        || leases.len() >= SEGMENT_LEASES
                 }
                 _ = tick.tick() => {
                     if self.wanted().await?.is_none() {
@@ -386,16 +448,33 @@ impl Follow {
                 .await?;
                 continue;
             }
-            let records = delta::to_records(&events);
             let last = events.last().map_or(since, |e| e.revision);
             let created = now.to_string();
-            let mut header = archive::header_for(&tenant, &version, last, &created, &records);
-            header.id = self.base_uid.clone();
-            header.kind = delta::KIND.into();
-            header.sequence = sequence;
-            header.since = since;
-            let sealed = archive::encode(&header, &records, &key)
-                .map_err(|e| Stop::Retry(format!("sealing a segment: {e}")))?;
+            let (tenant_name, version_name, id, k) = (
+                tenant.clone(),
+                version.clone(),
+                self.base_uid.clone(),
+                key.clone(),
+            );
+            let batch = std::mem::take(&mut events);
+            let sealed = tokio::task::spawn_blocking(move || {
+                let records = delta::to_records(&batch);
+                drop(batch);
+                let mut header =
+                    archive::header_for(&tenant_name, &version_name, last, &created, &records);
+                header.id = id;
+                header.kind = delta::KIND.into();
+                header.sequence = sequence;
+                header.since = since;
+                archive::encode(&header, &records, &k)
+            })
+            .await
+            .map_err(|e| Stop::Retry(e.to_string()))?
+            .map_err(|e| Stop::Cannot(format!("sealing a segment: {e}")))?;
+            // Not written for a backup deleted (or replaced) since the last look.
+            if self.wanted().await?.is_none() {
+                return Ok(());
+            }
             let seg = archive.segment(sequence);
             store::write_new(ctx, &self.ns, &seg, bucket.as_ref(), &self.base_uid, sealed)
                 .await
@@ -412,8 +491,8 @@ impl Follow {
             .await?;
             since = last;
             sequence += 1;
-            events.clear();
             bytes = 0;
+            leases.clear();
         }
     }
 }
