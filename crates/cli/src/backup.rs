@@ -125,9 +125,10 @@ pub struct RestoreArgs {
     /// The HostedCluster or NestedControlPlane (the one the archive was taken of).
     pub cluster: String,
     /// The archive's URL (what `backup create` printed last), or the name of a completed
-    /// backup of the cluster's namespace.
-    #[arg(long)]
-    pub from: String,
+    /// backup of the cluster's namespace. With --to-time and no --from: the newest backup of
+    /// the cluster completed by then.
+    #[arg(long, required_unless_present = "to_time")]
+    pub from: Option<String>,
     /// Its namespace.
     #[arg(short, long, default_value = "default")]
     pub namespace: String,
@@ -339,6 +340,26 @@ async fn schedule(args: ScheduleArgs) -> anyhow::Result<()> {
     }
 }
 
+/// The newest completed backup of control plane `cluster` among `backups` that completed at
+/// or before `at` (a point-in-time restore starts from it). Pure.
+pub fn newest_before(
+    backups: &[NestedBackup],
+    cluster: &str,
+    at: k8s_openapi::jiff::Timestamp,
+) -> Option<String> {
+    backups
+        .iter()
+        .filter(|b| b.spec.control_plane_ref.name == cluster)
+        .filter_map(|b| {
+            let s = b.status.as_ref()?;
+            let done = s.completed_at.as_ref()?.0;
+            (s.phase.as_deref() == Some(phases::COMPLETED) && done <= at)
+                .then(|| (done, b.name_any()))
+        })
+        .max()
+        .map(|(_, name)| name)
+}
+
 /// The default name of a backup of `cluster` taken at `unix` seconds: `<cluster>-YYYYMMDD-HHMMSS`
 /// (UTC), cut to the longest name a backup may have. Pure.
 pub fn default_name(cluster: &str, unix: i64) -> String {
@@ -473,16 +494,6 @@ async fn restore(args: RestoreArgs) -> anyhow::Result<()> {
         let of = args.as_.as_ref().unwrap_or(&args.cluster);
         default_name(&format!("{of}-restore"), unix_now())
     });
-    let (backup_ref, from) = if args.from.contains("://") {
-        (None, Some(args.from.clone()))
-    } else {
-        (
-            Some(LocalRef {
-                name: args.from.clone(),
-            }),
-            None,
-        )
-    };
     let to_time = match &args.to_time {
         Some(t) => Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
             t.parse::<k8s_openapi::jiff::Timestamp>()
@@ -490,27 +501,56 @@ async fn restore(args: RestoreArgs) -> anyhow::Result<()> {
         )),
         None => None,
     };
+    let from_arg = match (&args.from, &to_time) {
+        (Some(f), _) => f.clone(),
+        (None, Some(t)) => {
+            let backups = Api::<NestedBackup>::namespaced(client.clone(), &ns)
+                .list(&Default::default())
+                .await?
+                .items;
+            let chosen = newest_before(&backups, &original, t.0).with_context(|| {
+                format!(
+                    "no backup of {ns}/{original} completed by {}: give --from",
+                    t.0
+                )
+            })?;
+            eprintln!(
+                "nestplane: restoring from {chosen}, the newest backup of {ns}/{original} completed by {}",
+                t.0
+            );
+            chosen
+        }
+        (None, None) => bail!("--from or --to-time"),
+    };
+    let from_arg = from_arg.as_str();
+    let (backup_ref, from) = if from_arg.contains("://") {
+        (None, Some(from_arg.to_string()))
+    } else {
+        (
+            Some(LocalRef {
+                name: from_arg.to_string(),
+            }),
+            None,
+        )
+    };
     // An `s3://` archive: its server is the one given, else that of the backup whose
     // archive it is.
     let s3 = match args.s3.access() {
         Some(a) => Some(a),
-        None if args.from.starts_with("s3://") => {
+        None if from_arg.starts_with("s3://") => {
             Api::<NestedBackup>::namespaced(client.clone(), &ns)
                 .list(&Default::default())
                 .await?
                 .items
                 .into_iter()
-                .find(|b| {
-                    b.status.as_ref().and_then(|s| s.url.as_deref()) == Some(args.from.as_str())
-                })
+                .find(|b| b.status.as_ref().and_then(|s| s.url.as_deref()) == Some(from_arg))
                 .and_then(|b| b.spec.s3)
         }
         None => None,
     };
-    if args.from.starts_with("s3://") && s3.is_none() {
+    if from_arg.starts_with("s3://") && s3.is_none() {
         bail!(
-            "{} is an s3:// archive of no backup of namespace {ns}: give its server with --s3-endpoint and --s3-credentials",
-            args.from
+            "{from_arg} is an s3:// archive of no backup of namespace {ns}: give its server with --s3-endpoint and --s3-credentials"
         );
     }
     let mut r = NestedRestore::new(
@@ -536,13 +576,11 @@ async fn restore(args: RestoreArgs) -> anyhow::Result<()> {
         .with_context(|| format!("creating NestedRestore {ns}/{name}"))?;
     match &clone {
         Some(_) => eprintln!(
-            "nestplane: created NestedRestore {ns}/{name}: a clone of {ns}/{original} as {ns}/{cp} from {}",
-            args.from
+            "nestplane: created NestedRestore {ns}/{name}: a clone of {ns}/{original} as {ns}/{cp} from {from_arg}",
         ),
-        None => eprintln!(
-            "nestplane: created NestedRestore {ns}/{name} of {ns}/{cp} from {}",
-            args.from
-        ),
+        None => {
+            eprintln!("nestplane: created NestedRestore {ns}/{name} of {ns}/{cp} from {from_arg}",)
+        }
     }
     let mut clone = clone;
     let started = Instant::now();
@@ -821,6 +859,51 @@ mod tests {
                 .datastore_ref
                 .map(|d| d.name),
             Some("other".into())
+        );
+    }
+
+    #[test]
+    fn a_point_in_time_starts_from_the_newest_backup_completed_by_then() {
+        use k8s_openapi::jiff::Timestamp;
+        let at = |s: i64| Timestamp::from_second(s).unwrap();
+        let backup = |name: &str, cluster: &str, phase: &str, done: i64| {
+            let mut b = NestedBackup::new(
+                name,
+                NestedBackupSpec {
+                    control_plane_ref: LocalRef {
+                        name: cluster.into(),
+                    },
+                    ..Default::default()
+                },
+            );
+            b.status = Some(nestplane_api::NestedBackupStatus {
+                phase: Some(phase.into()),
+                completed_at: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(
+                    done,
+                ))),
+                ..Default::default()
+            });
+            b
+        };
+        let all = [
+            backup("a-1", "alpha", phases::COMPLETED, 100),
+            backup("a-2", "alpha", phases::COMPLETED, 200),
+            backup("a-3", "alpha", phases::FAILED, 250),
+            backup("b-1", "beta", phases::COMPLETED, 260),
+            backup("a-4", "alpha", phases::COMPLETED, 300),
+        ];
+        assert_eq!(
+            newest_before(&all, "alpha", at(299)).as_deref(),
+            Some("a-2")
+        );
+        assert_eq!(
+            newest_before(&all, "alpha", at(300)).as_deref(),
+            Some("a-4")
+        );
+        assert_eq!(newest_before(&all, "alpha", at(99)), None);
+        assert_eq!(
+            newest_before(&all, "beta", at(1000)).as_deref(),
+            Some("b-1")
         );
     }
 

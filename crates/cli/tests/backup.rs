@@ -1501,18 +1501,18 @@ async fn a_restore_reaches_a_point_in_time_through_delta_segments() {
     // Everything is changed again, then restored to the time between the two changes.
     kubectl_apply(&alpha, &config_map_list(0..21, &|_| "wrecked".into()));
     let out = nestplane()
-        .args([
-            "backup", "restore", "alpha", "--from", &base, "--name", "to-time",
-        ])
+        // No --from: the newest backup completed by then.
+        .args(["backup", "restore", "alpha", "--name", "to-time"])
         .args(["--to-time", &between.to_string()])
         .arg("--kubeconfig")
         .arg(&kc)
         .output()
         .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
     assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        stderr.contains(&format!("restoring from {base}")),
+        "{stderr}"
     );
     let mut want: std::collections::BTreeMap<String, String> = (0..20)
         .map(|i| (format!("cm-{i}"), i.to_string()))
