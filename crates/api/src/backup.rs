@@ -511,6 +511,7 @@ pub mod schedule_reasons {
         json_path = ".spec.controlPlaneRef.name"
     ),
     printcolumn(name = "Every", type_ = "string", json_path = ".spec.every"),
+    printcolumn(name = "Deltas", type_ = "string", json_path = ".spec.deltas.every"),
     printcolumn(name = "Kept", type_ = "integer", json_path = ".status.kept"),
     printcolumn(
         name = "Last Backup",

@@ -710,6 +710,8 @@ pub struct Row {
     pub url: String,
     /// Why, when it is not completed.
     pub reason: String,
+    /// Its delta segments (point in time): how many, and the revision they reach.
+    pub deltas: String,
 }
 
 /// The row of `b`. Pure.
@@ -730,6 +732,11 @@ pub fn row(b: &NestedBackup, age_seconds: i64) -> Row {
         age_seconds,
         url: s.url.unwrap_or_default(),
         reason,
+        deltas: match &s.point_in_time {
+            Some(p) if p.stopped.is_some() => format!("{} (stopped)", p.segments),
+            Some(p) => format!("{} to rev {}", p.segments, p.revision),
+            None => String::new(),
+        },
     }
 }
 
@@ -740,7 +747,7 @@ pub fn table(rows: &[Row], all_namespaces: bool) -> String {
         head.push("NAMESPACE");
     }
     head.extend([
-        "NAME", "CLUSTER", "PHASE", "KEYS", "SIZE", "REVISION", "AGE", "URL",
+        "NAME", "CLUSTER", "PHASE", "KEYS", "SIZE", "REVISION", "DELTAS", "AGE", "URL",
     ]);
     let mut lines = vec![head.into_iter().map(String::from).collect::<Vec<_>>()];
     for r in rows {
@@ -760,6 +767,11 @@ pub fn table(rows: &[Row], all_namespaces: bool) -> String {
             r.keys.to_string(),
             r.archive_bytes.to_string(),
             r.revision.to_string(),
+            if r.deltas.is_empty() {
+                "-".into()
+            } else {
+                r.deltas.clone()
+            },
             age(r.age_seconds),
             if r.url.is_empty() {
                 "<none>".into()
@@ -939,6 +951,11 @@ mod tests {
             revision: Some(77),
             url: Some("file:///b/team-a/alpha-1.npbackup".into()),
             conditions: vec![conditions::new(types::READY, true, "Completed", "done")],
+            point_in_time: Some(nestplane_api::backup::PointInTime {
+                segments: 3,
+                revision: 90,
+                ..Default::default()
+            }),
             ..Default::default()
         });
         let done = row(&b, 300);
@@ -953,6 +970,7 @@ mod tests {
             lines[2].contains("Completed")
                 && lines[2].contains("512")
                 && lines[2].contains("5m")
+                && lines[2].contains("3 to rev 90")
                 && lines[2].ends_with("file:///b/team-a/alpha-1.npbackup"),
             "{t}"
         );

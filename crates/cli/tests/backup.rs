@@ -1490,6 +1490,31 @@ async fn a_restore_reaches_a_point_in_time_through_delta_segments() {
                 .filter(|u| *u > after)
         },
     );
+    // Both tables tell it: the schedule's period of segments, the backup's chain.
+    let table = kubectl_ok(&kc, &["get", "nbks", "-n", "default", "alpha"]);
+    assert!(table.contains("DELTAS") && table.contains("10s"), "{table}");
+    let out = nestplane()
+        .args([
+            "backup",
+            "list",
+            "-n",
+            "default",
+            "-o",
+            "json",
+            "--kubeconfig",
+        ])
+        .arg(&kc)
+        .output()
+        .unwrap();
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let deltas = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == base.as_str())
+        .map(|r| r["deltas"].as_str().unwrap_or_default().to_string())
+        .unwrap_or_default();
+    assert!(deltas.contains(" to rev "), "{deltas}");
     let first = root.join(format!("{base}.d000001.npdelta"));
     let mode = std::fs::metadata(&first).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600);
