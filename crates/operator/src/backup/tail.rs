@@ -183,20 +183,7 @@ impl Follow {
                         "the delta segments of NestedBackup {}/{} stop: {why}",
                         self.ns, self.base
                     );
-                    let _ = self
-                        .patch(serde_json::json!({ "stopped": msg.clone() }))
-                        .await;
-                    if let Ok(Some(s)) = self.schedules().get_opt(&self.schedule).await {
-                        self.ctx
-                            .event(
-                                s.object_ref(&()),
-                                EventType::Warning,
-                                sr::DELTAS_FAILED,
-                                &msg,
-                            )
-                            .await;
-                    }
-                    return;
+                    return self.stopped(sr::DELTAS_FAILED, &msg).await;
                 }
                 Stop::Compacted(why) => {
                     self.behind.store(true, Ordering::Relaxed);
@@ -204,20 +191,7 @@ impl Follow {
                         "the delta segments of NestedBackup {}/{} stop: {why}; a new backup starts a new chain",
                         self.ns, self.base
                     );
-                    let _ = self
-                        .patch(serde_json::json!({ "stopped": msg.clone() }))
-                        .await;
-                    if let Ok(Some(s)) = self.schedules().get_opt(&self.schedule).await {
-                        self.ctx
-                            .event(
-                                s.object_ref(&()),
-                                EventType::Warning,
-                                sr::DELTAS_BEHIND,
-                                &msg,
-                            )
-                            .await;
-                    }
-                    return;
+                    return self.stopped(sr::DELTAS_BEHIND, &msg).await;
                 }
                 Stop::Retry(why) => {
                     let msg = format!(
@@ -226,23 +200,30 @@ impl Follow {
                     );
                     tracing::warn!("{msg}");
                     // Said once for each new reason (an Event on the schedule).
-                    if why != said
-                        && let Ok(Some(s)) = self.schedules().get_opt(&self.schedule).await
-                    {
-                        self.ctx
-                            .event(
-                                s.object_ref(&()),
-                                EventType::Warning,
-                                sr::DELTAS_FAILED,
-                                &msg,
-                            )
-                            .await;
+                    if why != said {
+                        self.warn(sr::DELTAS_FAILED, &msg).await;
                         said = why;
                     }
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
             }
+        }
+    }
+
+    /// The chain ends: said in the backup's `pointInTime.stopped`, and in an Event of
+    /// `reason` on the schedule.
+    async fn stopped(&self, reason: &str, msg: &str) {
+        let _ = self.patch(serde_json::json!({ "stopped": msg })).await;
+        self.warn(reason, msg).await;
+    }
+
+    /// A Warning Event on the schedule, if it is still there.
+    async fn warn(&self, reason: &str, msg: &str) {
+        if let Ok(Some(s)) = self.schedules().get_opt(&self.schedule).await {
+            self.ctx
+                .event(s.object_ref(&()), EventType::Warning, reason, msg)
+                .await;
         }
     }
 
