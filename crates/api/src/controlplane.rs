@@ -377,7 +377,8 @@ pub struct NestedControlPlaneSpec {
     pub control_plane_endpoint: Option<ApiEndpoint>,
     /// A shared `NestedDatastore` that stores the tenant's data instead of an etcd of its own
     /// (the default): the tenant gets an etcd user and role confined to its own key prefix.
-    /// Chosen at creation; it cannot be changed later (the data would stay behind).
+    /// Changing it to another datastore moves the tenant's data there, live
+    /// (`status.migration`, docs/backup.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub datastore_ref: Option<DatastoreRef>,
 }
@@ -489,6 +490,62 @@ pub struct NestedControlPlaneStatus {
     /// Rotations of the control plane's keys: the one in progress, or the last one done.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rotations: Vec<RotationStatus>,
+    /// The move of the tenant's data to another shared datastore (a change of
+    /// `spec.datastoreRef`): the one in progress, or the last one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration: Option<MigrationStatus>,
+}
+
+/// A live move of a tenant's keys from one shared datastore to another
+/// (`status.migration`). Its phases, in order: `Pending` (the destination cannot take the
+/// tenant yet: the message says why), `Copying` (the keys at one revision of the source),
+/// `Following` (the source's changes since, through a watch, until the copy is caught up),
+/// `Freezing` (the tenant's role on the source made read-only: reads keep working, writes
+/// fail; the last changes are applied and both sides' digests compared), `CuttingOver` (the
+/// API server restarts onto the destination, one replica at a time), `Completed` (the source
+/// keeps the tenant's keys read-only until `retainUntil`: the way back), and `Cancelled`
+/// (the change was withdrawn before the cut-over: the source is writable again and the
+/// partial copy deleted).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MigrationStatus {
+    /// The source: `<namespace>/<name>` of the NestedDatastore the data leaves.
+    pub from: String,
+    /// The destination: `<namespace>/<name>`.
+    pub to: String,
+    /// See the type's description.
+    pub phase: String,
+    /// The source revision the keys were first copied at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<i64>,
+    /// Keys copied at that revision (after the freeze: the keys the tenant holds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<i64>,
+    /// How many revisions of the source the copy is behind, while following.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag: Option<i64>,
+    /// The digest both sides had at the freeze.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// How long writes were refused: from the freeze until an API server on the destination
+    /// answered, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_freeze_seconds: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frozen_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    /// Until when the source keeps the tenant's keys (read-only); they are deleted then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retain_until: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    /// Whether the source's copy was deleted (after `retainUntil`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub source_removed: bool,
+    /// What it waits for, or what went wrong and is tried again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
 }
 
 /// One key's rotation (`status.rotations[]`), asked for with annotation

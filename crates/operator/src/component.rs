@@ -109,6 +109,19 @@ pub async fn reconcile<K: ComponentKind>(obj: Arc<K>, ctx: Arc<Context>) -> Resu
             if K::COMPONENT != Component::Etcd {
                 tenant.held_by = crate::backup::restore::holding(&ctx.client, &tenant.ncp).await?;
             }
+            // The tenant's data is frozen for a move's cut-over: the API server keeps what it
+            // runs until its control plane switches datastores (its etcd credentials change
+            // a moment before; both are taken together).
+            if K::COMPONENT == Component::ApiServer
+                && tenant
+                    .ncp
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.migration.as_ref())
+                    .is_some_and(|m| m.phase == crate::datastore::migrate::phases::FREEZING)
+            {
+                return Ok(Action::requeue(std::time::Duration::from_millis(250)));
+            }
             Some(tenant)
         }
         None => datastore_tenant(&ctx, obj.as_ref(), &ns).await?,

@@ -394,6 +394,8 @@ pub struct Context {
     pub controllers: Controllers,
     /// The API servers' requests of APIs a pending minor step removes.
     pub removed_apis: crate::removed::Readings,
+    /// The tasks of moves between shared datastores.
+    pub migrations: crate::datastore::migrate::Migrations,
 }
 
 /// The controllers besides the four component controllers, by kind.
@@ -569,6 +571,7 @@ impl Context {
             caches: Default::default(),
             written: Default::default(),
             removed_apis: Default::default(),
+            migrations: Default::default(),
             controllers: Controllers::default(),
         }
     }

@@ -50,6 +50,20 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             problem.get_or_insert(p);
         }
     }
+    // A change of datastore moves the data, one step per pass (its own requeue).
+    let mut migration = ncp.status.as_ref().and_then(|s| s.migration.clone());
+    let mut moving = None;
+    if problem.is_none() && !paused && matches!(binding, Some(crate::datastore::Binding::Bound(_)))
+    {
+        let step = crate::datastore::migrate::advance(&ctx, &tenant)
+            .await
+            .at("migration")?;
+        if let Some(b) = step.binding {
+            binding = Some(b);
+        }
+        migration = step.status;
+        moving = step.requeue;
+    }
     // A minor step about to start reads which APIs it removes the tenant's clients use.
     let mut checking = false;
     if problem.is_none() && !paused {
@@ -80,6 +94,18 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         new_status.rotations.retain(|o| o.target != r.target);
         new_status.rotations.push(r);
     }
+    match &migration {
+        Some(m) => conditions::set(
+            &mut new_status.conditions,
+            crate::datastore::migrate::condition(m),
+            ncp.metadata.generation,
+            k8s_openapi::jiff::Timestamp::now(),
+        ),
+        None => new_status
+            .conditions
+            .retain(|c| c.type_ != crate::datastore::migrate::CONDITION),
+    }
+    new_status.migration = migration;
     ctx.metrics
         .set_tenant_ready(&ns, &ncp.name_any(), new_status.ready);
     if ncp.status.as_ref() != Some(&new_status) {
@@ -87,7 +113,9 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
             .await
             .at("status")?;
     }
-    Ok(if checking {
+    Ok(if let Some(after) = moving {
+        Action::requeue(after)
+    } else if checking {
         Action::requeue(REMOVED_APIS_RECHECK)
     } else if let Some(after) = rotating {
         Action::requeue(after)

@@ -15,6 +15,7 @@
 //! else. A datastore is not deleted while tenants use it.
 
 pub mod etcd;
+pub mod migrate;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -316,6 +317,38 @@ async fn access(
     }))
 }
 
+/// Whether some of `ncp`'s keys are in datastore `key` without its spec naming it: it is
+/// bound there, or a move ([`migrate`]) copies from or to it.
+fn holds(ncp: &NestedControlPlane, key: &(String, String)) -> bool {
+    let Some(status) = ncp.status.as_ref() else {
+        return false;
+    };
+    let named = format!("{}/{}", key.0, key.1);
+    status
+        .datastore
+        .as_ref()
+        .is_some_and(|b| b.namespace == key.0 && b.name == key.1)
+        || status
+            .migration
+            .as_ref()
+            .is_some_and(|m| migrate::holding(m).contains(&named))
+}
+
+/// Whether a tenant whose spec names another datastore is still measured on `here`: it is
+/// bound here and not frozen for a move's cut-over (a move that waits keeps its quota).
+fn measured_here(ncp: &NestedControlPlane, here: &(String, String)) -> bool {
+    let Some(status) = ncp.status.as_ref() else {
+        return false;
+    };
+    status
+        .datastore
+        .as_ref()
+        .is_some_and(|b| b.namespace == here.0 && b.name == here.1)
+        && !status.migration.as_ref().is_some_and(|m| {
+            m.phase == migrate::phases::FREEZING || m.phase == migrate::phases::CUTTING_OVER
+        })
+}
+
 /// The control planes that use `ds`, from the control planes' cache.
 fn tenants_of(ctx: &Context, ds: &NestedDatastore) -> Vec<Arc<NestedControlPlane>> {
     let key = (ds.namespace().unwrap_or_default(), ds.name_any());
@@ -325,7 +358,7 @@ fn tenants_of(ctx: &Context, ds: &NestedDatastore) -> Vec<Arc<NestedControlPlane
     let mut out: Vec<_> = store
         .state()
         .into_iter()
-        .filter(|ncp| referenced(ncp).as_ref() == Some(&key))
+        .filter(|ncp| referenced(ncp).as_ref() == Some(&key) || holds(ncp, &key))
         // A control plane the datastore refused is no tenant of it (and holds no deletion).
         .filter(|ncp| {
             let ns = ncp.namespace().unwrap_or_default();
@@ -794,10 +827,13 @@ async fn enforce_quotas(
         if done.contains(&t.prefix) {
             continue;
         }
+        // A tenant frozen for a move away is not measured here: the freeze holds its role.
+        let here = (ds.namespace().unwrap_or_default(), ds.name_any());
         let Some(ncp) = ncps
             .iter()
             .find(|n| n.namespace().as_deref() == Some(&t.namespace) && n.name_any() == t.name)
             .filter(|n| n.metadata.deletion_timestamp.is_none())
+            .filter(|n| referenced(n).as_ref() == Some(&here) || measured_here(n, &here))
         else {
             continue;
         };
@@ -1100,6 +1136,14 @@ pub async fn bind(ctx: &Context, t: &Tenant) -> Result<Binding, Error> {
             ),
         ));
     }
+    // Another datastore than the one the data is in: the data moves there ([`migrate`]);
+    // until the cut-over the tenant stays bound where it is.
+    if let Some(b) = t
+        .datastore()
+        .filter(|b| b.name != ds_name || b.namespace != ds_ns)
+    {
+        return Ok(Binding::Bound(b.clone()));
+    }
     let Some(ds) = get(ctx, &ds_ns, &ds_name).await? else {
         return Ok(Binding::Problem(
             reasons::REFERENCE_NOT_FOUND,
@@ -1124,13 +1168,6 @@ pub async fn bind(ctx: &Context, t: &Tenant) -> Result<Binding, Error> {
         return Ok(Binding::Problem(NOT_ALLOWED, msg));
     }
     let bound = t.datastore();
-    if bound.is_some_and(|b| b.name != ds_name || b.namespace != ds_ns) {
-        return Ok(Binding::Problem(
-            reasons::INVALID_SPEC,
-            "the datastore of a control plane cannot be changed: its data is in the first one"
-                .into(),
-        ));
-    }
     if ds.metadata.deletion_timestamp.is_some() && bound.is_none() {
         return Ok(Binding::Waiting(format!(
             "NestedDatastore {ds_ns}/{ds_name} is being deleted"
@@ -1177,42 +1214,53 @@ pub async fn bind(ctx: &Context, t: &Tenant) -> Result<Binding, Error> {
     Ok(Binding::Bound(want))
 }
 
-/// A deleted tenant leaves its datastore: its keys, user and role are deleted. A datastore
-/// that no longer exists is said in an Event (its keys cannot be reached).
+/// A deleted tenant leaves its datastores: its keys, user and role are deleted from the one
+/// it is bound to, and from those a move copied to or from. A datastore that no longer
+/// exists is said in an Event (its keys cannot be reached).
 pub async fn unbind(ctx: &Context, ncp: &NestedControlPlane) -> Result<(), Error> {
+    ctx.migrations.stop(&crate::context::object_key(ncp));
     // Only a tenant that was bound has keys there; what is deleted is computed from the
-    // control plane's spec, namespace and name, never read from its status.
-    if ncp
-        .status
-        .as_ref()
-        .and_then(|s| s.datastore.as_ref())
-        .is_none()
-    {
-        return Ok(());
-    }
-    let Some((ds_ns, ds_name)) = referenced(ncp) else {
+    // control plane's namespace and name, never read from its status.
+    let Some(status) = ncp.status.as_ref() else {
         return Ok(());
     };
+    let Some(bound) = status.datastore.as_ref() else {
+        return Ok(());
+    };
+    let mut from: Vec<(String, String)> = referenced(ncp).into_iter().collect();
+    from.push((bound.namespace.clone(), bound.name.clone()));
+    for held in status.migration.iter().flat_map(migrate::holding) {
+        if let Some((ns, name)) = held.split_once('/') {
+            from.push((ns.to_string(), name.to_string()));
+        }
+    }
+    from.sort();
+    from.dedup();
+    for (ds_ns, ds_name) in from {
+        leave(ctx, ncp, &ds_ns, &ds_name).await?;
+    }
+    Ok(())
+}
+
+async fn leave(
+    ctx: &Context,
+    ncp: &NestedControlPlane,
+    ds_ns: &str,
+    ds_name: &str,
+) -> Result<(), Error> {
     let ns = ncp.namespace().unwrap_or_default();
     let cluster = crate::tenant::cluster_name(ncp);
     if names::dns_label_problem(&cluster, names::MAX_CLUSTER_NAME_LEN).is_some() {
         return Ok(());
     }
-    let bound = TenantDatastoreStatus {
-        name: ds_name,
-        namespace: ds_ns,
-        user: tenant_user(&ns, &cluster),
-        prefix: tenant_prefix(&ns, &cluster),
-        endpoints: Vec::new(),
-    };
-    let Some(ds) = get(ctx, &bound.namespace, &bound.name).await? else {
+    let (user, prefix) = (tenant_user(&ns, &cluster), tenant_prefix(&ns, &cluster));
+    let Some(ds) = get(ctx, ds_ns, ds_name).await? else {
         ctx.event(
             ncp.object_ref(&()),
             EventType::Warning,
             reasons::REFERENCE_NOT_FOUND,
             &format!(
-                "NestedDatastore {}/{} is gone: the tenant's keys under {} could not be deleted",
-                bound.namespace, bound.name, bound.prefix
+                "NestedDatastore {ds_ns}/{ds_name} is gone: the tenant's keys under {prefix} could not be deleted"
             ),
         )
         .await;
@@ -1223,13 +1271,14 @@ pub async fn unbind(ctx: &Context, ncp: &NestedControlPlane) -> Result<(), Error
         Err((_, m)) => return Err(Error::Unavailable(format!("datastore not reachable: {m}"))),
     };
     let mut admin = etcd::Admin::connect(&a.endpoints, &a.creds).await?;
-    let deleted = admin.remove_tenant(&bound.user, &bound.prefix).await?;
+    let deleted = admin.remove_tenant(&user, &prefix).await?;
     ctx.metrics.forget_datastore_usage(&ns, &ncp.name_any());
     tracing::info!(
-        namespace = %ncp.namespace().unwrap_or_default(),
+        namespace = %ns,
         cluster = %ncp.name_any(),
+        datastore = %format!("{ds_ns}/{ds_name}"),
         keys = deleted,
-        "tenant removed from its datastore"
+        "tenant removed from a datastore"
     );
     Ok(())
 }
