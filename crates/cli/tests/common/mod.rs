@@ -227,6 +227,11 @@ impl Env {
     /// `nestplane operator` as a process of its own on this management plane (killed when
     /// dropped), its log in `operator.log` of the state directory.
     pub fn spawn_operator(&self) -> KillOnDrop {
+        self.spawn_operator_with(&[])
+    }
+
+    /// [`Env::spawn_operator`] with more arguments.
+    pub fn spawn_operator_with(&self, extra: &[&str]) -> KillOnDrop {
         let kc = self.state.path().join("mgmt.kubeconfig");
         std::fs::write(&kc, self.plane.kubeconfig()).unwrap();
         let log = std::fs::OpenOptions::new()
@@ -242,6 +247,7 @@ impl Env {
                 "--state-dir",
             ])
             .arg(self.operator_dir())
+            .args(extra)
             .env("KUBECONFIG", kc)
             .env("RUST_BACKTRACE", "1")
             .stdout(Stdio::null())
