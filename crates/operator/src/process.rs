@@ -228,7 +228,18 @@ impl Processes {
         }
         let (secrets, health_ca) = pass.issue(&input, &endpoint_host).await?;
         let mut data = secrets.data(&rendered.secrets).await?;
-        let credentials = secrets.credentials(&data);
+        let mut credentials = secrets.credentials(&data);
+        // Which datastore an API server on a shared one runs against (a move's cut-over is
+        // done when every replica runs the destination's).
+        if c == Component::ApiServer
+            && input.datastore_prefix.is_some()
+            && let Some(endpoints) = &input.external_etcd
+        {
+            credentials.insert(
+                crate::datastore::migrate::DATASTORE_CREDENTIAL.into(),
+                crate::datastore::migrate::datastore_fingerprint(endpoints),
+            );
+        }
         let egress = self.egress.as_ref().filter(|_| c == Component::ApiServer);
         if egress.is_some() {
             let (name, files) = nestplane_render::egress::apply(&mut rendered);

@@ -3,9 +3,9 @@
 //!
 //! A move copies the tenant's prefix at one revision of the source ([`engine::export`],
 //! [`engine::restore`]), then follows the source with a watch from the next revision,
-//! applying each change to the destination in bounded transactions. Once the copy is within
-//! [`FREEZE_LAG`] revisions, the control plane records `Freezing` and the tenant's role on
-//! the source is made read-only (its API server keeps serving reads; writes fail at once).
+//! applying each change to the destination in bounded transactions. Once the watch reports
+//! it has caught up (its progress answers come within [`CAUGHT_UP`]), the control plane
+//! records `Freezing` and the tenant's role on the source is made read-only (its API server keeps serving reads; writes fail at once).
 //! The last changes are applied (a progress request of the watch says when every change up
 //! to the source's revision after the freeze has arrived), both prefixes' digests are
 //! compared, and only then are the tenant's etcd credentials issued for the destination and
@@ -63,9 +63,17 @@ pub const CANCELLED: &str = "MigrationCancelled";
 pub const RETRYING: &str = "MigrationRetrying";
 pub const SOURCE_REMOVED: &str = "MigrationSourceRemoved";
 
-/// How far behind the source (in revisions) the copy may be when writes are frozen: what is
-/// left to apply then is the freeze's length.
-pub const FREEZE_LAG: i64 = 64;
+/// The copy is caught up when the watch's last progress answer (sent only by a watch that
+/// has delivered everything up to the source's revision) is this recent.
+pub const CAUGHT_UP: Duration = Duration::from_millis(600);
+/// The longest a freeze may last before the move gives up on it (the source is writable
+/// again, and the move copies and follows again).
+pub const FREEZE_LIMIT: i64 = 30;
+/// Where a move raises the destination's revision (a key outside every tenant's prefix: a
+/// namespace name has no dot).
+const BUMP_ROOT: &str = "/nestplane/.moves/";
+/// Writes in flight at once while raising the destination's revision.
+const BUMP_BATCH: usize = 64;
 /// How long the source keeps the tenant's keys after a move, unless the control plane's
 /// [`RETENTION_ANNOTATION`] says otherwise (at most [`MAX_RETENTION`]).
 pub const RETENTION: i64 = 24 * 3600;
@@ -86,8 +94,11 @@ pub struct Progress {
     /// The source revision of the copy.
     pub revision: Option<i64>,
     pub keys: Option<i64>,
-    /// Revisions of the source not yet seen applied.
+    /// Revisions of the source not yet seen applied (of every tenant of the source: the
+    /// watch's progress is the datastore's revision).
     pub lag: Option<i64>,
+    /// The watch has caught up (see [`CAUGHT_UP`]).
+    pub caught_up: bool,
     /// After the freeze: every change applied and both digests equal.
     pub drained: Option<Drained>,
     /// The last error (the task starts again after a pause).
@@ -156,6 +167,8 @@ impl Migrations {
 /// One move's copy and watch.
 struct Job {
     to: String,
+    /// `namespace/cluster`: names the key that raises the destination's revision.
+    tenant: String,
     src: Access,
     dst: Access,
     user: String,
@@ -214,6 +227,12 @@ impl Job {
         let snap = engine::export(&mut src, &self.prefix, engine::PAGE, &limits)
             .await
             .map_err(|e| format!("copying from the source: {e}"))?;
+        // Every write of the copy lands at a revision of the destination above the one it
+        // was read at (and every change the watch applies, above its own; see `apply`): a
+        // client's resourceVersion from the source is then never one after which the
+        // destination holds a change the client has not seen.
+        let bump_key = format!("{BUMP_ROOT}{}", self.tenant);
+        bump(&mut dst, &bump_key, snap.revision + 1).await?;
         engine::restore(&mut dst, &self.prefix, &snap.records, &limits)
             .await
             .map_err(|e| format!("writing the copy: {e}"))?;
@@ -245,6 +264,7 @@ impl Job {
         let mut synced = base;
         let mut frozen: Option<i64> = None;
         let mut comparisons = 0;
+        let mut progressed: Option<tokio::time::Instant> = None;
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -266,8 +286,12 @@ impl Job {
                         // A progress answer: every change up to its revision has come.
                         if !resp.created() && let Some(h) = resp.header() {
                             synced = synced.max(h.revision());
+                            progressed = Some(tokio::time::Instant::now());
                         }
                         continue;
+                    }
+                    if let Some(last) = resp.events().iter().filter_map(|e| e.kv()).map(|kv| kv.mod_revision()).max() {
+                        bump(&mut dst, &bump_key, last).await?;
                     }
                     apply(&mut src, &mut dst, resp.events(), &mut leases).await?;
                     if let Some(last) = resp.events().iter().filter_map(|e| e.kv()).map(|kv| kv.mod_revision()).max() {
@@ -281,8 +305,12 @@ impl Job {
                         .map_err(|e| format!("asking the watch's progress: {e}"))?;
                     let now = revision(&mut src, &self.prefix).await?;
                     let lag = (now - synced).max(0);
-                    set(progress, |p| p.lag = Some(lag));
-                    if frozen.is_none() && freeze.load(Ordering::Relaxed) && lag <= FREEZE_LAG {
+                    let caught_up = progressed.is_some_and(|t| t.elapsed() <= CAUGHT_UP);
+                    set(progress, |p| {
+                        p.lag = Some(lag);
+                        p.caught_up = caught_up;
+                    });
+                    if frozen.is_none() && freeze.load(Ordering::Relaxed) && caught_up {
                         etcd::Admin::connect(&self.src.endpoints, &self.src.creds)
                             .await
                             .map_err(s)?
@@ -301,6 +329,8 @@ impl Job {
                             .await
                             .map_err(|e| e.to_string())?;
                         if sd == dd && sk == dk {
+                            bump(&mut dst, &bump_key, target + 1).await?;
+                            let _ = dst.delete(bump_key.as_str(), None).await;
                             set(progress, |p| {
                                 p.drained = Some(Drained { revision: target, digest: sd, keys: sk as i64 });
                                 p.keys = Some(sk as i64);
@@ -337,6 +367,25 @@ async fn revision(client: &mut Client, prefix: &str) -> Result<i64, String> {
     resp.header()
         .map(|h| h.revision())
         .ok_or_else(|| "etcd answered without a header".to_string())
+}
+
+/// Raise `client`'s revision to at least `to` with writes of `key` ([`BUMP_BATCH`] at once;
+/// each write is a revision).
+async fn bump(client: &mut Client, key: &str, to: i64) -> Result<(), String> {
+    loop {
+        let now = revision(client, key).await?;
+        if now >= to {
+            return Ok(());
+        }
+        let n = ((to - now) as usize).min(BUMP_BATCH);
+        let writes = (0..n).map(|_| {
+            let mut c = client.clone();
+            async move { c.put(key, "", None).await }
+        });
+        for r in futures::future::join_all(writes).await {
+            r.map_err(|e| format!("raising the destination's revision: {e}"))?;
+        }
+    }
 }
 
 /// The source's changes, applied to the destination in order, at most [`engine::TXN_OPS`]
@@ -544,6 +593,7 @@ async fn start(
                 key,
                 Job {
                     to: to.to_string(),
+                    tenant: format!("{}/{}", t.namespace(), t.cluster()),
                     src,
                     dst,
                     user: bound.user.clone(),
@@ -663,7 +713,22 @@ async fn go_on(
         return cutting_over(ctx, t, m, now).await;
     }
     let freezing = m.phase == phases::FREEZING;
-    let Some((p, freeze)) = ctx.migrations.progress(key, &m.to) else {
+    let progress = ctx.migrations.progress(key, &m.to);
+    // A freeze that does not end in a cut-over soon is lifted: writes again, copy again.
+    let held = m
+        .frozen_at
+        .as_ref()
+        .map(|f| now.as_second() - f.0.as_second())
+        .unwrap_or_default();
+    let drained = progress.as_ref().is_some_and(|(p, _)| p.drained.is_some());
+    if freezing && !drained && held > FREEZE_LIMIT {
+        let why = progress
+            .as_ref()
+            .and_then(|(p, _)| p.error.clone())
+            .unwrap_or_else(|| "the destination could not be reached".into());
+        return thaw(ctx, t, key, m, bound, held, &why).await;
+    }
+    let Some((p, freeze)) = progress else {
         // No task (the operator started since): the copy is taken again (from a frozen
         // source, if it was frozen: it no longer changes).
         return match ready_to_move(ctx, t, &m.to).await? {
@@ -672,6 +737,7 @@ async fn go_on(
                     key,
                     Job {
                         to: m.to.clone(),
+                        tenant: format!("{}/{}", t.namespace(), t.cluster()),
                         src,
                         dst,
                         user: bound.user.clone(),
@@ -734,7 +800,7 @@ async fn go_on(
             "following the source: {} revisions behind",
             p.lag.unwrap_or_default()
         ));
-        if p.lag.is_some_and(|l| l <= FREEZE_LAG) {
+        if p.caught_up {
             // Recorded before the role changes: a pass that finds `Freezing` freezes.
             m.phase = phases::FREEZING.into();
             m.frozen_at = Some(Time(now));
@@ -833,12 +899,28 @@ async fn cut_over(
     })
 }
 
-/// Whether every API server replica runs with the etcd CA of the destination (its status
-/// reports the trust it runs with once rolled out and Ready).
-async fn on_destination(ctx: &Context, t: &Tenant) -> Result<bool, Error> {
+/// The key of an API server's `status.credentials` that names the datastore it runs
+/// against ([`datastore_fingerprint`] of its endpoints).
+pub const DATASTORE_CREDENTIAL: &str = "datastore";
+
+/// A fingerprint of a datastore's client URLs, as an API server is rendered with them. Pure.
+pub fn datastore_fingerprint(endpoints: &[String]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for e in endpoints {
+        h.update((e.len() as u64).to_be_bytes());
+        h.update(e.as_bytes());
+    }
+    format!("{:x}", h.finalize())[..16].to_string()
+}
+
+/// Whether every API server replica runs against the destination with its etcd CA (its
+/// status reports both once rolled out and Ready).
+async fn on_destination(ctx: &Context, t: &Tenant, endpoints: &[String]) -> Result<bool, Error> {
     let Some(api) = t.apiserver.found() else {
         return Ok(false);
     };
+    let at = datastore_fingerprint(endpoints);
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &t.namespace());
     let Some(ca) = secrets
         .get_opt(&SecretPurpose::EtcdCa.secret_name(&t.cluster()))
@@ -855,6 +937,10 @@ async fn on_destination(ctx: &Context, t: &Tenant) -> Result<bool, Error> {
                 .credentials
                 .get(SecretPurpose::EtcdCa.suffix())
                 .is_some_and(|f| *f == want)
+            && s.common
+                .credentials
+                .get(DATASTORE_CREDENTIAL)
+                .is_some_and(|f| *f == at)
     }))
 }
 
@@ -864,7 +950,11 @@ async fn cutting_over(
     mut m: MigrationStatus,
     now: Timestamp,
 ) -> Result<Step, Error> {
-    if !on_destination(ctx, t).await? {
+    let endpoints = t
+        .datastore()
+        .map(|d| d.endpoints.clone())
+        .unwrap_or_default();
+    if !on_destination(ctx, t, &endpoints).await? {
         return Ok(Step {
             status: Some(m),
             requeue: Some(LOOK),
@@ -990,6 +1080,53 @@ async fn remove_copy(ctx: &Context, t: &Tenant, at: &str) -> Result<bool, Error>
     Ok(true)
 }
 
+/// A freeze that lasted [`FREEZE_LIMIT`] without the copy catching up: the source writable
+/// again, the task stopped; the next pass copies again.
+async fn thaw(
+    ctx: &Context,
+    t: &Tenant,
+    key: &str,
+    mut m: MigrationStatus,
+    bound: &TenantDatastoreStatus,
+    held: i64,
+    why: &str,
+) -> Result<Step, Error> {
+    ctx.migrations.stop(key);
+    writable_again(ctx, bound).await?;
+    let msg = format!(
+        "writes were frozen for {held} s without the copy on {} catching up ({why}): the source takes writes again, and the move copies again",
+        m.to
+    );
+    say(ctx, t, EventType::Warning, RETRYING, &msg).await;
+    m.phase = phases::COPYING.into();
+    m.frozen_at = None;
+    m.message = Some(msg);
+    Ok(Step {
+        status: Some(m),
+        requeue: Some(Duration::from_secs(5)),
+        ..Step::default()
+    })
+}
+
+/// The tenant's role on its source datastore may write again.
+async fn writable_again(ctx: &Context, bound: &TenantDatastoreStatus) -> Result<(), Error> {
+    let Some(ds) = get(ctx, &bound.namespace, &bound.name).await? else {
+        return Ok(());
+    };
+    match access(ctx, &ds, true).await? {
+        Ok(a) => {
+            etcd::Admin::connect(&a.endpoints, &a.creds)
+                .await?
+                .set_writable(&bound.user, &bound.prefix, true)
+                .await?;
+            Ok(())
+        }
+        Err((_, why)) => Err(Error::Unavailable(format!(
+            "the source, to make it writable again: {why}"
+        ))),
+    }
+}
+
 /// A move withdrawn before its cut-over: its task stopped, the source writable again, the
 /// destination's partial copy deleted.
 async fn cancel(
@@ -1001,22 +1138,7 @@ async fn cancel(
 ) -> Result<MigrationStatus, Error> {
     ctx.migrations.stop(key);
     if m.phase == phases::FREEZING {
-        let Some(ds) = get(ctx, &bound.namespace, &bound.name).await? else {
-            return Ok(m);
-        };
-        match access(ctx, &ds, true).await? {
-            Ok(a) => {
-                etcd::Admin::connect(&a.endpoints, &a.creds)
-                    .await?
-                    .set_writable(&bound.user, &bound.prefix, true)
-                    .await?
-            }
-            Err((_, why)) => {
-                return Err(Error::Unavailable(format!(
-                    "the source, to make it writable again: {why}"
-                )));
-            }
-        }
+        writable_again(ctx, bound).await?;
     }
     if m.phase != phases::PENDING && !remove_copy(ctx, t, &m.to).await? {
         return Err(Error::Unavailable(format!(
