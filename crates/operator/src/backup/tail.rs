@@ -40,6 +40,8 @@ use crate::tenant::Tenant;
 pub const SEGMENT_BYTES: usize = 16 << 20;
 /// What one event costs in memory besides its key and value.
 pub const EVENT_OVERHEAD: usize = 128;
+/// Why a chain ends when its tenant moves to another datastore.
+const MOVED: &str = "the control plane moved to another datastore (its changes are there now)";
 /// A segment is cut early past this many events, or this many distinct leases (what a
 /// restore accepts of an archive is more).
 pub const SEGMENT_EVENTS: usize = 100_000;
@@ -258,6 +260,19 @@ impl Follow {
         }))
     }
 
+    /// Whether control plane `name` is bound to another datastore than `at` now.
+    async fn moved(&self, name: &str, at: &Option<(String, String)>) -> Result<bool, Stop> {
+        let ncp = Api::<NestedControlPlane>::namespaced(self.ctx.client.clone(), &self.ns)
+            .get_opt(name)
+            .await?;
+        let now = ncp
+            .as_ref()
+            .and_then(|n| n.status.as_ref())
+            .and_then(|s| s.datastore.as_ref())
+            .map(|d| (d.namespace.clone(), d.name.clone()));
+        Ok(ncp.is_some() && now != *at)
+    }
+
     async fn patch(&self, pit: serde_json::Value) -> Result<(), kube::Error> {
         self.backups()
             .patch_status(
@@ -287,6 +302,9 @@ impl Follow {
             .ok_or_else(|| Stop::Retry("its control plane is not there".into()))?;
         let t = Tenant::load(&ctx.client, &ctx.caches, ncp.clone()).await?;
         let access = datastore_access(ctx, &t).await?.map_err(Stop::Retry)?;
+        // Where the tenant's data is: a move to another datastore ends the chain (the source
+        // no longer changes; the next backup is taken where the tenant runs).
+        let bound_at = t.datastore().map(|d| (d.namespace.clone(), d.name.clone()));
         let key = archive_key(ctx, &base).await?.map_err(Stop::Retry)?;
         let archive = super::schedule::archive_of(ctx, &self.ns, &base)
             .ok_or_else(|| Stop::Retry("its archive's URL is not one to write beside".into()))?;
@@ -354,6 +372,7 @@ impl Follow {
         let mut events: Vec<Event> = Vec::new();
         let mut bytes = 0usize;
         let mut leases = std::collections::BTreeSet::new();
+        let mut moved = false;
         let mut tick = tokio::time::interval(self.every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
@@ -412,6 +431,7 @@ impl Follow {
                     if self.wanted().await?.is_none() {
                         return Ok(());
                     }
+                    moved = self.moved(&ncp.name_any(), &bound_at).await?;
                     true
                 }
             };
@@ -427,6 +447,9 @@ impl Follow {
                     "until": Time(now),
                 }))
                 .await?;
+                if moved {
+                    return Err(Stop::Compacted(MOVED.into()));
+                }
                 continue;
             }
             let last = events.last().map_or(since, |e| e.revision);
@@ -470,6 +493,9 @@ impl Follow {
                 .unwrap_or_default(),
             )
             .await?;
+            if moved {
+                return Err(Stop::Compacted(MOVED.into()));
+            }
             since = last;
             sequence += 1;
             bytes = 0;
