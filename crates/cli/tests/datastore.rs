@@ -1064,6 +1064,19 @@ async fn a_tenant_moves_between_datastores_while_written_and_a_move_outlives_its
         })
     };
     tokio::time::sleep(Duration::from_secs(5)).await;
+    // What a client holds from the source: a list and its resourceVersion.
+    let held = kubectl_ok(
+        &tkc,
+        &[
+            "get",
+            "configmaps",
+            "-o",
+            "jsonpath={.metadata.resourceVersion}|{.items[*].metadata.name}",
+        ],
+    );
+    let (held_rv, held_names) = held.split_once('|').unwrap();
+    let held_names: std::collections::BTreeSet<String> =
+        held_names.split_whitespace().map(String::from).collect();
     move_to("two");
     eventually("the move completes", Duration::from_secs(180), || {
         (phase() == "Completed").then_some(())
@@ -1123,6 +1136,28 @@ async fn a_tenant_moves_between_datastores_while_written_and_a_move_outlives_its
         keys_under(&mut root_two.client().await, prefix).await > WRITES as i64,
         "the destination holds the tenant's keys"
     );
+    // A client that watches on from what it held misses nothing: it is told to list again
+    // (410), or it is sent every change since (the destination's revisions of the copied
+    // keys are all newer than the source's they came from).
+    let watched = kubectl_ok(
+        &tkc,
+        &[
+            "get",
+            "--raw",
+            &format!(
+                "/api/v1/namespaces/default/configmaps?watch=1&resourceVersion={held_rv}&timeoutSeconds=2"
+            ),
+        ],
+    );
+    if !watched.contains("\"code\":410") {
+        for i in 0..WRITES {
+            let name = format!("w-{i}");
+            assert!(
+                held_names.contains(&name) || watched.contains(&format!("\"name\":\"{name}\"")),
+                "a watch from {held_rv} did not send {name}"
+            );
+        }
+    }
     // The tenant writes on the destination; the source keeps a read-only copy.
     kubectl_ok(
         &tkc,
