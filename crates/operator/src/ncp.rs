@@ -51,7 +51,7 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         }
     }
     // A change of datastore moves the data, one step per pass (its own requeue).
-    let mut migration = ncp.status.as_ref().and_then(|s| s.migration.clone());
+    let migration;
     let mut moving = None;
     if problem.is_none() && !paused && matches!(binding, Some(crate::datastore::Binding::Bound(_)))
     {
@@ -63,6 +63,10 @@ pub async fn reconcile(ncp: Arc<NestedControlPlane>, ctx: Arc<Context>) -> Resul
         }
         migration = step.status;
         moving = step.requeue;
+    } else {
+        migration = crate::datastore::migrate::lift(&ctx, &tenant)
+            .await
+            .at("migration")?;
     }
     // A minor step about to start reads which APIs it removes the tenant's clients use.
     let mut checking = false;

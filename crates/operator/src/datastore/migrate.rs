@@ -72,6 +72,9 @@ pub const FREEZE_LIMIT: i64 = 30;
 /// Where a move raises the destination's revision (a key outside every tenant's prefix: a
 /// namespace name has no dot).
 const BUMP_ROOT: &str = "/nestplane/.moves/";
+/// Moves that copy and follow at once (each holds a tenant's keys in memory while it
+/// copies); the others wait as `Pending`.
+pub const MAX_MOVES: usize = 2;
 /// Writes in flight at once while raising the destination's revision.
 const BUMP_BATCH: usize = 64;
 /// How long the source keeps the tenant's keys after a move, unless the control plane's
@@ -136,6 +139,14 @@ impl Migrations {
             .filter(|r| r.to == to && !r.task.is_finished())?;
         let p = r.progress.lock().unwrap_or_else(|p| p.into_inner()).clone();
         Some((p, r.freeze.clone()))
+    }
+
+    /// Moves whose task runs, besides `key`'s.
+    fn others(&self, key: &str) -> usize {
+        self.lock()
+            .iter()
+            .filter(|(k, r)| k.as_str() != key && !r.task.is_finished())
+            .count()
     }
 
     fn start(&self, key: &str, job: Job, freeze: bool) {
@@ -642,6 +653,12 @@ async fn ready_to_move(
     t: &Tenant,
     to: &str,
 ) -> Result<Result<(Access, Access), String>, Error> {
+    let running = ctx.migrations.others(&crate::context::object_key(&t.ncp));
+    if running >= MAX_MOVES {
+        return Ok(Err(format!(
+            "{running} other moves between datastores run now (at most {MAX_MOVES} at once); this one waits its turn"
+        )));
+    }
     if ctx.runtime.patch_policy() == nestplane_render::policy::Runtime::Kubernetes {
         return Ok(Err(
             "moves between datastores run in the process runtime only for now; the tenant stays where it is".into(),
@@ -722,10 +739,13 @@ async fn go_on(
         .unwrap_or_default();
     let drained = progress.as_ref().is_some_and(|(p, _)| p.drained.is_some());
     if freezing && !drained && held > FREEZE_LIMIT {
-        let why = progress
-            .as_ref()
-            .and_then(|(p, _)| p.error.clone())
-            .unwrap_or_else(|| "the destination could not be reached".into());
+        let why = format!(
+            "the copy did not catch up ({})",
+            progress
+                .as_ref()
+                .and_then(|(p, _)| p.error.clone())
+                .unwrap_or_else(|| "the destination could not be reached".into())
+        );
         return thaw(ctx, t, key, m, bound, held, &why).await;
     }
     let Some((p, freeze)) = progress else {
@@ -780,6 +800,19 @@ async fn go_on(
     if freezing {
         freeze.store(true, Ordering::Relaxed);
         if let Some(d) = &p.drained {
+            // Consent is asked again: a namespace no longer allowed is not moved in.
+            let (to_ns, to_name) = ns_name(&m.to);
+            let consent = match get(ctx, &to_ns, &to_name).await? {
+                Some(dst) => allowed(ctx, &dst, &t.namespace()).await?,
+                None => false,
+            };
+            if !consent {
+                let m = cancel(ctx, t, key, m, bound).await?;
+                return Ok(Step {
+                    status: Some(m),
+                    ..Step::default()
+                });
+            }
             return cut_over(ctx, t, key, m, d, now).await;
         }
         if p.error.is_none() {
@@ -1094,7 +1127,7 @@ async fn thaw(
     ctx.migrations.stop(key);
     writable_again(ctx, bound).await?;
     let msg = format!(
-        "writes were frozen for {held} s without the copy on {} catching up ({why}): the source takes writes again, and the move copies again",
+        "writes were frozen for {held} s; {why}: the source takes writes again, and the move to {} copies again",
         m.to
     );
     say(ctx, t, EventType::Warning, RETRYING, &msg).await;
@@ -1155,6 +1188,30 @@ async fn cancel(
     m.lag = None;
     m.message = Some(msg);
     Ok(m)
+}
+
+/// A control plane paused, or with a problem, while its move is frozen: the freeze is lifted
+/// (writes again) and the move starts over once it is reconciled again.
+pub async fn lift(ctx: &Context, t: &Tenant) -> Result<Option<MigrationStatus>, Error> {
+    let prev = t.ncp.status.as_ref().and_then(|s| s.migration.clone());
+    let (Some(m), Some(bound)) = (prev.clone(), t.datastore().cloned()) else {
+        return Ok(prev);
+    };
+    if m.phase != phases::FREEZING {
+        return Ok(prev);
+    }
+    let key = crate::context::object_key(&t.ncp);
+    let step = thaw(
+        ctx,
+        t,
+        &key,
+        m,
+        &bound,
+        0,
+        "its control plane is paused or has a problem",
+    )
+    .await?;
+    Ok(step.status)
 }
 
 /// The condition a control plane with `status.migration` carries: True while a move runs.
