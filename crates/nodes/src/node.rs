@@ -660,6 +660,7 @@ fn node_spec(layout: &Layout, hpid: u32, name: &str, program: &Path, args: Vec<S
         log: layout.logs().join(format!("{name}.log")),
         cwd: Some(layout.dir.clone()),
         user: None,
+        stop_grace: None,
     }
 }
 
@@ -672,6 +673,7 @@ fn spawn(layout: &Layout, name: &str, program: &Path, args: Vec<String>) -> Resu
         log: layout.logs().join(format!("{name}.log")),
         cwd: Some(layout.dir.clone()),
         user: None,
+        stop_grace: None,
     };
     Child::spawn(&spec).map_err(|e| Error::io(format!("starting {name}"), e))
 }

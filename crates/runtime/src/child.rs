@@ -32,6 +32,8 @@ pub struct Spec {
     /// working directory is entered before the switch, so the user needs no access to the
     /// directories above it: paths in `args` go through it (`/proc/self/cwd/…`).
     pub user: Option<crate::user::User>,
+    /// How long a stop waits after SIGTERM before it kills (5 s when `None`).
+    pub stop_grace: Option<std::time::Duration>,
 }
 
 /// Build the `Command` for `spec`, with output appended to the log and the parent-death

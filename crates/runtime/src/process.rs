@@ -1071,8 +1071,15 @@ fn prepare_replica(
         log: dir.join(format!("{pod_name}.log")),
         cwd: Some(dir.to_path_buf()),
         user,
+        // kube-apiserver stops listening at once on SIGTERM, then waits for its requests to
+        // end, watches included, which do not by themselves: a replica being replaced would
+        // hold its place for the whole grace. Its short requests end within a second or two.
+        stop_grace: (container.name == "kube-apiserver").then_some(API_SERVER_STOP_GRACE),
     })
 }
+
+/// How long a stopping kube-apiserver may finish its requests before it is killed.
+pub const API_SERVER_STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// Whether process `pid` runs in directory `dir` (a replica's process left over from an
 /// operator that was killed).
@@ -1086,6 +1093,7 @@ fn supervise(spec: child::Spec, pidfile: PathBuf) -> Replica {
     let pid = Arc::new(Mutex::new(None));
     let restarts = Arc::new(Mutex::new(0));
     let (pid2, restarts2) = (pid.clone(), restarts.clone());
+    let grace = spec.stop_grace.unwrap_or(Duration::from_secs(5));
     let task = tokio::spawn(async move {
         // A process left over from an operator that was killed: end it before starting ours.
         if let Some(old) = std::fs::read_to_string(&pidfile)
@@ -1131,7 +1139,7 @@ fn supervise(spec: child::Spec, pidfile: PathBuf) -> Replica {
                             if let Some(id) = id {
                                 child::terminate(id);
                             }
-                            if tokio::time::timeout(Duration::from_secs(5), proc.wait()).await.is_err() {
+                            if tokio::time::timeout(grace, proc.wait()).await.is_err() {
                                 // Best effort: what cannot be removed now is left for the next cleanup.
                                 let _ = proc.kill().await;
                             }
