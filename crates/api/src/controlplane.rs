@@ -527,10 +527,13 @@ pub struct MigrationStatus {
     /// The digest both sides had at the freeze.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub digest: Option<String>,
-    /// How long writes were refused: from the freeze until an API server on the destination
-    /// answered, in seconds.
+    /// How long writes were refused, in seconds: from the freeze until the first API server
+    /// on the destination wrote there (its lease; the others follow one at a time).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub write_freeze_seconds: Option<f64>,
+    /// The destination's revision at the cut-over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub destination_revision: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

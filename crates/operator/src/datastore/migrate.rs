@@ -111,6 +111,8 @@ pub struct Progress {
 #[derive(Clone, Debug)]
 pub struct Drained {
     pub revision: i64,
+    /// The destination's revision then: what an API server writes there afterwards is above.
+    pub destination_revision: i64,
     pub digest: String,
     pub keys: i64,
 }
@@ -342,8 +344,9 @@ impl Job {
                         if sd == dd && sk == dk {
                             bump(&mut dst, &bump_key, target + 1).await?;
                             let _ = dst.delete(bump_key.as_str(), None).await;
+                            let at = revision(&mut dst, &self.prefix).await?;
                             set(progress, |p| {
-                                p.drained = Some(Drained { revision: target, digest: sd, keys: sk as i64 });
+                                p.drained = Some(Drained { revision: target, destination_revision: at, digest: sd, keys: sk as i64 });
                                 p.keys = Some(sk as i64);
                             });
                         } else {
@@ -912,6 +915,7 @@ async fn cut_over(
     )
     .await;
     m.phase = phases::CUTTING_OVER.into();
+    m.destination_revision = Some(d.destination_revision);
     m.digest = Some(d.digest.clone());
     m.keys = Some(d.keys);
     m.lag = Some(0);
@@ -945,6 +949,35 @@ pub fn datastore_fingerprint(endpoints: &[String]) -> String {
         h.update(e.as_bytes());
     }
     format!("{:x}", h.finalize())[..16].to_string()
+}
+
+/// Whether an API server of the tenant wrote its lease (`registry/masterleases/`) on the
+/// destination after revision `after`.
+async fn api_server_wrote(ctx: &Context, t: &Tenant, after: i64) -> Result<bool, Error> {
+    let Some(bound) = t.datastore().cloned() else {
+        return Ok(false);
+    };
+    let Some(ds) = get(ctx, &bound.namespace, &bound.name).await? else {
+        return Ok(false);
+    };
+    let Ok(a) = access(ctx, &ds, false).await? else {
+        return Ok(false);
+    };
+    let leases = format!("{}registry/masterleases/", bound.prefix);
+    let mut client = etcd::connect_as(&a.endpoints, &a.creds).await?;
+    // (etcd's count ignores a minimum revision: the keys themselves are looked at)
+    let resp = client
+        .get(
+            leases.as_str(),
+            Some(
+                GetOptions::new()
+                    .with_range(etcd::prefix_end(&leases))
+                    .with_keys_only(),
+            ),
+        )
+        .await
+        .map_err(|e| Error::Unavailable(format!("reading the destination: {e}")))?;
+    Ok(resp.kvs().iter().any(|kv| kv.mod_revision() > after))
 }
 
 /// Whether every API server replica runs against the destination with its etcd CA (its
@@ -987,6 +1020,19 @@ async fn cutting_over(
         .datastore()
         .map(|d| d.endpoints.clone())
         .unwrap_or_default();
+    let seconds_since_freeze = |at: Timestamp| {
+        m.frozen_at
+            .as_ref()
+            .map(|f| ((at.as_millisecond() - f.0.as_millisecond()) as f64 / 100.0).round() / 10.0)
+    };
+    // Writes are taken again once an API server runs on the destination: the first one
+    // there writes its lease.
+    if m.write_freeze_seconds.is_none()
+        && let Some(after) = m.destination_revision
+        && api_server_wrote(ctx, t, after).await?
+    {
+        m.write_freeze_seconds = seconds_since_freeze(now);
+    }
     if !on_destination(ctx, t, &endpoints).await? {
         return Ok(Step {
             status: Some(m),
@@ -994,14 +1040,14 @@ async fn cutting_over(
             ..Step::default()
         });
     }
-    let freeze = m
-        .frozen_at
-        .as_ref()
-        .map(|f| (now.as_millisecond() - f.0.as_millisecond()) as f64 / 1000.0);
     let keep = retention(t);
     m.phase = phases::COMPLETED.into();
     m.completed_at = Some(Time(now));
-    m.write_freeze_seconds = freeze.map(|f| (f * 10.0).round() / 10.0);
+    if m.write_freeze_seconds.is_none() {
+        m.write_freeze_seconds = seconds_since_freeze(now);
+    }
+    let freeze = m.write_freeze_seconds;
+    let rolled = seconds_since_freeze(now).unwrap_or_default();
     m.retain_until = now
         .checked_add(SignedDuration::from_secs(keep))
         .ok()
@@ -1022,7 +1068,7 @@ async fn cutting_over(
         EventType::Normal,
         COMPLETED,
         &format!(
-            "moved to NestedDatastore {} (writes refused for {:.1} s); {} keeps the tenant's keys read-only for {keep} s",
+            "moved to NestedDatastore {} (writes refused for {:.1} s; every API server replica on it {rolled:.1} s after the freeze); {} keeps the tenant's keys read-only for {keep} s",
             m.to,
             freeze.unwrap_or_default(),
             m.from
