@@ -878,6 +878,24 @@ fn role_writable(root: &Etcdctl, user: &str) -> Option<bool> {
     Some(write.contains('['))
 }
 
+/// The tenant's ConfigMaps as `name=value` lines, once every one of `w-0` … `w-<writes-1>`
+/// is among them with its own value.
+fn all_writes_there(kubeconfig: &Path, writes: usize) -> String {
+    let values = kubectl_ok(
+        kubeconfig,
+        &[
+            "get",
+            "configmaps",
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.name}={.data.n}{\"\\n\"}{end}",
+        ],
+    );
+    for i in 0..writes {
+        assert!(values.contains(&format!("w-{i}={i}\n")), "w-{i} is missing");
+    }
+    values
+}
+
 /// Keys under `prefix`, as `client` reads them.
 async fn keys_under(client: &mut etcd_client::Client, prefix: &str) -> i64 {
     let mut end = prefix.as_bytes().to_vec();
@@ -1120,18 +1138,7 @@ async fn a_tenant_moves_between_datastores_while_written_and_a_move_outlives_its
         assert!(events.contains(e), "{e}: {events}");
     }
     // Every acknowledged write is there, each with its value, read from the destination.
-    let values = kubectl_ok(
-        &tkc,
-        &[
-            "get",
-            "configmaps",
-            "-o",
-            "jsonpath={range .items[*]}{.metadata.name}={.data.n}{\"\\n\"}{end}",
-        ],
-    );
-    for i in 0..WRITES {
-        assert!(values.contains(&format!("w-{i}={i}\n")), "w-{i} is missing");
-    }
+    all_writes_there(&tkc, WRITES);
     assert!(
         keys_under(&mut root_two.client().await, prefix).await > WRITES as i64,
         "the destination holds the tenant's keys"
@@ -1233,18 +1240,7 @@ async fn a_tenant_moves_between_datastores_while_written_and_a_move_outlives_its
         jsonpath(&kc, &["ncp", "mover"], "{.status.datastore.name}"),
         "one"
     );
-    let values = kubectl_ok(
-        &tkc,
-        &[
-            "get",
-            "configmaps",
-            "-o",
-            "jsonpath={range .items[*]}{.metadata.name}={.data.n}{\"\\n\"}{end}",
-        ],
-    );
-    for i in 0..WRITES {
-        assert!(values.contains(&format!("w-{i}={i}\n")), "w-{i} is missing");
-    }
+    let values = all_writes_there(&tkc, WRITES);
     assert!(values.contains("after-move=1\n"), "{values}");
     kubectl_ok(
         &tkc,
