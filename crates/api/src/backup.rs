@@ -490,6 +490,9 @@ pub mod schedule_reasons {
     /// A delta segment could not be written (Event; tried again with a growing pause), or
     /// the chain stopped because the control plane holds what no segment may.
     pub const DELTAS_FAILED: &str = "DeltasFailed";
+    /// A namespace already has as many delta followers as the operator allows: this
+    /// schedule's deltas wait for one to end (Event).
+    pub const DELTAS_REFUSED: &str = "DeltasRefused";
 }
 
 /// Backups of one `NestedControlPlane` of this namespace, one every period, the newest

@@ -417,7 +417,15 @@ pub async fn reconcile(
     match (&s.spec.deltas, newest_completed) {
         (Some(d), Some(b)) if !suspended => {
             let every = delta_seconds(&d.every).unwrap_or(super::tail::EVERY.1);
-            ctx.tailers.ensure(&ctx, &s, b, Duration::from_secs(every));
+            if let Err(why) = ctx.tailers.ensure(&ctx, &s, b, Duration::from_secs(every)) {
+                ctx.event(
+                    s.object_ref(&()),
+                    EventType::Warning,
+                    sr::DELTAS_REFUSED,
+                    &why,
+                )
+                .await;
+            }
         }
         _ => ctx.tailers.stop(&s.uid().unwrap_or_default()),
     }

@@ -51,7 +51,37 @@ pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
 /// The shortest and longest `deltas.every`.
 pub const EVERY: (u64, u64) = (10, 3600);
 
+/// Delta followers one namespace may run at once: each holds a watch of a tenant's keys
+/// and its unsealed changes (up to [`SEGMENT_BYTES`]) in the operator.
+pub const MAX_FOLLOWERS_PER_NAMESPACE: usize = 8;
+
+/// Whether a namespace whose other schedules have `others` followers may start one more.
+/// Pure.
+fn room(ns: &str, others: usize) -> Result<(), String> {
+    if others < MAX_FOLLOWERS_PER_NAMESPACE {
+        return Ok(());
+    }
+    Err(format!(
+        "namespace {ns} has {others} schedules whose delta segments are followed already (at most {MAX_FOLLOWERS_PER_NAMESPACE}); this one's wait for one of them to end, and its backups go on"
+    ))
+}
+
+#[cfg(test)]
+mod room_tests {
+    #[test]
+    fn a_namespace_follows_at_most_eight_schedules_at_once() {
+        assert!(super::room("a", 0).is_ok());
+        assert!(super::room("a", super::MAX_FOLLOWERS_PER_NAMESPACE - 1).is_ok());
+        let why = super::room("a", super::MAX_FOLLOWERS_PER_NAMESPACE).expect_err("a ninth");
+        assert!(
+            why.contains("namespace a has 8") && why.contains("backups go on"),
+            "{why}"
+        );
+    }
+}
+
 struct Running {
+    ns: String,
     base: String,
     task: tokio::task::JoinHandle<()>,
     behind: Arc<AtomicBool>,
@@ -71,17 +101,19 @@ impl Drop for Tailers {
 
 impl Tailers {
     /// Follow `base` (schedule `s`'s newest completed backup) every `every`, unless that is
-    /// done already.
+    /// done already. Refused (why) while its namespace has [`MAX_FOLLOWERS_PER_NAMESPACE`]
+    /// followers of other schedules.
     pub fn ensure(
         &self,
         ctx: &Arc<BackupContext>,
         s: &NestedBackupSchedule,
         base: &NestedBackup,
         every: Duration,
-    ) {
+    ) -> Result<(), String> {
         let (Some(suid), Some(buid)) = (s.uid(), base.uid()) else {
-            return;
+            return Ok(());
         };
+        let ns = s.namespace().unwrap_or_default();
         // Its chain stopped (fell behind compaction): the next backup starts a new one.
         if base
             .status
@@ -90,23 +122,31 @@ impl Tailers {
             .is_some_and(|p| p.stopped.is_some())
         {
             self.stop(&suid);
-            return;
+            return Ok(());
         }
         let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(r) = map.get(&suid) {
             if r.base == buid && !r.task.is_finished() {
-                return;
+                return Ok(());
             }
             if r.base == buid && r.behind.load(Ordering::Relaxed) {
                 // Fell behind: a new backup starts a new chain; nothing to follow until then.
-                return;
+                return Ok(());
             }
             r.task.abort();
+        }
+        let others = map
+            .iter()
+            .filter(|(k, r)| **k != suid && r.ns == ns && !r.task.is_finished())
+            .count();
+        if let Err(why) = room(&ns, others) {
+            map.remove(&suid);
+            return Err(why);
         }
         let behind = Arc::new(AtomicBool::new(false));
         let follow = Follow {
             ctx: ctx.clone(),
-            ns: s.namespace().unwrap_or_default(),
+            ns: ns.clone(),
             schedule: s.name_any(),
             schedule_uid: suid.clone(),
             base: base.name_any(),
@@ -124,11 +164,13 @@ impl Tailers {
         map.insert(
             suid,
             Running {
+                ns,
                 base: buid,
                 task,
                 behind,
             },
         );
+        Ok(())
     }
 
     /// Stop following for schedule `uid`.
