@@ -996,6 +996,32 @@ async fn a_tenant_moves_between_datastores_while_written_and_a_move_outlives_its
         "one|true"
     );
     assert_eq!(keys_under(&mut root_two.client().await, prefix).await, 0);
+    // Removing datastoreRef (a move to an etcd of its own is not built) is refused: no etcd
+    // of its own is made, the API server keeps running on its datastore, its data readable.
+    let apiserver = env.pid("default", "mover", "apiserver", 0);
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "ncp",
+            "mover",
+            "--type=json",
+            "-p",
+            r#"[{"op":"remove","path":"/spec/datastoreRef"}]"#,
+        ],
+    );
+    let said = eventually("the removal refused", Duration::from_secs(60), || {
+        let m = message(&kc, &["ncp", "mover"], "Available");
+        m.contains("spec.datastoreRef was removed").then_some(m)
+    });
+    assert!(said.contains("NestedDatastore default/one"), "{said}");
+    assert!(gone(&kc, &["nestedetcd", "mover-etcd"]));
+    assert_eq!(env.pid("default", "mover", "apiserver", 0), apiserver);
+    kubectl_ok(&tkc, &["get", "namespace", "default"]);
+    move_to("one");
+    env.wait_ready("default", "mover", Duration::from_secs(60))
+        .await;
+    assert!(gone(&kc, &["nestedetcd", "mover-etcd"]));
 
     // The gateway: one address, the tenant's name.
     let got = jsonpath(

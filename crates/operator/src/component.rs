@@ -442,7 +442,7 @@ pub(crate) fn version_change(ctx: &Context, t: &Tenant) -> crate::tenant::Versio
 pub(crate) fn planned(ctx: &Context, t: &Tenant) -> crate::tenant::VersionChange {
     let parts: Vec<Component> = Component::ALL
         .into_iter()
-        .filter(|&d| d != Component::Etcd || t.ncp.spec.datastore_ref.is_none())
+        .filter(|&d| d != Component::Etcd || !t.on_datastore())
         .filter(|&d| t.meta_of(d).is_some())
         .collect();
     t.version_change(
@@ -571,10 +571,16 @@ fn gate(ctx: &Context, t: &Tenant, c: Component, key: &str) -> Result<Gate, Erro
         .iter()
         .filter(|d| !t.ready(**d))
         .map(|d| {
-            if *d == Component::Etcd
-                && let Some(ds) = &t.ncp.spec.datastore_ref
-            {
-                return format!("the shared datastore {}", ds.name);
+            if *d == Component::Etcd && t.on_datastore() {
+                let name = t
+                    .ncp
+                    .spec
+                    .datastore_ref
+                    .as_ref()
+                    .map(|r| r.name.clone())
+                    .or_else(|| t.datastore().map(|b| b.name.clone()))
+                    .unwrap_or_default();
+                return format!("the shared datastore {name}");
             }
             // Not referenced yet: its control plane is creating the default one (named so
             // here too, so that the message does not change when the reference is written).

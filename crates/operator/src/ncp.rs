@@ -157,7 +157,7 @@ async fn provision(
         ctx.written.remember(&tenant.ncp, written.clone());
         tenant.ncp = written;
     }
-    let on_datastore = ncp.spec.datastore_ref.is_some();
+    let on_datastore = tenant.on_datastore();
     // Default components are created first, then referenced; what the spec must gain
     // (those references, the endpoint the provider owns) is written in one patch, and what
     // was created or adopted is used as written, without reading it back.
@@ -280,7 +280,7 @@ fn observed(
     }
     let d = tenant.replicas(c);
     match c {
-        Component::Etcd if ncp.spec.datastore_ref.is_some() => datastore_observed(ncp, binding),
+        Component::Etcd if tenant.on_datastore() => datastore_observed(ncp, binding),
         Component::Etcd => obs(&tenant.etcd, d, c),
         Component::ApiServer => obs(&tenant.apiserver, d, c),
         Component::ControllerManager => obs(&tenant.controller_manager, d, c),

@@ -437,10 +437,16 @@ impl Tenant {
     }
 
     /// The shared datastore this tenant is bound to (its user, role and prefix exist there
-    /// and its etcd credentials are issued), as its status says.
+    /// and its etcd credentials are issued), as its status says. It stays bound there when
+    /// `spec.datastoreRef` is removed (refused: its data is there).
     pub fn datastore(&self) -> Option<&nestplane_api::datastore::TenantDatastoreStatus> {
-        self.ncp.spec.datastore_ref.as_ref()?;
         self.ncp.status.as_ref()?.datastore.as_ref()
+    }
+
+    /// Whether the tenant's data is (or is to be) on a shared datastore rather than an etcd
+    /// of its own.
+    pub fn on_datastore(&self) -> bool {
+        self.ncp.spec.datastore_ref.is_some() || self.datastore().is_some()
     }
 
     /// Who manages component `c` instead of nestplane, per its annotation.
@@ -536,7 +542,7 @@ impl Tenant {
     pub fn ready(&self, c: Component) -> bool {
         match c {
             // On a shared datastore, etcd is ready for the tenant once it is bound there.
-            Component::Etcd if self.ncp.spec.datastore_ref.is_some() => self.datastore().is_some(),
+            Component::Etcd if self.on_datastore() => self.datastore().is_some(),
             Component::Etcd => self.etcd.ready(),
             Component::ApiServer => self.apiserver.ready(),
             Component::ControllerManager => self.controller_manager.ready(),

@@ -1122,10 +1122,14 @@ pub async fn allowed(ctx: &Context, ds: &NestedDatastore, ns: &str) -> Result<bo
 /// certificate of its user as `<cluster>-apiserver-etcd-client`.
 pub async fn bind(ctx: &Context, t: &Tenant) -> Result<Binding, Error> {
     let Some((ds_ns, ds_name)) = referenced(&t.ncp) else {
-        return Ok(Binding::Problem(
-            reasons::INVALID_SPEC,
-            "no datastore referenced".into(),
-        ));
+        let msg = match t.datastore() {
+            Some(b) => format!(
+                "spec.datastoreRef was removed, but the tenant's data is on NestedDatastore {}/{}: it keeps running there (a move to an etcd of its own is not built yet); set spec.datastoreRef back",
+                b.namespace, b.name
+            ),
+            None => "no datastore referenced".into(),
+        };
+        return Ok(Binding::Problem(reasons::INVALID_SPEC, msg));
     };
     if let Some(etcd) = t.etcd.found() {
         return Ok(Binding::Problem(
