@@ -534,6 +534,12 @@ pub struct MigrationStatus {
     /// The destination's revision at the cut-over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub destination_revision: Option<i64>,
+    /// Freezes lifted because they did not reach the cut-over in time.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub thaws: i32,
+    /// No new freeze before this (after a lifted one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -612,4 +618,8 @@ pub struct UpgradeStatus {
     /// What happens now, or why the change was refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+}
+
+fn is_zero(n: &i32) -> bool {
+    *n == 0
 }

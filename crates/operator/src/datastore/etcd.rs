@@ -302,6 +302,15 @@ impl Admin {
         Ok(())
     }
 
+    /// Delete one key (there or not).
+    pub async fn remove_key(&mut self, key: &str) -> Result<(), EtcdError> {
+        self.client
+            .delete(key, None)
+            .await
+            .map_err(self.fail("deleting a key"))?;
+        Ok(())
+    }
+
     /// Delete the tenant's keys, user and role; returns how many keys were deleted.
     pub async fn remove_tenant(&mut self, user: &str, prefix: &str) -> Result<i64, EtcdError> {
         let deleted = self

@@ -75,6 +75,23 @@ const BUMP_ROOT: &str = "/nestplane/.moves/";
 /// Moves that copy and follow at once (each holds a tenant's keys in memory while it
 /// copies); the others wait as `Pending`.
 pub const MAX_MOVES: usize = 2;
+/// The most revisions a move raises its destination by (one write each) to get above the
+/// source's: a destination further behind is refused (`Pending`).
+pub const MAX_BUMP: i64 = 1_000_000;
+/// How far above the source's revision the destination is kept while following: the
+/// source's revisions in this long at its measured rate, and at least [`MIN_MARGIN`] (so that
+/// what the old API servers hand out during the cut-over's roll stays below it).
+const ROLL_ALLOWANCE_SECONDS: i64 = 120;
+const MIN_MARGIN: i64 = 1000;
+/// Pause before a move freezes again after a freeze was lifted (doubling per lift, at most
+/// [`MAX_REFREEZE`] seconds).
+const REFREEZE: i64 = 60;
+const MAX_REFREEZE: i64 = 1800;
+/// The key a move of tenant `namespace/cluster` raises its destination's revision with.
+pub fn bump_key(namespace: &str, cluster: &str) -> String {
+    format!("{BUMP_ROOT}{namespace}/{cluster}")
+}
+
 /// Writes in flight at once while raising the destination's revision.
 const BUMP_BATCH: usize = 64;
 /// How long the source keeps the tenant's keys after a move, unless the control plane's
@@ -151,12 +168,21 @@ impl Migrations {
             .count()
     }
 
-    fn start(&self, key: &str, job: Job, freeze: bool) {
+    /// Start `key`'s task, unless [`MAX_MOVES`] others run (false).
+    fn start(&self, key: &str, job: Job, freeze: bool) -> bool {
+        let mut running = self.lock();
+        let others = running
+            .iter()
+            .filter(|(k, r)| k.as_str() != key && !r.task.is_finished())
+            .count();
+        if others >= MAX_MOVES {
+            return false;
+        }
         let progress = Arc::new(Mutex::new(Progress::default()));
         let flag = Arc::new(AtomicBool::new(freeze));
         let to = job.to.clone();
         let task = tokio::spawn(run(job, progress.clone(), flag.clone()));
-        if let Some(old) = self.lock().insert(
+        if let Some(old) = running.insert(
             key.to_string(),
             Running {
                 to,
@@ -167,6 +193,7 @@ impl Migrations {
         ) {
             old.task.abort();
         }
+        true
     }
 
     /// Stop `key`'s task, if one runs.
@@ -278,6 +305,7 @@ impl Job {
         let mut frozen: Option<i64> = None;
         let mut comparisons = 0;
         let mut progressed: Option<tokio::time::Instant> = None;
+        let following = tokio::time::Instant::now();
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -323,6 +351,12 @@ impl Job {
                         p.lag = Some(lag);
                         p.caught_up = caught_up;
                     });
+                    // Kept above the source by what it may grow during the cut-over's roll.
+                    let secs = following.elapsed().as_secs().max(1) as i64;
+                    let margin = MIN_MARGIN.max((now - base) / secs * ROLL_ALLOWANCE_SECONDS);
+                    if frozen.is_none() {
+                        bump(&mut dst, &bump_key, now + margin).await?;
+                    }
                     if frozen.is_none() && freeze.load(Ordering::Relaxed) && caught_up {
                         etcd::Admin::connect(&self.src.endpoints, &self.src.creds)
                             .await
@@ -342,7 +376,7 @@ impl Job {
                             .await
                             .map_err(|e| e.to_string())?;
                         if sd == dd && sk == dk {
-                            bump(&mut dst, &bump_key, target + 1).await?;
+                            bump(&mut dst, &bump_key, target + margin).await?;
                             let _ = dst.delete(bump_key.as_str(), None).await;
                             let at = revision(&mut dst, &self.prefix).await?;
                             set(progress, |p| {
@@ -603,7 +637,7 @@ async fn start(
                     ..Step::default()
                 });
             }
-            ctx.migrations.start(
+            let started = ctx.migrations.start(
                 key,
                 Job {
                     to: to.to_string(),
@@ -615,6 +649,19 @@ async fn start(
                 },
                 false,
             );
+            if !started {
+                return Ok(Step {
+                    status: Some(MigrationStatus {
+                        phase: phases::PENDING.into(),
+                        message: Some(format!(
+                            "{MAX_MOVES} other moves between datastores run now; this one waits its turn"
+                        )),
+                        ..m
+                    }),
+                    requeue: Some(Duration::from_secs(10)),
+                    ..Step::default()
+                });
+            }
             m.phase = phases::COPYING.into();
             m.message = Some(format!("copying the tenant's keys from {from} to {to}"));
             say(
@@ -706,6 +753,28 @@ async fn ready_to_move(
         Ok(a) => a,
         Err((_, why)) => return Ok(Err(format!("the destination: {why}"))),
     };
+    // A destination far behind the source in revisions would take a write per revision.
+    let gap = async {
+        let mut s = etcd::connect_as(&src.endpoints, &src.creds)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut d = etcd::connect_as(&dst.endpoints, &dst.creds)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<i64, String>(
+            revision(&mut s, &bound.prefix).await? - revision(&mut d, &bound.prefix).await?,
+        )
+    }
+    .await;
+    match gap {
+        Ok(g) if g > MAX_BUMP => {
+            return Ok(Err(format!(
+                "NestedDatastore {to} is {g} revisions behind the source: a move raises it above the source with a write per revision, at most {MAX_BUMP}"
+            )));
+        }
+        Ok(_) => {}
+        Err(why) => return Ok(Err(why)),
+    }
     // Two datastores over one etcd: a copy onto itself, and a retention that ends by
     // deleting the keys in use.
     if let Some(e) = dst.endpoints.iter().find(|e| src.endpoints.contains(e)) {
@@ -740,8 +809,8 @@ async fn go_on(
         .as_ref()
         .map(|f| now.as_second() - f.0.as_second())
         .unwrap_or_default();
-    let drained = progress.as_ref().is_some_and(|(p, _)| p.drained.is_some());
-    if freezing && !drained && held > FREEZE_LIMIT {
+    // (drained too: a cut-over that cannot happen within the limit lifts the freeze as well)
+    if freezing && held > FREEZE_LIMIT {
         let why = format!(
             "the copy did not catch up ({})",
             progress
@@ -756,7 +825,7 @@ async fn go_on(
         // source, if it was frozen: it no longer changes).
         return match ready_to_move(ctx, t, &m.to).await? {
             Ok((src, dst)) => {
-                ctx.migrations.start(
+                let started = ctx.migrations.start(
                     key,
                     Job {
                         to: m.to.clone(),
@@ -771,7 +840,13 @@ async fn go_on(
                 if !freezing {
                     m.phase = phases::COPYING.into();
                 }
-                m.message = Some("copying the tenant's keys again".into());
+                m.message = Some(if started {
+                    "copying the tenant's keys again".into()
+                } else {
+                    format!(
+                        "{MAX_MOVES} other moves between datastores run now; this one waits its turn"
+                    )
+                });
                 Ok(Step {
                     status: Some(m),
                     requeue: Some(LOOK),
@@ -836,7 +911,8 @@ async fn go_on(
             "following the source: {} revisions behind",
             p.lag.unwrap_or_default()
         ));
-        if p.caught_up {
+        let not_before = m.retry_after.as_ref().map(|r| r.0);
+        if p.caught_up && not_before.is_none_or(|r| now >= r) {
             // Recorded before the role changes: a pass that finds `Freezing` freezes.
             m.phase = phases::FREEZING.into();
             m.frozen_at = Some(Time(now));
@@ -1179,7 +1255,15 @@ async fn thaw(
     say(ctx, t, EventType::Warning, RETRYING, &msg).await;
     m.phase = phases::COPYING.into();
     m.frozen_at = None;
-    m.message = Some(msg);
+    m.thaws += 1;
+    let pause = (REFREEZE << (m.thaws - 1).clamp(0, 10)).min(MAX_REFREEZE);
+    m.retry_after = Timestamp::now()
+        .checked_add(SignedDuration::from_secs(pause))
+        .ok()
+        .map(Time);
+    m.message = Some(format!(
+        "{msg}; the next freeze not before {pause} s from now"
+    ));
     Ok(Step {
         status: Some(m),
         requeue: Some(Duration::from_secs(5)),
@@ -1243,10 +1327,15 @@ pub async fn lift(ctx: &Context, t: &Tenant) -> Result<Option<MigrationStatus>, 
     let (Some(m), Some(bound)) = (prev.clone(), t.datastore().cloned()) else {
         return Ok(prev);
     };
+    let key = crate::context::object_key(&t.ncp);
+    if before_freeze(&m.phase) {
+        // Copies again once reconciled (no task then).
+        ctx.migrations.stop(&key);
+        return Ok(prev);
+    }
     if m.phase != phases::FREEZING {
         return Ok(prev);
     }
-    let key = crate::context::object_key(&t.ncp);
     let step = thaw(
         ctx,
         t,

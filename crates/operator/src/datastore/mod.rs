@@ -1276,6 +1276,8 @@ async fn leave(
     };
     let mut admin = etcd::Admin::connect(&a.endpoints, &a.creds).await?;
     let deleted = admin.remove_tenant(&user, &prefix).await?;
+    // And the key a move raised the revisions with, if one did.
+    admin.remove_key(&migrate::bump_key(&ns, &cluster)).await?;
     ctx.metrics.forget_datastore_usage(&ns, &ncp.name_any());
     tracing::info!(
         namespace = %ns,
