@@ -302,17 +302,37 @@ impl Follow {
         }))
     }
 
-    /// Whether control plane `name` is bound to another datastore than `at` now.
-    async fn moved(&self, name: &str, at: &Option<(String, String)>) -> Result<bool, Stop> {
-        let ncp = Api::<NestedControlPlane>::namespaced(self.ctx.client.clone(), &self.ns)
+    /// When control plane `name`'s data stopped changing on datastore `at`, if it is bound
+    /// to another one now: its move's freeze (the source took no write of the tenant's
+    /// after it), else now.
+    async fn moved(
+        &self,
+        name: &str,
+        at: &Option<(String, String)>,
+    ) -> Result<Option<Timestamp>, Stop> {
+        let Some(ncp) = Api::<NestedControlPlane>::namespaced(self.ctx.client.clone(), &self.ns)
             .get_opt(name)
-            .await?;
-        let now = ncp
+            .await?
+        else {
+            return Ok(None);
+        };
+        let status = ncp.status.unwrap_or_default();
+        let now = status
+            .datastore
             .as_ref()
-            .and_then(|n| n.status.as_ref())
-            .and_then(|s| s.datastore.as_ref())
             .map(|d| (d.namespace.clone(), d.name.clone()));
-        Ok(ncp.is_some() && now != *at)
+        if now == *at {
+            return Ok(None);
+        }
+        let frozen = status
+            .migration
+            .filter(|m| {
+                at.as_ref()
+                    .is_some_and(|(ns, n)| m.from == format!("{ns}/{n}"))
+            })
+            .and_then(|m| m.frozen_at)
+            .map(|f| f.0);
+        Ok(Some(frozen.unwrap_or_else(Timestamp::now)))
     }
 
     async fn patch(&self, pit: serde_json::Value) -> Result<(), kube::Error> {
@@ -414,7 +434,7 @@ impl Follow {
         let mut events: Vec<Event> = Vec::new();
         let mut bytes = 0usize;
         let mut leases = std::collections::BTreeSet::new();
-        let mut moved = false;
+        let mut moved: Option<Timestamp> = None;
         let mut tick = tokio::time::interval(self.every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
@@ -480,7 +500,8 @@ impl Follow {
             if !cut {
                 continue;
             }
-            let now = Timestamp::now();
+            // After a move, the segments reach until its freeze, not until now.
+            let now = moved.unwrap_or_else(Timestamp::now);
             if events.is_empty() {
                 // Nothing changed: the segments reach until now.
                 self.patch(serde_json::json!({
@@ -489,7 +510,7 @@ impl Follow {
                     "until": Time(now),
                 }))
                 .await?;
-                if moved {
+                if moved.is_some() {
                     return Err(Stop::Compacted(MOVED.into()));
                 }
                 continue;
@@ -535,7 +556,7 @@ impl Follow {
                 .unwrap_or_default(),
             )
             .await?;
-            if moved {
+            if moved.is_some() {
                 return Err(Stop::Compacted(MOVED.into()));
             }
             since = last;
