@@ -1063,6 +1063,12 @@ fn prepare_replica(
         .chain(container.args.iter().flatten())
         .map(|a| rewrite_paths(&expand(a, &env), &mounts))
         .collect();
+    // kube-apiserver stops listening at once on SIGTERM, then waits for its requests to end,
+    // watches included, which do not by themselves: a replica being replaced would hold its
+    // place for the whole grace. Its short requests end within a second or two; a delay
+    // asked for (a patch) comes first, the server serving through it.
+    let stop_grace = (container.name == "kube-apiserver")
+        .then(|| API_SERVER_STOP_GRACE + shutdown_delay(&args).unwrap_or_default());
     Ok(child::Spec {
         name: pod_name.to_string(),
         program: program.to_path_buf(),
@@ -1071,15 +1077,53 @@ fn prepare_replica(
         log: dir.join(format!("{pod_name}.log")),
         cwd: Some(dir.to_path_buf()),
         user,
-        // kube-apiserver stops listening at once on SIGTERM, then waits for its requests to
-        // end, watches included, which do not by themselves: a replica being replaced would
-        // hold its place for the whole grace. Its short requests end within a second or two.
-        stop_grace: (container.name == "kube-apiserver").then_some(API_SERVER_STOP_GRACE),
+        stop_grace,
     })
 }
 
 /// How long a stopping kube-apiserver may finish its requests before it is killed.
 pub const API_SERVER_STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// kube-apiserver's `--shutdown-delay-duration` among `args` (a Go duration of whole `s`,
+/// `m` or `h`; `None` when absent or not one of those). Pure.
+fn shutdown_delay(args: &[String]) -> Option<Duration> {
+    let v = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--shutdown-delay-duration="))?;
+    let (n, unit) = v.split_at(v.find(|c: char| !c.is_ascii_digit())?);
+    let n: u64 = n.parse().ok()?;
+    let secs = match unit {
+        "s" => n,
+        "m" => n.checked_mul(60)?,
+        "h" => n.checked_mul(3600)?,
+        _ => return None,
+    };
+    Some(Duration::from_secs(secs.min(600)))
+}
+
+#[cfg(test)]
+mod shutdown_delay_tests {
+    use super::*;
+
+    #[test]
+    fn an_api_servers_shutdown_delay_lengthens_its_grace() {
+        let a = |s: &str| vec!["--etcd-servers=x".to_string(), s.to_string()];
+        assert_eq!(
+            shutdown_delay(&a("--shutdown-delay-duration=5s")),
+            Some(Duration::from_secs(5))
+        );
+        assert_eq!(
+            shutdown_delay(&a("--shutdown-delay-duration=2m")),
+            Some(Duration::from_secs(120))
+        );
+        assert_eq!(
+            shutdown_delay(&a("--shutdown-delay-duration=1h")),
+            Some(Duration::from_secs(600))
+        );
+        assert_eq!(shutdown_delay(&a("--shutdown-delay-duration=1.5s")), None);
+        assert_eq!(shutdown_delay(&a("--v=2")), None);
+    }
+}
 
 /// Whether process `pid` runs in directory `dir` (a replica's process left over from an
 /// operator that was killed).
