@@ -209,21 +209,7 @@ async fn backups_of_a_shared_datastore_tenant_and_an_own_etcd_tenant_open_with_t
     assert!(!names.iter().any(|n| n.contains("cm-")), "{names:?}");
 
     // `nestplane backup list` lists both, as JSON too.
-    let out = nestplane()
-        .args([
-            "backup",
-            "list",
-            "-n",
-            "default",
-            "-o",
-            "json",
-            "--kubeconfig",
-        ])
-        .arg(&kc)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = backup_list_json(&kc);
     let listed: Vec<(&str, &str)> = rows
         .as_array()
         .unwrap()
@@ -1493,20 +1479,7 @@ async fn a_restore_reaches_a_point_in_time_through_delta_segments() {
     // Both tables tell it: the schedule's period of segments, the backup's chain.
     let table = kubectl_ok(&kc, &["get", "nbks", "-n", "default", "alpha"]);
     assert!(table.contains("DELTAS") && table.contains("10s"), "{table}");
-    let out = nestplane()
-        .args([
-            "backup",
-            "list",
-            "-n",
-            "default",
-            "-o",
-            "json",
-            "--kubeconfig",
-        ])
-        .arg(&kc)
-        .output()
-        .unwrap();
-    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = backup_list_json(&kc);
     let deltas = rows
         .as_array()
         .unwrap()
@@ -1646,4 +1619,27 @@ async fn a_restore_reaches_a_point_in_time_through_delta_segments() {
         .filter(|n| n.starts_with(&base))
         .collect();
     assert!(left.is_empty(), "{left:?}");
+}
+
+/// `nestplane backup list -n default -o json` against the management plane of `kc`.
+fn backup_list_json(kc: &std::path::Path) -> serde_json::Value {
+    let out = nestplane()
+        .args([
+            "backup",
+            "list",
+            "-n",
+            "default",
+            "-o",
+            "json",
+            "--kubeconfig",
+        ])
+        .arg(kc)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }
