@@ -104,6 +104,7 @@ async fn main() {
         control_plane_user: None,
         guard: None,
         tunnel: None,
+        entry: None,
     })
     .await
     .expect("node");

@@ -213,6 +213,7 @@ async fn nodes_started_and_removed_100_times_leave_nothing_behind() {
                 control_plane_user: (cycle % 4 == 1).then_some(0x4e50_0007),
                 guard: None,
                 tunnel: None,
+                entry: None,
             };
             batch.push(tokio::spawn(nestplane_nodes::node::Node::start(cfg)));
             cycle += 1;

@@ -582,6 +582,7 @@ impl LocalPlane {
                 control_plane_user: None,
                 guard: None,
                 tunnel: None,
+                entry: None,
             })
             .await
             .map_err(node_err)?;

@@ -148,6 +148,9 @@ pub struct Cluster {
     pub services: RwLock<Vec<Ipv4Net>>,
     /// How its network is reached.
     pub reach: Reach,
+    /// The agents of its nodes on other machines ([`crate::entry`]), beside those reached
+    /// [`Reach::Local`]ly: a target one of them holds is reached through it.
+    pub remote: Option<Arc<crate::tunnel::Agents>>,
     /// Its open tunnels ([`MAX_TUNNELS`]).
     pub tunnels: Arc<Semaphore>,
     /// When a connection beyond the limit was last logged.
@@ -175,12 +178,19 @@ impl Cluster {
         Cluster::reached(user, services, Reach::Local(routes))
     }
 
+    /// This cluster with nodes on other machines too, whose agents wait in `agents`.
+    pub fn with_remote(mut self, agents: Arc<crate::tunnel::Agents>) -> Cluster {
+        self.remote = Some(agents);
+        self
+    }
+
     /// A cluster of `user`, with `services`, reached by `reach`.
     pub fn reached(user: Option<User>, services: Vec<Ipv4Net>, reach: Reach) -> Cluster {
         Cluster {
             user,
             services: RwLock::new(services),
             reach,
+            remote: None,
             tunnels: Arc::new(Semaphore::new(MAX_TUNNELS)),
             full_warned: Default::default(),
         }
@@ -265,6 +275,16 @@ async fn dial(
         .read()
         .unwrap_or_else(|e| e.into_inner())
         .clone();
+    // A node on another machine, or its pods; or a Service of a cluster whose nodes are all
+    // elsewhere: through an agent.
+    if let Some(agents) = &cluster.remote
+        && (agents.holds(*target.ip())
+            || (routes.is_empty()
+                && !agents.is_empty()
+                && services.iter().any(|s| s.contains(target.ip()))))
+    {
+        return agents.dial(target).await;
+    }
     let via = choose(&routes, &services, *target.ip()).map_err(|reason| Refusal(403, reason))?;
     let addr = SocketAddr::V4(target);
     let made = match via {

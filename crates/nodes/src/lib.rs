@@ -12,6 +12,7 @@
 
 pub mod config;
 pub mod egress;
+pub mod entry;
 pub mod guard;
 pub mod images;
 pub mod join;

@@ -64,6 +64,10 @@ pub struct NodeConfig {
     /// server's traffic into the cluster ([`crate::tunnel`]); `None` where the control plane
     /// connects from this machine itself.
     pub tunnel: Option<(SocketAddr, String)>,
+    /// The server name of the control plane's door for nodes ([`crate::entry`]) behind
+    /// `apiservers` (a gateway): the node-local proxy wraps each API connection in TLS to it,
+    /// checked against `ca_pem`. `None`: `apiservers` are the API servers themselves.
+    pub entry: Option<String>,
 }
 
 impl std::fmt::Debug for NodeConfig {
@@ -224,10 +228,19 @@ impl Node {
         self.mark("mount namespace");
         let containerd = self.start_containerd(hpid).await?;
         let listen = SocketAddr::new(NODE_LOCAL_APISERVER.into(), cfg.api_port);
+        let how = match &cfg.entry {
+            None => crate::proxy::Upstream::Plain,
+            Some(name) => crate::proxy::Upstream::Wrapped(
+                crate::entry::client_tls(&cfg.ca_pem).map_err(|e| Error::Join(e.to_string()))?,
+                rustls::pki_types::ServerName::try_from(name.clone())
+                    .map_err(|e| Error::Join(format!("server name {name:?}: {e}")))?,
+            ),
+        };
         self.tasks.push(crate::proxy::start(
             net::netns_path(&self.addrs),
             listen,
             cfg.apiservers.clone(),
+            how,
         )?);
         if let Some((server, server_name)) = &cfg.tunnel {
             self.tasks.push(self.agent(cfg, *server, server_name)?);

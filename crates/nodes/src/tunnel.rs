@@ -53,31 +53,31 @@ const MAX_WAITING: usize = 1024;
 /// The longest protocol line.
 const MAX_LINE: u64 = 256;
 /// How long a handshake, a line or a dial may take.
-const TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the proxy waits for an agent's answer: longer than the agent's own dial.
 const ANSWER: Duration = Duration::from_secs(15);
 /// Waiting connections found dead that one dial tries past before it gives up.
 const DEAD_TRIES: usize = 4;
 /// Connections the proxy holds before they have said who they are (TLS and the NODE line):
 /// more are closed at once.
-const MAX_WELCOMING: usize = 128;
+pub(crate) const MAX_WELCOMING: usize = 128;
 /// How long an agent's connection waits before it is made anew (its certificate is read
 /// again: the kubelet rotates it).
 const MAX_WAIT: Duration = Duration::from_secs(600);
 /// Replicas of one API server an agent keeps connections at, at most.
 const MAX_REPLICAS: usize = 16;
 /// The read buffer of a protocol stream (the tunnel's bytes pass it by when it is empty).
-const BUFFER: usize = 1024;
+pub(crate) const BUFFER: usize = 1024;
 
 /// A stream a tunnel runs over.
 pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
 
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-fn roots(ca_pem: &str) -> Result<rustls::RootCertStore, String> {
+pub(crate) fn roots(ca_pem: &str) -> Result<rustls::RootCertStore, String> {
     let mut roots = rustls::RootCertStore::empty();
     for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
         let c = c.map_err(|e| format!("reading the CA: {e}"))?;
@@ -91,7 +91,7 @@ fn roots(ca_pem: &str) -> Result<rustls::RootCertStore, String> {
     Ok(roots)
 }
 
-fn cert_and_key(
+pub(crate) fn cert_and_key(
     cert_pem: &str,
     key_pem: &str,
 ) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), String> {
@@ -215,6 +215,22 @@ impl Agents {
             all.remove(0);
         }
         all.push(w);
+    }
+
+    /// Whether an agent waits whose node is `ip` or holds it in its pod range (a node of this
+    /// cluster that is reached through its agent, wherever it is).
+    pub fn holds(&self, ip: Ipv4Addr) -> bool {
+        let all = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        all.iter()
+            .any(|w| w.node_ip == ip || w.pod_cidr.is_some_and(|c| c.contains(&ip)))
+    }
+
+    /// Whether no agent waits.
+    pub fn is_empty(&self) -> bool {
+        self.waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
     }
 
     /// The nodes with a connection waiting (names, sorted, once each).
@@ -408,15 +424,40 @@ async fn welcome(
         .await
         .map_err(|_| "TLS handshake timed out".to_string())?
         .map_err(|e| format!("TLS: {e}"))?;
-    let der = stream
+    let der = peer_certificate(&stream)?;
+    admit(
+        BufReader::with_capacity(BUFFER, Box::new(stream) as Box<dyn Stream>),
+        &der,
+        agents,
+        replica,
+        permit,
+    )
+    .await
+}
+
+/// The client certificate a TLS connection was made with.
+pub(crate) fn peer_certificate<S>(
+    stream: &tokio_rustls::server::TlsStream<S>,
+) -> Result<Vec<u8>, String> {
+    Ok(stream
         .get_ref()
         .1
         .peer_certificates()
         .and_then(|c| c.first())
         .ok_or("no client certificate")?
-        .to_vec();
-    let node = node_of(&der)?;
-    let mut s = BufReader::with_capacity(BUFFER, stream);
+        .to_vec())
+}
+
+/// An agent's connection, its TLS made with the client certificate `der`: it says which node
+/// it is and waits among `agents`.
+pub(crate) async fn admit(
+    mut s: BufReader<Box<dyn Stream>>,
+    der: &[u8],
+    agents: &Agents,
+    replica: &Replica,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> Result<(), String> {
+    let node = node_of(der)?;
     let hello = read_line(&mut s, TIMEOUT)
         .await
         .map_err(|e| e.to_string())?;
@@ -482,7 +523,7 @@ pub async fn run_proxy(
 
 /// TCP keepalive on a connection that waits: a peer gone without a word is found by the
 /// kernel's probes within about a minute (and, at the latest, on use, when it is dropped).
-fn keepalive(s: &TcpStream) {
+pub(crate) fn keepalive(s: &TcpStream) {
     use rustix::net::sockopt;
     use std::os::fd::AsFd;
     let fd = s.as_fd();

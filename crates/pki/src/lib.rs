@@ -419,6 +419,38 @@ pub fn certificate_id(cert_pem: &str) -> Result<String, PkiError> {
     Ok(format!("{:x}", sha2::Sha256::digest(&der))[..16].to_string())
 }
 
+/// The hash a joining machine pins its cluster's CA by: the SHA-256 of the certificate's
+/// public key (its DER `SubjectPublicKeyInfo`), as `sha256:<hex>` (kubeadm's
+/// `--discovery-token-ca-cert-hash`). Pure.
+pub fn public_key_hash(cert_pem: &str) -> Result<String, PkiError> {
+    public_key_hash_der(&der_of(cert_pem)?)
+}
+
+/// [`public_key_hash`] of a certificate in DER. Pure.
+pub fn public_key_hash_der(der: &[u8]) -> Result<String, PkiError> {
+    use sha2::Digest as _;
+    let (_, cert) = X509Certificate::from_der(der).map_err(|e| PkiError::Parse {
+        what: "a certificate",
+        reason: e.to_string(),
+    })?;
+    Ok(format!(
+        "sha256:{:x}",
+        sha2::Sha256::digest(cert.tbs_certificate.subject_pki.raw)
+    ))
+}
+
+/// A certificate in DER as PEM. Pure.
+pub fn certificate_pem(der: &[u8]) -> String {
+    let b64 = base64(der);
+    let mut out = String::from("-----BEGIN CERTIFICATE-----\n");
+    for chunk in b64.as_bytes().chunks(64) {
+        out.push_str(&String::from_utf8_lossy(chunk));
+        out.push('\n');
+    }
+    out.push_str("-----END CERTIFICATE-----\n");
+    out
+}
+
 /// The DER of a certificate (what a TLS server presents). Pure.
 pub fn certificate_der(cert_pem: &str) -> Result<Vec<u8>, PkiError> {
     with_cert(cert_pem, |_| Ok(()))?;

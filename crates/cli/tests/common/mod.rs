@@ -699,6 +699,7 @@ pub async fn join_node(
         control_plane_user: control_plane,
         guard: None,
         tunnel,
+        entry: None,
     })
     .await
     .expect("node starts")

@@ -181,6 +181,7 @@ impl LocalNodes {
             }),
             // The operator connects from this machine itself.
             tunnel: None,
+            entry: None,
         })
         .await
         .map_err(|e| format!("node {}: {e}", r.name))?;
