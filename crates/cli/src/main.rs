@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 
 mod backup;
 mod images;
+mod node;
 mod rotate;
 mod tenants;
 mod up;
@@ -77,6 +78,13 @@ enum Command {
     /// and prints the archive's URL last), list backups (`backup list`), and restore one
     /// (`backup restore NAME --from URL [--as NEW]`, which waits).
     Backup(backup::BackupArgs),
+    /// This machine as a node of a cluster: `node join --server … --server-name …
+    /// --token … --ca-cert-hash sha256:… --kubernetes-version …` (what a NestplaneConfig's
+    /// bootstrap data runs; like `kubeadm join`).
+    Node {
+        #[command(subcommand)]
+        command: node::NodeCommand,
+    },
 }
 
 /// Arguments of `nestplane egress-proxy`.
@@ -281,6 +289,7 @@ fn main() -> anyhow::Result<()> {
         Command::Delete(a) => runtime()?.block_on(tenants::delete(a)),
         Command::Rotate(a) => runtime()?.block_on(rotate::rotate(a)),
         Command::Backup(a) => runtime()?.block_on(backup::run(a)),
+        Command::Node { command } => runtime()?.block_on(node::run(command)),
         Command::Kubeconfig(a) => runtime()?.block_on(async move {
             print!("{}", tenants::kubeconfig(a).await?);
             Ok(())

@@ -52,6 +52,22 @@ impl BootstrapToken {
         }
     }
 
+    /// A token as written (`<id>.<secret>`); the error never repeats the secret.
+    pub fn parse(s: &str) -> Result<BootstrapToken, String> {
+        let ok = |p: &str, n: usize| {
+            p.len() == n
+                && p.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+        };
+        match s.trim().split_once('.') {
+            Some((id, secret)) if ok(id, 6) && ok(secret, 16) => Ok(BootstrapToken {
+                id: id.into(),
+                secret: secret.into(),
+            }),
+            _ => Err("a bootstrap token is [a-z0-9]{6}.[a-z0-9]{16}".into()),
+        }
+    }
+
     /// `<id>.<secret>`, what the kubelet presents.
     pub fn token(&self) -> String {
         format!("{}.{}", self.id, self.secret)
@@ -268,6 +284,17 @@ mod tests {
         );
         assert!(!format!("{t:?}").contains(&t.secret));
         assert_ne!(t, BootstrapToken::generate());
+        assert_eq!(BootstrapToken::parse(&t.token()), Ok(t.clone()));
+        for bad in [
+            "",
+            "abcdef",
+            "abcdef.0123",
+            "ABCDEF.0123456789abcdef",
+            "abcdef.0123456789abcdeg.x",
+        ] {
+            let e = BootstrapToken::parse(bad).unwrap_err();
+            assert!(!e.contains("0123"), "{e}");
+        }
     }
 
     #[test]

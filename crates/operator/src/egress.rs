@@ -11,8 +11,12 @@ use std::sync::{Arc, Mutex};
 use ipnet::Ipv4Net;
 pub use nestplane_nodes::egress::service_ranges;
 use nestplane_nodes::egress::{Cluster, serve};
+use nestplane_nodes::entry::{self, Backends};
+use nestplane_nodes::tunnel::{Agents, Replica};
+use nestplane_pki::CertKey;
 use nestplane_runtime::egress::User;
 use nestplane_runtime::process::TenantKey;
+use std::net::SocketAddr;
 use tokio::task::JoinHandle;
 
 use crate::hosted::pool::machines::NodeRuntime;
@@ -32,7 +36,27 @@ impl Drop for Listening {
 /// One tenant's sockets and what they share.
 struct Served {
     cluster: Arc<Cluster>,
+    /// The agents of its nodes on other machines, waiting at its door.
+    agents: Arc<Agents>,
     listening: Vec<Listening>,
+    door: Option<Door>,
+}
+
+/// A tenant's door for nodes on other machines ([`nestplane_nodes::entry`]), on loopback
+/// behind the gateway.
+struct Door {
+    address: SocketAddr,
+    /// The certificate it serves (renewed at half its life, or when the CA changes).
+    cert_pem: String,
+    /// The CA that issued it.
+    ca_pem: String,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Door {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// The egress sockets of every tenant this operator runs.
@@ -77,15 +101,23 @@ impl Egress {
         }
     }
 
-    fn cluster(&self, user: Option<User>, services: Vec<Ipv4Net>) -> Arc<Cluster> {
+    fn served(&self, user: Option<User>, services: Vec<Ipv4Net>) -> Served {
         let nodes = self.nodes.clone();
         // The nodes of this cluster are those of its isolation group: its control plane's uid.
         let group = user.map(|u| u.uid);
-        Arc::new(Cluster::new(
+        let agents = Arc::new(Agents::new(services.clone()));
+        let cluster = Cluster::new(
             user,
             services,
             Box::new(move || group.map(|g| nodes.routes(g)).unwrap_or_default()),
-        ))
+        )
+        .with_remote(agents.clone());
+        Served {
+            cluster: Arc::new(cluster),
+            agents,
+            listening: vec![],
+            door: None,
+        }
     }
 
     /// Serve `<dir>/egress.sock` for each replica directory in `dirs` of the tenant `key`,
@@ -101,17 +133,20 @@ impl Egress {
         dirs: &[PathBuf],
     ) {
         let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
-        let served = tenants.entry(key.clone()).or_insert_with(|| Served {
-            cluster: self.cluster(user, services.clone()),
-            listening: vec![],
-        });
+        let served = tenants
+            .entry(key.clone())
+            .or_insert_with(|| self.served(user, services.clone()));
         if served.cluster.user != user {
             // Another user is another tenant: nothing of the last one's is kept.
-            served.listening.clear();
-            served.cluster = self.cluster(user, services.clone());
+            *served = self.served(user, services.clone());
         }
         *served
             .cluster
+            .services
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = services.clone();
+        *served
+            .agents
             .services
             .write()
             .unwrap_or_else(|e| e.into_inner()) = services;
@@ -141,6 +176,87 @@ impl Egress {
                 ),
             }
         }
+    }
+
+    /// Open (or keep) the door of the tenant `key` for its nodes on other machines, named
+    /// `name`, with a serving certificate of `ca` (the cluster CA); API traffic through it
+    /// goes to `backends`. Returns its address (for the gateway's route), `None` for a tenant
+    /// not served here ([`Egress::ensure`] first) or a door that cannot be opened (logged;
+    /// tried again on the next pass).
+    pub async fn door(
+        &self,
+        key: &TenantKey,
+        ca: &CertKey,
+        name: &str,
+        backends: Backends,
+    ) -> Option<SocketAddr> {
+        {
+            let tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+            let served = tenants.get(key)?;
+            if let Some(d) = &served.door
+                && !d.task.is_finished()
+                && d.ca_pem == ca.cert_pem
+                && !nestplane_pki::needs_renewal(&d.cert_pem, time::OffsetDateTime::now_utc())
+            {
+                return Some(d.address);
+            }
+        }
+        let opened = async {
+            let leaf = nestplane_pki::issue(
+                ca,
+                &nestplane_pki::LeafSpec {
+                    common_name: "nestplane-nodes-door".into(),
+                    dns_names: vec![name.to_string()],
+                    usage: nestplane_pki::Usage::Server,
+                    ..Default::default()
+                },
+                time::OffsetDateTime::now_utc(),
+            )
+            .map_err(|e| e.to_string())?;
+            let chain = format!("{}{}", leaf.cert_pem, ca.cert_pem);
+            let tls = entry::server_tls(&chain, &leaf.key_pem, &ca.cert_pem)?;
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .map_err(|e| e.to_string())?;
+            let address = listener.local_addr().map_err(|e| e.to_string())?;
+            Ok::<_, String>((leaf.cert_pem, tls, listener, address))
+        }
+        .await;
+        let (cert_pem, tls, listener, address) = match opened {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::warn!(tenant = %key, error = %e, "cannot open the door for nodes on other machines; tried again on the next pass");
+                return None;
+            }
+        };
+        let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        let served = tenants.get_mut(key)?;
+        let task = tokio::spawn(entry::serve(
+            listener,
+            tls,
+            served.agents.clone(),
+            Replica {
+                id: "operator".into(),
+                count: 1,
+            },
+            backends,
+        ));
+        served.door = Some(Door {
+            address,
+            cert_pem,
+            ca_pem: ca.cert_pem.clone(),
+            task,
+        });
+        Some(address)
+    }
+
+    /// The nodes of the tenant `key` whose agents wait at its door (names, sorted).
+    pub fn remote_nodes(&self, key: &TenantKey) -> Vec<String> {
+        let tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        tenants
+            .get(key)
+            .map(|s| s.agents.nodes())
+            .unwrap_or_default()
     }
 
     /// Stop serving the tenant `key` (it is removed; its directory goes with it).

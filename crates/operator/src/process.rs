@@ -12,8 +12,9 @@ use k8s_openapi::api::core::v1::{ObjectReference, Service, ServicePort, ServiceS
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
-use nestplane_api::names::{self, Component, ports};
+use nestplane_api::names::{self, Component, SecretPurpose, ports};
 use nestplane_api::{ApiEndpoint, NestedControlPlane, NestedEtcdAddress};
+use nestplane_nodes::entry;
 use nestplane_render::{KubeVersion, Network, RenderInput, policy};
 use nestplane_runtime::process::{self, ProcessRuntime, RuntimeError, TenantKey};
 
@@ -163,19 +164,17 @@ impl Runtime for Processes {
                 e.remove(&key);
             }
             if let Some(g) = &self.gateway {
-                g.routes.set(
-                    &names::gateway_server_name(&key.cluster, &key.namespace),
-                    vec![],
-                );
+                let name = names::gateway_server_name(&key.cluster, &key.namespace);
+                g.routes.set(&entry::server_name(&name), vec![]);
+                g.routes.set(&name, vec![]);
             }
             // Marked removed first thing: a pass that serves the tenant meanwhile sees it, and
             // what it made goes below.
             let removed = self.processes.remove(&key).await;
             if let Some(g) = &self.gateway {
-                g.routes.set(
-                    &names::gateway_server_name(&key.cluster, &key.namespace),
-                    vec![],
-                );
+                let name = names::gateway_server_name(&key.cluster, &key.namespace);
+                g.routes.set(&entry::server_name(&name), vec![]);
+                g.routes.set(&name, vec![]);
             }
             if let Some(e) = &self.egress {
                 e.remove(&key);
@@ -286,6 +285,23 @@ impl Processes {
             let user = self.processes.existing_user(&key)?;
             let services = crate::egress::service_ranges(&input.service_cidr);
             egress.ensure(&key, user, services, &dirs);
+            // Nodes on other machines come in at the tenant's door behind the gateway.
+            if let (Some(g), Some(name)) = (&self.gateway, &gateway_name) {
+                let ca = secrets.ca(SecretPurpose::ClusterCa).await?;
+                let door = entry::server_name(name);
+                let (routes, api) = (g.routes.clone(), name.clone());
+                let backends: entry::Backends =
+                    Arc::new(move || routes.get(&api).unwrap_or_default());
+                if let Some(addr) = egress.door(&key, &ca, &door, backends).await {
+                    g.routes.update(&door, |b| {
+                        *b = if self.processes.is_removed(&key) {
+                            vec![]
+                        } else {
+                            vec![addr]
+                        };
+                    });
+                }
+            }
             if self.processes.is_removed(&key) {
                 // Removed while this pass served it: what was just made goes too.
                 egress.remove(&key);
