@@ -24,6 +24,8 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         crate::backup::NestedBackup::crd(),
         crate::backup::NestedRestore::crd(),
         crate::backup::NestedBackupSchedule::crd(),
+        crate::bootstrap::NestplaneConfig::crd(),
+        crate::bootstrap::NestplaneConfigTemplate::crd(),
     ]
 }
 

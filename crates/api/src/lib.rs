@@ -5,6 +5,7 @@
 #![allow(clippy::duplicated_attributes)]
 
 pub mod backup;
+pub mod bootstrap;
 pub mod conditions;
 pub mod controlplane;
 pub mod crds;

@@ -399,7 +399,7 @@ pub struct Context {
 }
 
 /// The controllers besides the four component controllers, by kind.
-pub const WING_CONTROLLERS: [&str; 8] = [
+pub const WING_CONTROLLERS: [&str; 9] = [
     "NestedControlPlane",
     "NestedDatastore",
     "PostCreateConfig",
@@ -408,6 +408,7 @@ pub const WING_CONTROLLERS: [&str; 8] = [
     "NestedBackup",
     "NestedRestore",
     "NestedBackupSchedule",
+    "NestplaneConfig",
 ];
 
 /// Which controllers an operator runs (`--controllers`), in kube-controller-manager's
@@ -415,7 +416,7 @@ pub const WING_CONTROLLERS: [&str; 8] = [
 /// removes one; without `*`, only the named ones run. Names are the components' short names
 /// (`etcd`, `apiserver`, `controller-manager`, `scheduler`) or any controller's kind
 /// (`NestedEtcd`, `NestedControlPlane`, `NestedDatastore`, `PostCreateConfig`,
-/// `HostedCluster`, `NodePool`, `NestedBackup`, `NestedRestore`, `NestedBackupSchedule`; any case). A list that names only component controllers
+/// `HostedCluster`, `NodePool`, `NestedBackup`, `NestedRestore`, `NestedBackupSchedule`, `NestplaneConfig`; any case). A list that names only component controllers
 /// leaves the others running. A kind whose controller does not run here is someone else's:
 /// it is only read.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -289,7 +289,23 @@ pub fn all(
     if on("NestedBackupSchedule") {
         running.push(backup_schedules(w, ctx));
     }
+    if on("NestplaneConfig") {
+        running.push(bootstrap_configs(w, ctx));
+    }
     running
+}
+
+/// NestplaneConfigs (the bootstrap provider): each looked at again on its own timer while
+/// its machine joins ([`crate::bootstrap`]).
+fn bootstrap_configs(w: &mut Watches, ctx: &Arc<Context>) -> Running {
+    Controller::new(
+        api::<nestplane_api::bootstrap::NestplaneConfig>(&w.client, &w.namespace),
+        watcher::Config::default(),
+    )
+    .graceful_shutdown_on(w.stop())
+    .run(crate::bootstrap::reconcile, error_policy, ctx.clone())
+    .for_each(report("NestplaneConfig", ctx))
+    .boxed()
 }
 
 /// Control planes. Debounced: the events of one control plane's creation (its own patches,

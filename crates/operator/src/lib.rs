@@ -9,6 +9,7 @@
 
 pub mod applied;
 pub mod backup;
+pub mod bootstrap;
 pub mod clock;
 pub mod component;
 pub mod context;

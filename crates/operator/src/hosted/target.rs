@@ -125,7 +125,7 @@ impl Targets {
 }
 
 /// A value of one of nestplane's Secrets, from the cache, else from the API server.
-async fn secret_value(
+pub(crate) async fn secret_value(
     ctx: &Context,
     ns: &str,
     name: &str,

@@ -12,12 +12,13 @@ use kube::api::{Api, ListParams, PostParams};
 use super::machines::Machine;
 use crate::hosted::plan;
 
-/// Approve pending kubelet certificate requests of `machines` (the nodes pool `key` made),
+/// Approve pending kubelet certificate requests of `machines` (the nodes `owner` made, as
+/// `"NodePool <namespace/name>"`; `reason` is the approval's),
 /// and nobody else's: a client certificate when the request comes with the bootstrap token
 /// made for the node it names; a serving certificate when the node asks with its own
 /// credential for its own name and address ([`plan::judge_serving_request`]). Every other
 /// request stays pending. Failures are logged: the next pass tries again.
-pub async fn approve(client: &kube::Client, key: &str, machines: &[Machine]) {
+pub async fn approve(client: &kube::Client, owner: &str, reason: &str, machines: &[Machine]) {
     let tokens: HashMap<String, String> = machines
         .iter()
         .map(|m| (format!("system:bootstrap:{}", m.token_id), m.name.clone()))
@@ -33,7 +34,7 @@ pub async fn approve(client: &kube::Client, key: &str, machines: &[Machine]) {
     let list = match api.list(&ListParams::default()).await {
         Ok(l) => l,
         Err(e) => {
-            tracing::warn!(nodepool = %key, error = %e, "listing certificate requests failed");
+            tracing::warn!(%owner, error = %e, "listing certificate requests failed");
             return;
         }
     };
@@ -54,8 +55,8 @@ pub async fn approve(client: &kube::Client, key: &str, machines: &[Machine]) {
         status.conditions = Some(vec![CertificateSigningRequestCondition {
             type_: "Approved".into(),
             status: "True".into(),
-            reason: Some("NestplaneNodePool".into()),
-            message: Some(format!("node {node} of NodePool {key}, {what}")),
+            reason: Some(reason.into()),
+            message: Some(format!("node {node} of {owner}, {what}")),
             ..Default::default()
         }]);
         match api

@@ -396,7 +396,13 @@ async fn converge(pass: &Pass<'_>, n: &Nodes<'_>) -> Result<Step<Vec<KubeNode>>,
         &members,
     );
     // Approve the certificates of the nodes we made (and nobody else's).
-    csr::approve(&n.target.client, &pass.key, &machines).await;
+    csr::approve(
+        &n.target.client,
+        &format!("NodePool {}", pass.key),
+        "NestplaneNodePool",
+        &machines,
+    )
+    .await;
     // The cluster's side of joining, kept in place (a deleted binding comes back).
     if let Err(e) = join::ensure_bindings(&n.target.client, false).await {
         tracing::warn!(error = %e, "keeping the join bindings failed; next pass");
@@ -466,7 +472,13 @@ async fn start_nodes(pass: &Pass<'_>, n: &Nodes<'_>, count: u32) {
     let approving = async {
         loop {
             tokio::time::sleep(JOINING_APPROVAL_INTERVAL).await;
-            csr::approve(&n.target.client, &pass.key, &joining).await;
+            csr::approve(
+                &n.target.client,
+                &format!("NodePool {}", pass.key),
+                "NestplaneNodePool",
+                &joining,
+            )
+            .await;
         }
     };
     let results = tokio::select! {
