@@ -292,7 +292,7 @@ mod tests {
             "ABCDEF.0123456789abcdef",
             "abcdef.0123456789abcdeg.x",
         ] {
-            let e = BootstrapToken::parse(bad).unwrap_err();
+            let e = BootstrapToken::parse(bad).expect_err(bad);
             assert!(!e.contains("0123"), "{e}");
         }
     }

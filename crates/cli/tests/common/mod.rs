@@ -199,6 +199,16 @@ impl Env {
         );
     }
 
+    /// Start the operator running the shared gateway at `address` (port 0: a free one).
+    pub fn start_operator_with_gateway_at(&mut self, address: std::net::SocketAddr) {
+        self.start_operator_configured(
+            nestplane_operator::Controllers::default(),
+            vec![],
+            Some(address),
+            vec![],
+        );
+    }
+
     fn start_operator_configured(
         &mut self,
         controllers: nestplane_operator::Controllers,

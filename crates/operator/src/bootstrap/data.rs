@@ -145,7 +145,7 @@ fn label_key(k: &str) -> bool {
         Some((p, n)) => (Some(p), n),
         None => (None, k),
     };
-    prefix.is_none_or(|p| dns_name(p)) && !name.is_empty() && label_part(name, 63)
+    prefix.is_none_or(dns_name) && !name.is_empty() && label_part(name, 63)
 }
 
 fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), String> {

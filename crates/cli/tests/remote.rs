@@ -1,0 +1,508 @@
+//! End to end: a machine on "another host" becomes a node through Cluster API's bootstrap
+//! contract. The test plays the infrastructure provider (and Cluster API's Machine
+//! controller): it creates the `Machine` that references a `NestplaneConfig`, and runs the
+//! bootstrap data nestplane wrote on a machine of its own making — a network namespace whose
+//! one link reaches the operator's gateway and lets nothing in, its own mount namespace and
+//! filesystem root, its own cgroup tree (`fixtures/machine.sh`). The machine joins, runs a
+//! pod, and serves `kubectl logs` and `exec` although the control plane cannot dial it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const READY: Duration = Duration::from_secs(120);
+
+fn run(args: &[&str]) {
+    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The machine: its network namespace and link, its root and cgroup; all removed on drop.
+struct RemoteMachine {
+    netns: String,
+    link: String,
+    cgroup: String,
+    root: tempfile::TempDir,
+    host_ip: Ipv4Addr,
+    ip: Ipv4Addr,
+    running: Option<KillOnDrop>,
+    log: PathBuf,
+}
+
+impl RemoteMachine {
+    /// A machine whose link to this host is `10.252.<k>.0/30`: the host is `.1`, the
+    /// machine `.2`. No default route; a firewall that lets in only what answers the
+    /// machine's own connections.
+    fn create(k: u8, log: PathBuf) -> RemoteMachine {
+        let m = RemoteMachine {
+            netns: format!("np-machine-{k}"),
+            link: format!("npm{k}"),
+            cgroup: format!("nestplane-machine-{k}"),
+            root: tempfile::tempdir().unwrap(),
+            host_ip: Ipv4Addr::new(10, 252, k, 1),
+            ip: Ipv4Addr::new(10, 252, k, 2),
+            running: None,
+            log,
+        };
+        m.remove_network();
+        let ns = m.netns.as_str();
+        run(&["ip", "netns", "add", ns]);
+        run(&[
+            "ip", "link", "add", &m.link, "type", "veth", "peer", "name", "eth0", "netns", ns,
+        ]);
+        run(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{}/30", m.host_ip),
+            "dev",
+            &m.link,
+        ]);
+        run(&["ip", "link", "set", &m.link, "up"]);
+        run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+        run(&[
+            "ip",
+            "-n",
+            ns,
+            "addr",
+            "add",
+            &format!("{}/30", m.ip),
+            "dev",
+            "eth0",
+        ]);
+        run(&["ip", "-n", ns, "link", "set", "eth0", "up"]);
+        let net = format!("--net=/run/netns/{ns}");
+        for chain in ["INPUT", "FORWARD"] {
+            run(&[
+                "nsenter",
+                &net,
+                "iptables",
+                "-w",
+                "-A",
+                chain,
+                "-i",
+                "eth0",
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "ESTABLISHED,RELATED",
+                "-j",
+                "ACCEPT",
+            ]);
+            run(&[
+                "nsenter", &net, "iptables", "-w", "-A", chain, "-i", "eth0", "-j", "DROP",
+            ]);
+        }
+        m
+    }
+
+    /// Run `script` as the machine's bootstrap data, in the background.
+    fn boot(&mut self, script: &str) {
+        let file = self.root.path().with_extension("bootstrap.sh");
+        std::fs::write(&file, script).unwrap();
+        let log = std::fs::File::create(&self.log).unwrap();
+        let kubebin = nestplane_runtime::binaries::kubernetes("kubelet", "v1.20.2")
+            .expect("kubelet v1.20.2: run scripts/install-deps.sh");
+        let child = Command::new("sh")
+            .arg(repo().join("crates/cli/tests/fixtures/machine.sh"))
+            .args([&self.netns])
+            .arg(self.root.path())
+            .arg(&self.cgroup)
+            .arg(env!("CARGO_BIN_EXE_nestplane"))
+            .arg(kubebin.parent().unwrap())
+            .arg(nestplane_nodes::images::default_dir())
+            .arg(&file)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.running = Some(KillOnDrop(child));
+    }
+
+    /// The end of the machine's log and of its node's.
+    fn logs(&self) -> String {
+        let mut out = format!(
+            "--- machine ---\n{}\n",
+            nestplane_runtime::child::log_tail(&self.log, 40)
+        );
+        let node = self.root.path().join("var/lib/nestplane/node/logs");
+        for p in ["kubelet", "containerd", "kube-proxy"] {
+            out.push_str(&format!(
+                "--- {p} ---\n{}\n",
+                nestplane_runtime::child::log_tail(&node.join(format!("{p}.log")), 25)
+            ));
+        }
+        out
+    }
+
+    /// Stop the join (SIGTERM: it removes its node), then everything of the machine.
+    fn stop(&mut self) {
+        if let Some(mut c) = self.running.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &c.0.id().to_string()])
+                .output();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !c.exited() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+
+    fn cgroups(&self) -> Vec<PathBuf> {
+        let base = Path::new("/sys/fs/cgroup");
+        if base.join("cgroup.controllers").exists() {
+            return vec![base.join(&self.cgroup)];
+        }
+        std::fs::read_dir(base)
+            .unwrap()
+            .flatten()
+            .filter(|e| !e.file_type().unwrap().is_symlink())
+            .map(|e| e.path().join(&self.cgroup))
+            .filter(|p| p.exists())
+            .collect()
+    }
+
+    fn remove_network(&self) {
+        let _ = Command::new("ip")
+            .args(["netns", "delete", &self.netns])
+            .output();
+        let _ = Command::new("ip")
+            .args(["link", "delete", &self.link])
+            .output();
+    }
+}
+
+/// Every process in cgroup `dir` and below, and the directories, deepest first.
+fn kill_and_remove(dir: &Path) {
+    for _ in 0..50 {
+        let mut pids = Vec::new();
+        let mut dirs = vec![dir.to_path_buf()];
+        let mut all = Vec::new();
+        while let Some(d) = dirs.pop() {
+            if let Ok(s) = std::fs::read_to_string(d.join("cgroup.procs")) {
+                pids.extend(s.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+            }
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    dirs.push(e.path());
+                }
+            }
+            all.push(d);
+        }
+        if !pids.is_empty() {
+            let _ = Command::new("kill")
+                .arg("-KILL")
+                .args(pids.iter().map(|p| p.to_string()))
+                .output();
+        }
+        all.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for d in &all {
+            let _ = std::fs::remove_dir(d);
+        }
+        if !dir.exists() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+impl Drop for RemoteMachine {
+    fn drop(&mut self) {
+        self.stop();
+        for cg in self.cgroups() {
+            kill_and_remove(&cg);
+        }
+        self.remove_network();
+    }
+}
+
+/// Whether this host can open a connection to `addr` within a second.
+fn dials(addr: SocketAddr) -> bool {
+    TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_the_control_plane_cannot_dial_joins_through_bootstrap_data_and_serves_logs_and_exec()
+ {
+    nestplane_nodes::check_prerequisites("v1.20.2").expect("node prerequisites");
+    let images = images();
+    let mut env = Env::start(false).await;
+    let k = (std::process::id() % 200) as u8 + 20;
+    let mut machine = RemoteMachine::create(k, env.state.path().join("machine.log"));
+    // The gateway listens on the host's end of the machine's link: the one address the
+    // machine reaches.
+    env.start_operator_with_gateway_at(SocketAddr::new(machine.host_ip.into(), 0));
+    env.apply(
+        &std::fs::read_to_string(repo().join("crates/cli/tests/fixtures/capi-machines-crd.yaml"))
+            .unwrap(),
+    );
+    kubectl_ok(
+        env.kubeconfig(),
+        &[
+            "wait",
+            "--for=condition=Established",
+            "crd/machines.cluster.x-k8s.io",
+            "--timeout=60s",
+        ],
+    );
+    env.create_ncp("default", "far").await;
+    env.wait_ready("default", "far", READY).await;
+    let tenant = env.tenant_kubeconfig("default", "far").await;
+    let mgmt = env.kubeconfig().to_path_buf();
+
+    // Bad input first: a label the shell would run is refused, and nothing is made.
+    env.apply(
+        r#"
+apiVersion: bootstrap.cluster.x-k8s.io/v1alpha1
+kind: NestplaneConfig
+metadata: {name: bad, namespace: default}
+spec:
+  nodeLabels: {x: "$(reboot)"}
+"#,
+    );
+    eventually(
+        "the bad config's condition",
+        Duration::from_secs(30),
+        || {
+            let c = jsonpath(
+                &mgmt,
+                &["nestplaneconfig", "bad"],
+                "{.status.conditions[?(@.type==\"Ready\")].reason}",
+            );
+            c.contains("InvalidSpec").then_some(())
+        },
+    );
+    assert!(events_for(&mgmt, "default", "bad").contains("InvalidSpec"));
+    assert!(
+        !kubectl_ok(&mgmt, &["get", "secrets", "-o", "name"]).contains("secret/bad"),
+        "no bootstrap data for a config that cannot be used"
+    );
+
+    // The provider's part: a config, and the Machine that references it.
+    env.apply(
+        r#"
+apiVersion: bootstrap.cluster.x-k8s.io/v1alpha1
+kind: NestplaneConfig
+metadata: {name: far-m0, namespace: default}
+spec:
+  nodeLabels: {nestplane.io/where: far-away}
+  tokenTtlSeconds: 600
+---
+apiVersion: cluster.x-k8s.io/v1beta2
+kind: Machine
+metadata: {name: far-m0, namespace: default}
+spec:
+  clusterName: far
+  version: v1.20.2
+  bootstrap:
+    configRef: {apiGroup: bootstrap.cluster.x-k8s.io, kind: NestplaneConfig, name: far-m0}
+  infrastructureRef: {apiGroup: infrastructure.cluster.x-k8s.io, kind: TestMachine, name: far-m0}
+"#,
+    );
+    let secret_name = eventually("the bootstrap data", Duration::from_secs(60), || {
+        let ready = jsonpath(
+            &mgmt,
+            &["nestplaneconfig", "far-m0"],
+            "{.status.initialization.dataSecretCreated}",
+        );
+        let name = jsonpath(
+            &mgmt,
+            &["nestplaneconfig", "far-m0"],
+            "{.status.dataSecretName}",
+        );
+        (ready.trim() == "true" && !name.trim().is_empty()).then(|| name.trim().to_string())
+    });
+    assert_eq!(
+        jsonpath(&mgmt, &["nestplaneconfig", "far-m0"], "{.status.ready}").trim(),
+        "true",
+        "the v1beta1 contract's field too"
+    );
+    let secret = env.secret("default", &secret_name).await.unwrap();
+    assert_eq!(secret.type_.as_deref(), Some("cluster.x-k8s.io/secret"));
+    assert_eq!(
+        secret.metadata.labels.as_ref().unwrap()["cluster.x-k8s.io/cluster-name"],
+        "far"
+    );
+    let data = secret.data.unwrap();
+    assert_eq!(String::from_utf8_lossy(&data["format"].0), "cloud-config");
+    let script = String::from_utf8_lossy(&data["value"].0).into_owned();
+    assert!(script.starts_with("#!/bin/sh\n"), "{script}");
+
+    // The only credential in it is a bootstrap token that expires within the TTL.
+    let token_id = jsonpath(&mgmt, &["nestplaneconfig", "far-m0"], "{.status.tokenId}");
+    let token_id = token_id.trim();
+    assert!(script.contains(&format!("NESTPLANE_JOIN_TOKEN='{token_id}.")));
+    assert!(!script.contains("PRIVATE KEY") && !script.contains("client-certificate"));
+    let expiration = kubectl_ok(
+        &tenant,
+        &[
+            "get",
+            "secret",
+            "-n",
+            "kube-system",
+            &format!("bootstrap-token-{token_id}"),
+            "-o",
+            "jsonpath={.data.expiration}",
+        ],
+    );
+    let expiration = String::from_utf8(
+        base64::Engine::decode(
+            &base64::engine::general_purpose::STANDARD,
+            expiration.trim(),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let expires: k8s_openapi::jiff::Timestamp = expiration.parse().unwrap();
+    let left = expires.duration_since(k8s_openapi::jiff::Timestamp::now());
+    assert!(
+        left.as_secs() > 500 && left.as_secs() <= 600,
+        "the token expires in the config's 600 s: {expiration}"
+    );
+    let token = script
+        .split("NESTPLANE_JOIN_TOKEN='")
+        .nth(1)
+        .and_then(|s| s.split('\'').next())
+        .unwrap()
+        .to_string();
+
+    // The infrastructure provider's part: the machine runs its bootstrap data.
+    machine.boot(&script);
+    let joined = Instant::now();
+    let deadline = joined + READY;
+    loop {
+        let ready = kubectl(
+            &tenant,
+            &[
+                "get",
+                "node",
+                "far-m0",
+                "-o",
+                "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
+            ],
+        );
+        if String::from_utf8_lossy(&ready.stdout).trim() == "True" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node far-m0 not Ready after {READY:?}\n{}",
+            machine.logs()
+        );
+        assert!(
+            !machine.running.as_mut().unwrap().exited(),
+            "the machine's bootstrap ended\n{}",
+            machine.logs()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    eprintln!(
+        "the machine's node was Ready {:?} after boot",
+        joined.elapsed()
+    );
+    let labels = kubectl_ok(
+        &tenant,
+        &["get", "node", "far-m0", "-o", "jsonpath={.metadata.labels}"],
+    );
+    assert!(labels.contains("far-away"), "{labels}");
+
+    // Joined: the token is gone, and no one joins with it again.
+    eventually("Joined", Duration::from_secs(30), || {
+        let c = condition(&mgmt, &["nestplaneconfig", "far-m0"], "Joined");
+        c.contains("True").then_some(())
+    });
+    assert!(events_for(&mgmt, "default", "far-m0").contains("NodeJoined"));
+    let gone = kubectl(
+        &tenant,
+        &[
+            "get",
+            "secret",
+            "-n",
+            "kube-system",
+            &format!("bootstrap-token-{token_id}"),
+        ],
+    );
+    assert!(!gone.status.success(), "the token's Secret is deleted");
+    let reuse = token_kubeconfig(&tenant, &token, env.state.path().join("reuse.kubeconfig"));
+    eventually(
+        "the used token no longer authenticates",
+        Duration::from_secs(30),
+        || {
+            let out = kubectl(&reuse, &["get", "--raw", "/api"]);
+            (!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("Unauthorized"))
+                .then_some(())
+        },
+    );
+
+    // The control plane cannot dial the machine: neither its link address nor its node's.
+    let node_ip: Ipv4Addr = kubectl_ok(
+        &tenant,
+        &[
+            "get",
+            "node",
+            "far-m0",
+            "-o",
+            "jsonpath={.status.addresses[?(@.type==\"InternalIP\")].address}",
+        ],
+    )
+    .trim()
+    .parse()
+    .unwrap();
+    assert!(!dials(SocketAddr::new(machine.ip.into(), 10250)));
+    assert!(!dials(SocketAddr::new(machine.ip.into(), 22)));
+    let routed = Command::new("ip")
+        .args(["route", "get", &node_ip.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&routed.stdout).contains(&machine.link),
+        "this host has no way to the machine's node: {}",
+        String::from_utf8_lossy(&routed.stdout)
+    );
+
+    // A pod there: logs and exec reach it through the tunnel its node dialled out.
+    kubectl_apply(
+        &tenant,
+        &format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: far-shell, namespace: default}}
+spec:
+  nodeName: far-m0
+  containers:
+  - name: shell
+    image: {}
+    imagePullPolicy: Never
+    command: ["sh", "-c", "echo hello-from-far-away; sleep 3600"]
+"#,
+            nestplane_nodes::images::SHELL_IMAGE
+        ),
+    );
+    let _ = &images;
+    wait_pod_running_and_logging(&tenant, "far-shell", "hello-from-far-away");
+
+    // SIGTERM to the join removes the node from the machine.
+    machine.stop();
+    let leftovers: Vec<_> = std::fs::read_dir(machine.root.path().join("var/lib/nestplane"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "images")
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "the node's directory is removed: {leftovers:?}\n{}",
+        machine.logs()
+    );
+}
