@@ -65,6 +65,14 @@ pub struct NestplaneConfigSpec {
     /// The cluster's domain (`cluster.local` by default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cluster_domain: Option<String>,
+    /// Pods the node runs at most (the kubelet's `maxPods`; 110 when unset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 250))]
+    pub max_pods: Option<i32>,
+    /// The pod security level enforced on the node below the tenant: `Baseline` (the
+    /// default) or `Restricted`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_security: Option<String>,
     /// How long the bootstrap token lives, in seconds (900 by default, at most 86400); one
     /// that expires before its machine joins is replaced, and the data Secret with it.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -447,6 +447,57 @@ pub struct NodePoolSpec {
     /// when unset). A change replaces the nodes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_security: Option<PodSecurityLevel>,
+    /// Where the pool's nodes run: on the operator's machine (`Local`, the default), or on
+    /// machines Cluster API makes (`ClusterAPI`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<NodePoolPlatform>,
+}
+
+/// Where a pool's nodes run.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodePoolPlatform {
+    /// `Local` (nodes on the operator's machine) or `ClusterAPI` (a `MachineDeployment` of
+    /// the hosted cluster's Cluster, whose machines join with a `NestplaneConfig`).
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// The `ClusterAPI` platform's settings.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        rename = "clusterAPI"
+    )]
+    pub cluster_api: Option<ClusterApiPlatform>,
+}
+
+/// The `ClusterAPI` platform: the infrastructure provider's machine template the pool's
+/// machines are made from (in the hosted cluster's control-plane namespace, where its Cluster
+/// is).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterApiPlatform {
+    /// The infrastructure machine template (`apiGroup`, `kind`, `name`).
+    pub infrastructure_ref: ContractReference,
+}
+
+/// A reference in Cluster API's v1beta2 form.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ContractReference {
+    /// The API group (`infrastructure.cluster.x-k8s.io`).
+    pub api_group: String,
+    /// The kind.
+    pub kind: String,
+    /// The name.
+    pub name: String,
+}
+
+/// The platforms a pool's nodes run on.
+pub mod platforms {
+    /// Nodes on the operator's machine.
+    pub const LOCAL: &str = "Local";
+    /// Machines of a Cluster API `MachineDeployment`.
+    pub const CLUSTER_API: &str = "ClusterAPI";
 }
 
 /// One node of a pool.

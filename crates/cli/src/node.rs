@@ -70,6 +70,21 @@ pub struct JoinArgs {
     /// A taint of the Node (`key=value:Effect` or `key:Effect`; repeat for more).
     #[arg(long = "node-taint")]
     pub taints: Vec<String>,
+    /// Pods the node runs at most (the kubelet's `maxPods`).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=250))]
+    pub max_pods: Option<u32>,
+    /// The pod security level enforced on this machine below the tenant: `Baseline` or
+    /// `Restricted` (`Privileged`, nothing enforced, must be asked for by hand).
+    #[arg(long, default_value = "Baseline", value_parser = parse_level)]
+    pub pod_security: nestplane_nodes::guard::Level,
+}
+
+fn parse_level(s: &str) -> Result<nestplane_nodes::guard::Level, String> {
+    use nestplane_nodes::guard::Level;
+    [Level::Baseline, Level::Restricted, Level::Privileged]
+        .into_iter()
+        .find(|l| l.name() == s)
+        .ok_or_else(|| format!("{s:?} is Baseline, Restricted or Privileged"))
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
@@ -148,7 +163,8 @@ async fn join(a: JoinArgs) -> anyhow::Result<()> {
             version: a.kubernetes_version.clone(),
             labels: a.labels.into_iter().collect::<BTreeMap<_, _>>(),
             taints: a.taints,
-            ..Default::default()
+            max_pods: a.max_pods,
+            pod_security: a.pod_security,
         },
         cluster: ClusterSettings {
             cluster_dns: a.cluster_dns,

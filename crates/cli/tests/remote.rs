@@ -506,3 +506,181 @@ spec:
         machine.logs()
     );
 }
+
+/// The MachineDeployment of pool `name` of HostedCluster `default/hc`, as `jsonpath` reads it.
+fn md(kc: &Path, name: &str, path: &str) -> String {
+    jsonpath(kc, &["machinedeployment", name, "-n", "default-hc"], path)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_api_node_pool_owns_a_machine_deployment_that_scales_and_rolls() {
+    let env = Env::start(true).await;
+    let kc = env.kubeconfig().to_path_buf();
+    env.apply(
+        &std::fs::read_to_string(
+            repo().join("crates/cli/tests/fixtures/capi-machinedeployments-crd.yaml"),
+        )
+        .unwrap(),
+    );
+    kubectl_ok(
+        &kc,
+        &[
+            "wait",
+            "--for=condition=Established",
+            "crd/machinedeployments.cluster.x-k8s.io",
+            "--timeout=60s",
+        ],
+    );
+    env.apply("apiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: hc, namespace: default}\nspec:\n  release: {version: 1.20.2}\n");
+
+    // Bad input: an unknown platform is refused, and nothing is made for it.
+    env.apply(
+        r#"
+apiVersion: nestplane.io/v1alpha1
+kind: NodePool
+metadata: {name: nowhere, namespace: default}
+spec:
+  clusterName: hc
+  replicas: 1
+  platform: {type: Elsewhere}
+"#,
+    );
+    eventually("InvalidConfiguration", Duration::from_secs(60), || {
+        let r = jsonpath(
+            &kc,
+            &["nodepool", "nowhere"],
+            "{.status.conditions[?(@.type==\"Ready\")].message}",
+        );
+        r.contains("platform.type").then_some(())
+    });
+    assert!(events_for(&kc, "default", "nowhere").contains("InvalidConfiguration"));
+
+    // A pool on Cluster API's machines.
+    env.apply(
+        r#"
+apiVersion: nestplane.io/v1alpha1
+kind: NodePool
+metadata: {name: edge, namespace: default}
+spec:
+  clusterName: hc
+  replicas: 2
+  nodeLabels: {tier: edge}
+  nodeDrainTimeout: 2m
+  management:
+    upgradeType: Replace
+    replace: {strategy: RollingUpdate, rollingUpdate: {maxSurge: 1, maxUnavailable: 0}}
+  platform:
+    type: ClusterAPI
+    clusterAPI:
+      infrastructureRef: {apiGroup: infrastructure.cluster.x-k8s.io, kind: TestMachineTemplate, name: small}
+"#,
+    );
+    let first = eventually("the MachineDeployment", Duration::from_secs(120), || {
+        let t = md(
+            &kc,
+            "edge",
+            "{.spec.replicas} {.spec.template.spec.bootstrap.configRef.name}",
+        );
+        t.strip_prefix("2 ")
+            .filter(|n| n.starts_with("edge-"))
+            .map(str::to_string)
+    });
+    assert_eq!(
+        md(
+            &kc,
+            "edge",
+            "{.spec.clusterName} {.spec.template.spec.version} {.spec.template.spec.infrastructureRef.kind}/{.spec.template.spec.infrastructureRef.name} {.spec.template.spec.deletion.nodeDrainTimeoutSeconds}"
+        ),
+        "hc v1.20.2 TestMachineTemplate/small 120"
+    );
+    let labels = jsonpath(
+        &kc,
+        &["nestplaneconfigtemplate", &first, "-n", "default-hc"],
+        "{.spec.template.spec.nodeLabels}",
+    );
+    assert!(
+        labels.contains("\"tier\":\"edge\"")
+            && labels.contains("\"nestplane.io/nodepool\":\"edge\""),
+        "{labels}"
+    );
+
+    // Scale: the MachineDeployment follows.
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "nodepool",
+            "edge",
+            "--type=merge",
+            "-p",
+            "{\"spec\":{\"replicas\":3}}",
+        ],
+    );
+    eventually("scaled", Duration::from_secs(60), || {
+        (md(&kc, "edge", "{.spec.replicas}") == "3").then_some(())
+    });
+
+    // A rolling change of the node settings: a new template, the old one kept for the
+    // rollout.
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "nodepool",
+            "edge",
+            "--type=merge",
+            "-p",
+            "{\"spec\":{\"nodeLabels\":{\"tier\":\"edge-2\"}}}",
+        ],
+    );
+    let second = eventually("a new template", Duration::from_secs(60), || {
+        let t = md(
+            &kc,
+            "edge",
+            "{.spec.template.spec.bootstrap.configRef.name}",
+        );
+        (t != first && t.starts_with("edge-")).then_some(t)
+    });
+    let labels = jsonpath(
+        &kc,
+        &["nestplaneconfigtemplate", &second, "-n", "default-hc"],
+        "{.spec.template.spec.nodeLabels}",
+    );
+    assert!(labels.contains("edge-2"), "{labels}");
+    assert!(
+        kubectl(
+            &kc,
+            &["get", "nestplaneconfigtemplate", &first, "-n", "default-hc"]
+        )
+        .status
+        .success(),
+        "the template the rollout comes from stays"
+    );
+    assert!(events_for(&kc, "default", "edge").contains(&second));
+
+    // The pool goes: its MachineDeployment and templates with it.
+    kubectl_ok(
+        &kc,
+        &["delete", "nodepool", "edge", "--wait=true", "--timeout=60s"],
+    );
+    assert!(
+        !kubectl(
+            &kc,
+            &["get", "machinedeployment", "edge", "-n", "default-hc"]
+        )
+        .status
+        .success()
+    );
+    let left = kubectl_ok(
+        &kc,
+        &[
+            "get",
+            "nestplaneconfigtemplates",
+            "-n",
+            "default-hc",
+            "-o",
+            "name",
+        ],
+    );
+    assert!(left.trim().is_empty(), "{left}");
+}

@@ -63,6 +63,12 @@ pub fn script(j: &Join, spec: &NestplaneConfigSpec) -> String {
     for t in &spec.node_taints {
         args.push(("--node-taint", t.clone()));
     }
+    if let Some(m) = spec.max_pods {
+        args.push(("--max-pods", m.to_string()));
+    }
+    if let Some(l) = &spec.pod_security {
+        args.push(("--pod-security", l.clone()));
+    }
     let mut out = String::from("#!/bin/sh\n");
     out.push_str(&format!(
         "# nestplane bootstrap data: machine {} joins as node {}.\n# The token expires at {} and is deleted once the node has joined.\nset -eu\n",
@@ -114,6 +120,20 @@ pub fn validate(spec: &NestplaneConfigSpec) -> Result<(), String> {
         && !dns_name(d)
     {
         return Err(format!("spec.clusterDomain: {d:?} is not a DNS name"));
+    }
+    if let Some(m) = spec.max_pods
+        && !(1..=250).contains(&m)
+    {
+        return Err(format!(
+            "spec.maxPods {m}: a node's pods share its /24, so 1 to 250"
+        ));
+    }
+    if let Some(l) = &spec.pod_security
+        && !matches!(l.as_str(), "Baseline" | "Restricted")
+    {
+        return Err(format!(
+            "spec.podSecurity {l:?}: Baseline or Restricted (Privileged is not offered for machines)"
+        ));
     }
     Ok(())
 }
@@ -270,6 +290,8 @@ mod tests {
             cluster_dns: vec!["10.96.0.10".into()],
             cluster_domain: Some("cluster.local".into()),
             token_ttl_seconds: Some(600),
+            max_pods: Some(30),
+            pod_security: Some("Restricted".into()),
         };
         assert_eq!(validate(&ok), Ok(()));
         for bad in [
@@ -299,6 +321,14 @@ mod tests {
             },
             NestplaneConfigSpec {
                 cluster_domain: Some("Cluster.Local;x".into()),
+                ..ok.clone()
+            },
+            NestplaneConfigSpec {
+                max_pods: Some(0),
+                ..ok.clone()
+            },
+            NestplaneConfigSpec {
+                pod_security: Some("Privileged".into()),
                 ..ok.clone()
             },
         ] {

@@ -10,6 +10,7 @@
 //! pause) → a node runtime that can make nodes → finalizer → the hosted cluster serving →
 //! converging nodes → status. Where nodes run is the [`machines::NodeRuntime`] seam.
 
+pub mod capi;
 pub mod csr;
 pub mod drain;
 pub mod machines;
@@ -177,6 +178,25 @@ pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<HostedContext>) -> Result<A
         Ok(v) => v,
         Err(halt) => return pass.stop(halt).await,
     };
+    if let Some(platform) = plan::cluster_api(&pool) {
+        // Machines Cluster API makes: nothing runs on this machine.
+        crate::finalizer::add(&pass.api, pool.as_ref(), FINALIZER)
+            .await
+            .at("finalizer")?;
+        let target = ctx.targets.get(&ctx, &hc).await.at("target")?;
+        let spec = plan::node_spec(&pool, &pool.name_any(), &version);
+        return capi::converge(
+            pass,
+            &hc,
+            platform,
+            &version,
+            &spec,
+            &cluster_settings(&hc),
+            target.as_ref().map(|t| &t.client),
+        )
+        .await
+        .at("ClusterAPI");
+    }
     let builtin_dns =
         super::plan::dns_provider(&hc.spec, ctx.dns.default_provider, true) == DnsProvider::Builtin;
     let runtime = match node_runtime(&ctx, &version, builtin_dns) {
@@ -688,6 +708,13 @@ async fn teardown(
 ) -> Result<Action, Error> {
     if !crate::finalizer::has(pool, FINALIZER) {
         return Ok(Action::await_change());
+    }
+    if plan::cluster_api(pool).is_some()
+        && let Some(hc) = hc
+        && !capi::teardown(&ctx.client, pool, hc).await?
+    {
+        // Cluster API deletes the machines first.
+        return Ok(Action::requeue(Duration::from_secs(5)));
     }
     let target = match hc {
         Some(hc) => match ctx.targets.get(ctx, hc).await {

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use nestplane_api::conditions;
-use nestplane_api::hosted::{NodeInfo, NodePool, PodSecurityLevel, types};
+use nestplane_api::hosted::{
+    ClusterApiPlatform, NodeInfo, NodePool, PodSecurityLevel, platforms, types,
+};
 use nestplane_nodes::config::NodeSpec;
 
 /// The label on a pool's Nodes (the NodePool's name).
@@ -73,8 +75,62 @@ pub fn pod_security_condition(level: PodSecurityLevel) -> Condition {
     }
 }
 
-/// Check labels and taints (they reach the kubelet's flags), durations and the upgrade type.
+/// The pool's `ClusterAPI` platform, if that is where its nodes run.
+pub fn cluster_api(pool: &NodePool) -> Option<&ClusterApiPlatform> {
+    let p = pool.spec.platform.as_ref()?;
+    (p.type_ == platforms::CLUSTER_API)
+        .then_some(p.cluster_api.as_ref())
+        .flatten()
+}
+
+/// The platform: `Local` (or none) or `ClusterAPI` with an infrastructure template.
+fn validate_platform(pool: &NodePool) -> Result<(), String> {
+    let Some(p) = &pool.spec.platform else {
+        return Ok(());
+    };
+    match p.type_.as_str() {
+        platforms::LOCAL => Ok(()),
+        platforms::CLUSTER_API => {
+            let r = &p
+                .cluster_api
+                .as_ref()
+                .ok_or("platform ClusterAPI needs clusterAPI.infrastructureRef")?
+                .infrastructure_ref;
+            let dns = |s: &str| {
+                !s.is_empty()
+                    && s.len() <= 253
+                    && s.chars().all(|c| {
+                        c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.'
+                    })
+            };
+            let kind = !r.kind.is_empty()
+                && r.kind.len() <= 63
+                && r.kind.chars().all(|c| c.is_ascii_alphanumeric());
+            if pool.spec.pod_security == Some(PodSecurityLevel::Privileged) {
+                return Err(
+                    "podSecurity Privileged is not offered on platform ClusterAPI: Baseline or Restricted".into(),
+                );
+            }
+            if !dns(&r.api_group) || !kind || !dns(&r.name) {
+                return Err(format!(
+                    "platform.clusterAPI.infrastructureRef: {}/{} {:?} is not an API group, kind and name",
+                    r.api_group, r.kind, r.name
+                ));
+            }
+            Ok(())
+        }
+        t => Err(format!(
+            "platform.type {t:?}: {} or {}",
+            platforms::LOCAL,
+            platforms::CLUSTER_API
+        )),
+    }
+}
+
+/// Check labels and taints (they reach the kubelet's flags), durations, the upgrade type and
+/// the platform.
 pub fn validate_pool(pool: &NodePool) -> Result<(), String> {
+    validate_platform(pool)?;
     let label_ok = |s: &str, max: usize| {
         !s.is_empty()
             && s.len() <= max
