@@ -110,6 +110,10 @@ pub struct NestplaneConfigStatus {
     /// The token was deleted (its machine joined, so no one may join with it again).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub token_deleted: bool,
+    /// The machine's address block in its cluster (node `10.201.SLOT.2`, pods
+    /// `10.244.SLOT.0/24`): given once, unique among the namespace's configs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot: Option<u8>,
     /// The Node the machine registered as.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_name: Option<String>,
@@ -170,4 +174,10 @@ pub mod reasons {
     pub const NODE_JOINED: &str = "NodeJoined";
     /// The token expired before the machine joined; a new one is in the data Secret.
     pub const TOKEN_REFRESHED: &str = "TokenRefreshed";
+    /// More than one Machine references the config.
+    pub const AMBIGUOUS_MACHINE: &str = "AmbiguousMachine";
+    /// A Secret of the data Secret's name exists and is not this config's.
+    pub const DATA_SECRET_NAME_TAKEN: &str = "DataSecretNameTaken";
+    /// Every address block of the namespace is given.
+    pub const NO_ADDRESS_BLOCK: &str = "NoAddressBlock";
 }

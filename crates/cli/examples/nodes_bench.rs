@@ -105,6 +105,7 @@ async fn main() {
         guard: None,
         tunnel: None,
         entry: None,
+        slot: None,
     })
     .await
     .expect("node");

@@ -289,7 +289,17 @@ fn main() -> anyhow::Result<()> {
         Command::Delete(a) => runtime()?.block_on(tenants::delete(a)),
         Command::Rotate(a) => runtime()?.block_on(rotate::rotate(a)),
         Command::Backup(a) => runtime()?.block_on(backup::run(a)),
-        Command::Node { command } => runtime()?.block_on(node::run(command)),
+        Command::Node { command } => {
+            // The token is read (clap took it from the environment): no process the node
+            // starts (containerd, kubelet, kube-proxy, pods' shims) inherits it.
+            // SAFETY: no other thread exists yet (the runtime starts below), so nothing reads
+            // the environment while it changes.
+            #[allow(unsafe_code)]
+            unsafe {
+                std::env::remove_var(node::TOKEN_ENV)
+            };
+            runtime()?.block_on(node::run(command))
+        }
         Command::Kubeconfig(a) => runtime()?.block_on(async move {
             print!("{}", tenants::kubeconfig(a).await?);
             Ok(())

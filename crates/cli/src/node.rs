@@ -21,6 +21,9 @@ use anyhow::Context as _;
 use nestplane_nodes::config::{ClusterSettings, NodeSpec};
 use nestplane_nodes::node::{Node, NodeConfig};
 
+/// The environment variable the join token may come in (kept out of the process list).
+pub const TOKEN_ENV: &str = "NESTPLANE_JOIN_TOKEN";
+
 /// `nestplane node …`.
 #[derive(clap::Subcommand, Debug)]
 pub enum NodeCommand {
@@ -70,6 +73,12 @@ pub struct JoinArgs {
     /// A taint of the Node (`key=value:Effect` or `key:Effect`; repeat for more).
     #[arg(long = "node-taint")]
     pub taints: Vec<String>,
+    /// The node's address block in its cluster (`10.201.SLOT.2`, pods `10.244.SLOT.0/24`), as
+    /// the cluster assigned it (a NestplaneConfig's bootstrap data names it; by hand, pick one
+    /// no other node of the cluster has). The control plane lets the node announce only
+    /// those addresses.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=250))]
+    pub slot: Option<u8>,
     /// Pods the node runs at most (the kubelet's `maxPods`).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=250))]
     pub max_pods: Option<u32>,
@@ -179,6 +188,7 @@ async fn join(a: JoinArgs) -> anyhow::Result<()> {
         // The control plane cannot dial this machine: its agent dials out, through the door.
         tunnel: Some((server, door.clone())),
         entry: Some(door),
+        slot: a.slot,
     })
     .await
     .with_context(|| format!("starting node {name}"))?;

@@ -214,6 +214,7 @@ async fn nodes_started_and_removed_100_times_leave_nothing_behind() {
                 guard: None,
                 tunnel: None,
                 entry: None,
+                slot: None,
             };
             batch.push(tokio::spawn(nestplane_nodes::node::Node::start(cfg)));
             cycle += 1;

@@ -288,6 +288,58 @@ spec:
         "no bootstrap data for a config that cannot be used"
     );
 
+    // A namespace user elsewhere names this cluster: nothing of it is theirs.
+    kubectl_ok(&mgmt, &["create", "namespace", "other"]);
+    env.apply(
+        r#"
+apiVersion: bootstrap.cluster.x-k8s.io/v1alpha1
+kind: NestplaneConfig
+metadata: {name: steal, namespace: other}
+spec: {}
+---
+apiVersion: cluster.x-k8s.io/v1beta2
+kind: Machine
+metadata: {name: steal, namespace: other}
+spec:
+  clusterName: far
+  version: v1.20.2
+  bootstrap:
+    configRef: {apiGroup: bootstrap.cluster.x-k8s.io, kind: NestplaneConfig, name: steal}
+  infrastructureRef: {apiGroup: infrastructure.cluster.x-k8s.io, kind: TestMachine, name: steal}
+"#,
+    );
+    eventually(
+        "the other namespace's config waits",
+        Duration::from_secs(30),
+        || {
+            let m = jsonpath(
+                &mgmt,
+                &["nestplaneconfig", "steal", "-n", "other"],
+                "{.status.conditions[?(@.type==\"Ready\")].message}",
+            );
+            m.contains("no NestedControlPlane in namespace other")
+                .then_some(())
+        },
+    );
+    assert!(
+        kubectl_ok(
+            &mgmt,
+            &[
+                "get",
+                "secrets",
+                "-n",
+                "other",
+                "--field-selector",
+                "type=cluster.x-k8s.io/secret",
+                "-o",
+                "name"
+            ]
+        )
+        .trim()
+        .is_empty(),
+        "no bootstrap data, no token for another namespace's cluster"
+    );
+
     // The provider's part: a config, and the Machine that references it.
     env.apply(
         r#"
@@ -458,6 +510,9 @@ spec:
     .trim()
     .parse()
     .unwrap();
+    // The address the provider gave the machine, and no other.
+    let slot = jsonpath(&mgmt, &["nestplaneconfig", "far-m0"], "{.status.slot}");
+    assert_eq!(node_ip.to_string(), format!("10.201.{}.2", slot.trim()));
     assert!(!dials(SocketAddr::new(machine.ip.into(), 10250)));
     assert!(!dials(SocketAddr::new(machine.ip.into(), 22)));
     let routed = Command::new("ip")

@@ -583,6 +583,7 @@ impl LocalPlane {
                 guard: None,
                 tunnel: None,
                 entry: None,
+                slot: None,
             })
             .await
             .map_err(node_err)?;

@@ -276,8 +276,12 @@ async fn dial(
         .unwrap_or_else(|e| e.into_inner())
         .clone();
     // A node on another machine, or its pods; or a Service of a cluster whose nodes are all
-    // elsewhere: through an agent.
+    // elsewhere: through an agent. The nodes here first: what they hold is theirs.
+    let local = routes
+        .iter()
+        .any(|r| r.node_ip == *target.ip() || r.pod_cidr.contains(target.ip()));
     if let Some(agents) = &cluster.remote
+        && !local
         && (agents.holds(*target.ip())
             || (routes.is_empty()
                 && !agents.is_empty()

@@ -456,6 +456,25 @@ mod tests {
         assert_eq!(agents.nodes(), vec!["w1".to_string()]);
         assert!(agents.holds("10.244.1.7".parse().unwrap()));
         assert!(!agents.holds("10.244.2.7".parse().unwrap()));
+        // Another node of the cluster cannot take w1's addresses (nor a network's worth).
+        let w2 = leaf(&ca, "system:node:w2", &["system:nodes"], &[], Usage::Client);
+        for claim in [
+            "NODE 10.201.1.2 10.244.9.0/24
+",
+            "NODE 10.201.9.2 10.244.1.0/24
+",
+            "NODE 10.201.9.2 10.244.0.0/16
+",
+        ] {
+            let mut s = wrapped(addr, conn(&w2)).await;
+            s.write_all(claim.as_bytes()).await.unwrap();
+            let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+                .await
+                .unwrap()
+                .unwrap_or(0);
+            assert_eq!(n, 0, "{claim}");
+        }
+        assert_eq!(agents.nodes(), vec!["w1".to_string()]);
     }
 
     #[tokio::test]

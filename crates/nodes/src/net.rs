@@ -51,7 +51,7 @@ pub fn plane_slots_dir() -> PathBuf {
 
 /// Claim a management-plane slot (1..=60) for the plane in `dir`.
 pub fn claim_plane(dir: &Path) -> Result<Slot, Error> {
-    claim_in(&plane_slots_dir(), 60, dir, |_, _| {})
+    claim_in(&plane_slots_dir(), 1..=60, dir, |_, _| {})
 }
 
 /// The service range of management plane slot `p`: `10.<128+p>.0.0/16`.
@@ -62,10 +62,25 @@ pub fn plane_service_cidr(p: u8) -> String {
 /// Claim the first free slot for the node in `dir`. A claim whose process is gone is stale:
 /// `stale(slot, its node's directory)` removes what that node left, and the slot is reused.
 pub fn claim(dir: &Path, stale: impl Fn(u8, &Path)) -> Result<Slot, Error> {
-    claim_in(&slots_dir(), MAX_SLOT, dir, stale)
+    claim_in(&slots_dir(), 1..=MAX_SLOT, dir, stale)
 }
 
-fn claim_in(sd: &Path, max: u8, dir: &Path, stale: impl Fn(u8, &Path)) -> Result<Slot, Error> {
+/// Claim slot `n` and no other (a node whose addresses its cluster assigned: a machine that
+/// joins); taken already is [`Error::NoSlot`].
+pub fn claim_exactly(dir: &Path, n: u8, stale: impl Fn(u8, &Path)) -> Result<Slot, Error> {
+    if !(1..=MAX_SLOT).contains(&n) {
+        return Err(Error::NoSlot(n));
+    }
+    claim_in(&slots_dir(), n..=n, dir, stale)
+}
+
+fn claim_in(
+    sd: &Path,
+    slots: std::ops::RangeInclusive<u8>,
+    dir: &Path,
+    stale: impl Fn(u8, &Path),
+) -> Result<Slot, Error> {
+    let max = *slots.end();
     std::fs::create_dir_all(sd).map_err(|e| Error::io(format!("creating {}", sd.display()), e))?;
     // One claimer at a time on this machine. Without it, two that found the same stale claim
     // both cleaned it up: the second removed the network namespace (and the claim) the first
@@ -79,7 +94,7 @@ fn claim_in(sd: &Path, max: u8, dir: &Path, stale: impl Fn(u8, &Path)) -> Result
         .map_err(|e| Error::io("opening the slot lock", e))?;
     lock.lock()
         .map_err(|e| Error::io("taking the slot lock", e))?;
-    for n in 1..=max {
+    for n in slots {
         let path = sd.join(n.to_string());
         if let Some((pid, old)) = claim_owner(&path) {
             if pid_alive(pid) {
@@ -497,7 +512,7 @@ mod unreachable_tests {
                     let (sd, cleanups) = (sd.path(), &cleanups);
                     s.spawn(move || {
                         let dir = PathBuf::from(format!("/node-{i}"));
-                        claim_in(sd, 10, &dir, |n, old| {
+                        claim_in(sd, 1..=10, &dir, |n, old| {
                             assert_eq!((n, old), (1, Path::new("/old-node")));
                             cleanups.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                             // A cleanup takes time (processes, namespaces, cgroups).

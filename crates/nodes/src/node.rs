@@ -68,6 +68,9 @@ pub struct NodeConfig {
     /// `apiservers` (a gateway): the node-local proxy wraps each API connection in TLS to it,
     /// checked against `ca_pem`. `None`: `apiservers` are the API servers themselves.
     pub entry: Option<String>,
+    /// The node's slot (its addresses, [`Addresses::of`]) when its cluster assigned one (a
+    /// machine that joins); `None`: the first free one on this machine.
+    pub slot: Option<u8>,
 }
 
 impl std::fmt::Debug for NodeConfig {
@@ -182,7 +185,10 @@ impl Node {
         let dir = std::fs::canonicalize(&cfg.dir)
             .map_err(|e| Error::io(format!("resolving {}", cfg.dir.display()), e))?;
         let layout = Layout { dir: dir.clone() };
-        let slot = net::claim(&dir, clean_stale)?;
+        let slot = match cfg.slot {
+            Some(n) => net::claim_exactly(&dir, n, clean_stale)?,
+            None => net::claim(&dir, clean_stale)?,
+        };
         let addrs = Addresses::of(slot.number);
         let mut node = Node {
             name: cfg.name.clone(),

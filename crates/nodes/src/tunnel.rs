@@ -166,8 +166,8 @@ pub fn parse_hello(line: &str) -> Result<(Ipv4Addr, Option<Ipv4Net>), String> {
                 .parse::<Ipv4Net>()
                 .map_err(|_| format!("bad range {c:?}"))?
                 .trunc();
-            // One node's pods, not a network's.
-            if c.prefix_len() < 16 {
+            // One node's pods (a node has a /24), not a network's.
+            if c.prefix_len() < 24 {
                 return Err(format!("{c} is wider than one node's pod range"));
             }
             Some(c)
@@ -184,11 +184,17 @@ struct Waiting {
     stream: Box<dyn Stream>,
 }
 
+/// Whether node `name` may announce address `ip` and pod range `cidr` (its cluster assigned
+/// them): `Err` says why not.
+pub type Verify = Arc<dyn Fn(&str, Ipv4Addr, Option<Ipv4Net>) -> Result<(), String> + Send + Sync>;
+
 /// The agents connected to one control plane's proxy, and its Service ranges.
 pub struct Agents {
     waiting: Mutex<Vec<Waiting>>,
     /// The cluster's Service ranges: reached through any node.
     pub services: RwLock<Vec<Ipv4Net>>,
+    /// What nodes may announce, where the cluster assigned their addresses.
+    verify: Option<Verify>,
 }
 
 impl Agents {
@@ -197,6 +203,40 @@ impl Agents {
         Agents {
             waiting: Mutex::new(Vec::new()),
             services: RwLock::new(services),
+            verify: None,
+        }
+    }
+
+    /// Agents whose announcements `verify` checks.
+    pub fn with_verify(mut self, verify: Verify) -> Agents {
+        self.verify = Some(verify);
+        self
+    }
+
+    /// Whether node `node` may announce `ip` and `cidr`: what the cluster assigned it (where
+    /// it assigns), and nothing another node's waiting connections hold (the first holds).
+    fn may_announce(&self, node: &str, ip: Ipv4Addr, cidr: Option<Ipv4Net>) -> Result<(), String> {
+        if let Some(v) = &self.verify {
+            v(node, ip, cidr)?;
+        }
+        let all = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        let clash = all.iter().find(|w| {
+            w.node != node
+                && (w.node_ip == ip
+                    || cidr.is_some_and(|c| c.contains(&w.node_ip))
+                    || w.pod_cidr.is_some_and(|wc| {
+                        wc.contains(&ip)
+                            || cidr.is_some_and(|c| {
+                                c.contains(&wc.network()) || wc.contains(&c.network())
+                            })
+                    }))
+        });
+        match clash {
+            Some(w) => Err(format!(
+                "{ip} or its pod range is node {}'s, which is connected",
+                w.node
+            )),
+            None => Ok(()),
         }
     }
 
@@ -462,6 +502,7 @@ pub(crate) async fn admit(
         .await
         .map_err(|e| e.to_string())?;
     let (node_ip, pod_cidr) = parse_hello(&hello)?;
+    agents.may_announce(&node, node_ip, pod_cidr)?;
     let greeting = format!("PROXY {} {}\n", replica.id, replica.count);
     tokio::time::timeout(TIMEOUT, async {
         s.get_mut().write_all(greeting.as_bytes()).await?;

@@ -396,6 +396,9 @@ pub struct Context {
     pub removed_apis: crate::removed::Readings,
     /// The tasks of moves between shared datastores.
     pub migrations: crate::datastore::migrate::Migrations,
+    /// The address blocks the bootstrap provider gave machines (their agents' announcements
+    /// are checked against them).
+    pub assigned: Arc<crate::bootstrap::Assigned>,
 }
 
 /// The controllers besides the four component controllers, by kind.
@@ -573,6 +576,7 @@ impl Context {
             written: Default::default(),
             removed_apis: Default::default(),
             migrations: Default::default(),
+            assigned: Default::default(),
             controllers: Controllers::default(),
         }
     }

@@ -62,6 +62,8 @@ impl Drop for Door {
 /// The egress sockets of every tenant this operator runs.
 pub struct Egress {
     nodes: Arc<dyn NodeRuntime>,
+    /// What machines' agents may announce.
+    assigned: Arc<crate::bootstrap::Assigned>,
     tenants: Mutex<HashMap<TenantKey, Served>>,
 }
 
@@ -94,18 +96,26 @@ fn bind(dir: &Path, user: Option<User>) -> std::io::Result<tokio::net::UnixListe
 
 impl Egress {
     /// Sockets served through the nodes of `nodes`.
-    pub fn new(nodes: Arc<dyn NodeRuntime>) -> Egress {
+    pub fn new(nodes: Arc<dyn NodeRuntime>, assigned: Arc<crate::bootstrap::Assigned>) -> Egress {
         Egress {
             nodes,
+            assigned,
             tenants: Default::default(),
         }
     }
 
-    fn served(&self, user: Option<User>, services: Vec<Ipv4Net>) -> Served {
+    fn served(&self, key: &TenantKey, user: Option<User>, services: Vec<Ipv4Net>) -> Served {
         let nodes = self.nodes.clone();
         // The nodes of this cluster are those of its isolation group: its control plane's uid.
         let group = user.map(|u| u.uid);
-        let agents = Arc::new(Agents::new(services.clone()));
+        let (assigned, ns, cluster) = (
+            self.assigned.clone(),
+            key.namespace.clone(),
+            key.cluster.clone(),
+        );
+        let agents = Arc::new(Agents::new(services.clone()).with_verify(Arc::new(
+            move |node: &str, ip, cidr| assigned.check(&ns, &cluster, node, ip, cidr),
+        )));
         let cluster = Cluster::new(
             user,
             services,
@@ -135,10 +145,10 @@ impl Egress {
         let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
         let served = tenants
             .entry(key.clone())
-            .or_insert_with(|| self.served(user, services.clone()));
+            .or_insert_with(|| self.served(key, user, services.clone()));
         if served.cluster.user != user {
             // Another user is another tenant: nothing of the last one's is kept.
-            *served = self.served(user, services.clone());
+            *served = self.served(key, user, services.clone());
         }
         *served
             .cluster

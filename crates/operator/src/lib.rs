@@ -141,7 +141,10 @@ pub async fn run_with(
             // connection.
             let limit = nestplane_runtime::egress::raise_open_files_limit();
             tracing::debug!(?limit, "open files");
-            processes = processes.with_egress(Arc::new(egress::Egress::new(nodes.clone())));
+            processes = processes.with_egress(Arc::new(egress::Egress::new(
+                nodes.clone(),
+                ctx.assigned.clone(),
+            )));
         }
         if let Some(g) = gateway {
             processes = processes.with_gateway(g);

@@ -710,6 +710,7 @@ pub async fn join_node(
         guard: None,
         tunnel,
         entry: None,
+        slot: None,
     })
     .await
     .expect("node starts")

@@ -34,6 +34,8 @@ pub struct Join {
     pub expires: String,
     /// The Machine, `namespace/name`, for the comment.
     pub machine: String,
+    /// The node's address block in its cluster.
+    pub slot: u8,
 }
 
 /// A value single-quoted for `sh`: nothing in it is expanded.
@@ -50,6 +52,7 @@ pub fn script(j: &Join, spec: &NestplaneConfigSpec) -> String {
         ("--kubernetes-version", j.version.clone()),
         ("--name", j.node_name.clone()),
         ("--api-port", j.api_port.to_string()),
+        ("--slot", j.slot.to_string()),
     ];
     for d in &spec.cluster_dns {
         args.push(("--cluster-dns", d.clone()));
@@ -102,6 +105,30 @@ pub fn token_ttl(spec: &NestplaneConfigSpec) -> Result<u32, String> {
             "spec.tokenTtlSeconds is {s}: it must be between {MIN_TOKEN_TTL_SECONDS} and {MAX_TOKEN_TTL_SECONDS}"
         )),
     }
+}
+
+/// Why the Machine cannot be joined as it is, or `Ok`: its version is `vMAJOR.MINOR.PATCH`
+/// (it names the binaries the machine runs) and its name a DNS subdomain (the Node's).
+pub fn validate_machine(version: &str, node_name: &str) -> Result<(), String> {
+    let numbers: Vec<&str> = version
+        .strip_prefix('v')
+        .map(|v| v.split('.').collect())
+        .unwrap_or_default();
+    if numbers.len() != 3
+        || numbers
+            .iter()
+            .any(|n| n.is_empty() || n.len() > 4 || !n.chars().all(|c| c.is_ascii_digit()))
+    {
+        return Err(format!(
+            "the Machine's version {version:?} is not vMAJOR.MINOR.PATCH"
+        ));
+    }
+    if !dns_name(node_name) {
+        return Err(format!(
+            "the Machine's name {node_name:?} cannot be a Node's name"
+        ));
+    }
+    Ok(())
 }
 
 /// Why the spec cannot make a node, or `Ok`: labels are Kubernetes labels, taints
@@ -211,6 +238,7 @@ mod tests {
             api_port: 6443,
             expires: "2026-11-29T16:00:00Z".into(),
             machine: "default/m-0".into(),
+            slot: 250,
         }
     }
 
@@ -338,5 +366,15 @@ mod tests {
             token_ttl(&NestplaneConfigSpec::default()),
             Ok(DEFAULT_TOKEN_TTL_SECONDS)
         );
+        assert_eq!(validate_machine("v1.20.2", "m-0"), Ok(()));
+        for (v, n) in [
+            ("1.20.2", "m-0"),
+            ("/tmp/x", "m-0"),
+            ("v1.20.2/../../x", "m-0"),
+            ("v1.20", "m-0"),
+            ("v1.20.2", "M_0"),
+        ] {
+            assert!(validate_machine(v, n).is_err(), "{v} {n}");
+        }
     }
 }

@@ -11,7 +11,8 @@
 
 pub mod data;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Secret};
@@ -36,6 +37,70 @@ use crate::hosted::target;
 use crate::tenant;
 
 const MANAGER: &str = "nestplane-bootstrap";
+/// The slots given to machines, highest first (nodes on the operator's own machine take
+/// theirs from 1 up: the two meet only past this many nodes in one cluster).
+pub const MACHINE_SLOTS: std::ops::RangeInclusive<u8> = 101..=250;
+
+/// The slot (address block, [`nestplane_nodes::config::Addresses::of`]) the provider gave
+/// each machine of each cluster: what their tunnel agents may announce. Filled as configs are
+/// reconciled (after a restart, by the first pass over each: agents are refused until then,
+/// and retry).
+#[derive(Default)]
+pub struct Assigned(Mutex<HashMap<(String, String), HashMap<String, u8>>>);
+
+impl Assigned {
+    fn set(&self, ns: &str, cluster: &str, node: &str, slot: u8) {
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        map.entry((ns.to_string(), cluster.to_string()))
+            .or_default()
+            .insert(node.to_string(), slot);
+    }
+
+    /// What node `node` of cluster `ns/cluster` may announce: its assigned block exactly;
+    /// a node the provider did not make (joined by hand) anything outside every assigned
+    /// block. Pure but for the lookup.
+    pub fn check(
+        &self,
+        ns: &str,
+        cluster: &str,
+        node: &str,
+        ip: std::net::Ipv4Addr,
+        cidr: Option<ipnet::Ipv4Net>,
+    ) -> Result<(), String> {
+        let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let empty = HashMap::new();
+        let nodes = map
+            .get(&(ns.to_string(), cluster.to_string()))
+            .unwrap_or(&empty);
+        let block = |slot: u8| {
+            let a = nestplane_nodes::config::Addresses::of(slot);
+            (a.node_ip, a.pod_cidr.parse::<ipnet::Ipv4Net>().ok())
+        };
+        if let Some(slot) = nodes.get(node) {
+            let (want_ip, want_cidr) = block(*slot);
+            if ip != want_ip || cidr.is_some_and(|c| Some(c) != want_cidr) {
+                return Err(format!(
+                    "node {node} was given {want_ip} and its pods {}, not {ip}",
+                    want_cidr.map(|c| c.to_string()).unwrap_or_default()
+                ));
+            }
+            return Ok(());
+        }
+        for (other, slot) in nodes {
+            let (oip, ocidr) = block(*slot);
+            let overlaps = ip == oip
+                || ocidr.is_some_and(|o| {
+                    o.contains(&ip)
+                        || cidr
+                            .is_some_and(|c| c.contains(&o.network()) || o.contains(&c.network()))
+                });
+            if overlaps {
+                return Err(format!("{ip} or its pod range is node {other}'s"));
+            }
+        }
+        Ok(())
+    }
+}
 /// How often a config whose machine has not joined (or whose Node is not Ready yet: its
 /// serving certificate waits for approval) is looked at.
 const JOINING: Duration = Duration::from_secs(3);
@@ -76,10 +141,19 @@ fn references(m: &DynamicObject, name: &str) -> bool {
     group == GROUP && r["kind"] == "NestplaneConfig" && r["name"] == name
 }
 
-/// The Machine of `cfg`: its controlling owner of kind Machine, else the Machine in its
-/// namespace whose `configRef` names it. `None` when Cluster API's Machines are not served
-/// or none references it.
-async fn machine_of(ctx: &Context, cfg: &NestplaneConfig) -> Result<Option<MachineView>, Error> {
+/// Which Machine a config is for.
+enum Found {
+    /// None references it (or Machines are not served).
+    None,
+    /// More than one does: none is served.
+    Ambiguous(Vec<String>),
+    /// This one.
+    Machine(MachineView),
+}
+
+/// The Machine of `cfg`: the one in its namespace whose `configRef` names it, and, where the
+/// config has a Machine for owner (Cluster API's Machine controller sets it), that very one.
+async fn machine_of(ctx: &Context, cfg: &NestplaneConfig) -> Result<Found, Error> {
     let ns = cfg.namespace().unwrap_or_default();
     let name = cfg.name_any();
     for version in ["v1beta2", "v1beta1"] {
@@ -95,20 +169,62 @@ async fn machine_of(ctx: &Context, cfg: &NestplaneConfig) -> Result<Option<Machi
             .iter()
             .find(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
             .map(|o| o.uid.clone());
-        let found = listed
+        let found: Vec<DynamicObject> = listed
             .into_iter()
-            .find(|m| owner.as_deref() == m.metadata.uid.as_deref() || references(m, &name));
-        return Ok(found.map(|m| MachineView {
-            name: m.name_any(),
-            cluster: m.data["spec"]["clusterName"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string(),
-            version: m.data["spec"]["version"].as_str().map(str::to_string),
-            paused: m.annotations().contains_key(names::PAUSED_ANNOTATION),
-        }));
+            .filter(|m| {
+                references(m, &name)
+                    && owner
+                        .as_deref()
+                        .is_none_or(|u| m.metadata.uid.as_deref() == Some(u))
+            })
+            .collect();
+        return Ok(match found.as_slice() {
+            [] => Found::None,
+            [m] => Found::Machine(MachineView {
+                name: m.name_any(),
+                cluster: m.data["spec"]["clusterName"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                version: m.data["spec"]["version"].as_str().map(str::to_string),
+                paused: m.annotations().contains_key(names::PAUSED_ANNOTATION),
+            }),
+            many => Found::Ambiguous(many.iter().map(|m| m.name_any()).collect()),
+        });
     }
-    Ok(None)
+    Ok(Found::None)
+}
+
+/// One allocation at a time in this operator: two configs never get one block.
+static ALLOCATING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The config's address block: the one it has, else the highest of [`MACHINE_SLOTS`] no other
+/// config of the namespace has, recorded in its status before it is used.
+async fn slot_of(ctx: &Context, cfg: &NestplaneConfig) -> Result<Option<u8>, Error> {
+    if let Some(s) = cfg.status.as_ref().and_then(|s| s.slot) {
+        return Ok(Some(s));
+    }
+    let _one = ALLOCATING.lock().await;
+    let api: Api<NestplaneConfig> =
+        Api::namespaced(ctx.client.clone(), &cfg.namespace().unwrap_or_default());
+    let used: std::collections::HashSet<u8> = api
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|c| c.name_any() != cfg.name_any())
+        .filter_map(|c| c.status.and_then(|s| s.slot))
+        .collect();
+    let Some(slot) = MACHINE_SLOTS.rev().find(|s| !used.contains(s)) else {
+        return Ok(None);
+    };
+    api.patch_status(
+        &cfg.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "status": { "slot": slot } })),
+    )
+    .await?;
+    Ok(Some(slot))
 }
 
 /// The control plane of the cluster `cluster` in `ns`: owned by that Cluster, else named so
@@ -210,16 +326,33 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
     if let Err(why) = data::validate(&cfg.spec) {
         return wait(&ctx, &cfg, "Ready", reasons::INVALID_SPEC, why, true).await;
     }
-    let Some(machine) = machine_of(&ctx, &cfg).await? else {
-        return wait(
-            &ctx,
-            &cfg,
-            "Ready",
-            reasons::WAITING_FOR_MACHINE,
-            "no Machine references this NestplaneConfig (spec.bootstrap.configRef)".into(),
-            false,
-        )
-        .await;
+    let machine = match machine_of(&ctx, &cfg).await? {
+        Found::Machine(m) => m,
+        Found::None => {
+            return wait(
+                &ctx,
+                &cfg,
+                "Ready",
+                reasons::WAITING_FOR_MACHINE,
+                "no Machine references this NestplaneConfig (spec.bootstrap.configRef)".into(),
+                false,
+            )
+            .await;
+        }
+        Found::Ambiguous(names) => {
+            return wait(
+                &ctx,
+                &cfg,
+                "Ready",
+                reasons::AMBIGUOUS_MACHINE,
+                format!(
+                    "Machines {} all reference this NestplaneConfig: a config bootstraps one Machine",
+                    names.join(", ")
+                ),
+                true,
+            )
+            .await;
+        }
     };
     let paused = machine.paused || cfg.annotations().contains_key(names::PAUSED_ANNOTATION);
     let status = with_condition(
@@ -313,7 +446,27 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
         .or_else(|| ncp.spec.version.clone())
         .unwrap_or_default();
     let node_name = machine.name.clone();
+    if let Err(why) = data::validate_machine(&version, &node_name) {
+        return wait(&ctx, cfg, "Ready", reasons::INVALID_SPEC, why, true).await;
+    }
+    let Some(slot) = slot_of(&ctx, cfg).await? else {
+        return wait(
+            &ctx,
+            cfg,
+            "Ready",
+            reasons::NO_ADDRESS_BLOCK,
+            format!(
+                "every address block for machines ({} of them) is given to another NestplaneConfig of namespace {ns}",
+                MACHINE_SLOTS.len()
+            ),
+            true,
+        )
+        .await;
+    };
+    ctx.assigned.set(&ns, &cluster, &node_name, slot);
+    let node_ip = nestplane_nodes::config::Addresses::of(slot).node_ip;
     let mut status = cfg.status.clone().unwrap_or_default();
+    status.slot = Some(slot);
 
     // The Node: once it has registered, its token goes.
     let node = Api::<Node>::all(client.clone())
@@ -322,12 +475,8 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
         .map_err(|e| Error::Unavailable(format!("cluster {cluster}: {e}")))?;
     let token_id = status.token_id.clone();
     if let Some(node) = &node {
-        let ip = node
-            .status
-            .as_ref()
-            .and_then(|s| s.addresses.as_ref())
-            .and_then(|a| a.iter().find(|a| a.type_ == "InternalIP"))
-            .and_then(|a| a.address.parse().ok());
+        // Its serving certificate names the address it was given, whatever its status says.
+        let ip = Some(node_ip);
         let made = Made {
             name: node_name.clone(),
             token_id: token_id.clone().unwrap_or_default(),
@@ -383,7 +532,26 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
         t.parse::<k8s_openapi::jiff::Timestamp>()
             .is_ok_and(|t| t <= k8s_openapi::jiff::Timestamp::now())
     });
-    let have = secrets.get_opt(&secret_name).await?.is_some() && token_id.is_some();
+    let existing = secrets.get_opt(&secret_name).await?;
+    if let Some(e) = &existing
+        && !e
+            .owner_references()
+            .iter()
+            .any(|o| o.controller == Some(true) && Some(&o.uid) == cfg.metadata.uid.as_ref())
+    {
+        return wait(
+            &ctx,
+            cfg,
+            "Ready",
+            reasons::DATA_SECRET_NAME_TAKEN,
+            format!(
+                "Secret {ns}/{secret_name} exists and is not this config's: the bootstrap data is written under the config's name; rename the config or that Secret"
+            ),
+            true,
+        )
+        .await;
+    }
+    let have = existing.is_some() && token_id.is_some();
     if !have || expired {
         let ttl = data::token_ttl(&cfg.spec).map_err(Error::Internal)?;
         let token = BootstrapToken::generate();
@@ -412,6 +580,7 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
                     .unwrap_or(names::ports::APISERVER as u16),
                 expires: expires.clone(),
                 machine: format!("{ns}/{}", machine.name),
+                slot,
             },
             &cfg.spec,
         );
@@ -527,4 +696,92 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
     }
     write_status(&ctx, cfg, status).await?;
     Ok(Action::requeue(JOINING))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_machine_may_announce_its_block_and_nobody_else_may() {
+        let a = Assigned::default();
+        a.set("default", "far", "m-0", 250);
+        a.set("default", "far", "m-1", 249);
+        let ip = |s: &str| s.parse().unwrap();
+        let net = |s: &str| Some(s.parse().unwrap());
+        assert_eq!(
+            a.check(
+                "default",
+                "far",
+                "m-0",
+                ip("10.201.250.2"),
+                net("10.244.250.0/24")
+            ),
+            Ok(())
+        );
+        // Another machine's block, or a wider range over it.
+        assert!(
+            a.check(
+                "default",
+                "far",
+                "m-0",
+                ip("10.201.249.2"),
+                net("10.244.249.0/24")
+            )
+            .is_err()
+        );
+        assert!(
+            a.check(
+                "default",
+                "far",
+                "m-1",
+                ip("10.201.249.2"),
+                net("10.244.250.0/24")
+            )
+            .is_err()
+        );
+        // A node joined by hand: anything but the machines' blocks.
+        assert_eq!(
+            a.check(
+                "default",
+                "far",
+                "by-hand",
+                ip("10.201.7.2"),
+                net("10.244.7.0/24")
+            ),
+            Ok(())
+        );
+        assert!(
+            a.check(
+                "default",
+                "far",
+                "by-hand",
+                ip("10.201.250.2"),
+                net("10.244.7.0/24")
+            )
+            .is_err()
+        );
+        assert!(
+            a.check(
+                "default",
+                "far",
+                "by-hand",
+                ip("10.201.7.2"),
+                net("10.244.249.128/25")
+            )
+            .is_err()
+        );
+        // Another cluster's assignments are its own.
+        assert_eq!(
+            a.check(
+                "default",
+                "near",
+                "m-0",
+                ip("10.201.249.2"),
+                net("10.244.249.0/24")
+            ),
+            Ok(())
+        );
+    }
 }

@@ -182,6 +182,7 @@ impl LocalNodes {
             // The operator connects from this machine itself.
             tunnel: None,
             entry: None,
+            slot: None,
         })
         .await
         .map_err(|e| format!("node {}: {e}", r.name))?;
