@@ -114,6 +114,9 @@ pub struct NestplaneConfigStatus {
     /// `10.244.SLOT.0/24`): given once, unique among the namespace's configs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slot: Option<u8>,
+    /// The cluster its token is in (the name its control plane's Secrets carry).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_name: Option<String>,
     /// The Node the machine registered as.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_name: Option<String>,

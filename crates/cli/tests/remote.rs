@@ -428,6 +428,62 @@ spec:
         .unwrap()
         .to_string();
 
+    // A config deleted before its machine ever ran takes its token with it.
+    env.apply(
+        r#"
+apiVersion: bootstrap.cluster.x-k8s.io/v1alpha1
+kind: NestplaneConfig
+metadata: {name: far-m1, namespace: default}
+spec: {}
+---
+apiVersion: cluster.x-k8s.io/v1beta2
+kind: Machine
+metadata: {name: far-m1, namespace: default}
+spec:
+  clusterName: far
+  version: v1.20.2
+  bootstrap:
+    configRef: {apiGroup: bootstrap.cluster.x-k8s.io, kind: NestplaneConfig, name: far-m1}
+  infrastructureRef: {apiGroup: infrastructure.cluster.x-k8s.io, kind: TestMachine, name: far-m1}
+"#,
+    );
+    let unused = eventually(
+        "the second machine's token",
+        Duration::from_secs(60),
+        || {
+            let id = jsonpath(&mgmt, &["nestplaneconfig", "far-m1"], "{.status.tokenId}");
+            (!id.trim().is_empty()).then(|| id.trim().to_string())
+        },
+    );
+    let unused_secret = format!("bootstrap-token-{unused}");
+    assert!(
+        kubectl(
+            &tenant,
+            &["get", "secret", "-n", "kube-system", &unused_secret]
+        )
+        .status
+        .success()
+    );
+    kubectl_ok(
+        &mgmt,
+        &[
+            "delete",
+            "nestplaneconfig",
+            "far-m1",
+            "--wait=true",
+            "--timeout=60s",
+        ],
+    );
+    assert!(
+        !kubectl(
+            &tenant,
+            &["get", "secret", "-n", "kube-system", &unused_secret]
+        )
+        .status
+        .success(),
+        "the deleted config's token is deleted"
+    );
+
     // The infrastructure provider's part: the machine runs its bootstrap data.
     machine.boot(&script);
     let joined = Instant::now();

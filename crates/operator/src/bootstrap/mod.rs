@@ -316,11 +316,56 @@ async fn wait(
     Ok(Action::requeue(WAITING))
 }
 
+/// The finalizer of a config that may have made a token: the token goes with the config.
+pub const FINALIZER: &str = "bootstrap.nestplane.io/token";
+
+/// A config is being deleted: the token it made (if its machine never joined) is deleted in
+/// its cluster, then the finalizer goes. A cluster that cannot be reached (gone with its
+/// Machine's Cluster) keeps nothing waiting: the token expires by itself there.
+async fn release(ctx: &Context, cfg: &NestplaneConfig) -> Result<Action, Error> {
+    if !crate::finalizer::has(cfg, FINALIZER) {
+        return Ok(Action::await_change());
+    }
+    let ns = cfg.namespace().unwrap_or_default();
+    let status = cfg.status.clone().unwrap_or_default();
+    if let (Some(id), Some(cluster), false) = (
+        status.token_id.as_deref(),
+        status.cluster_name.as_deref(),
+        status.token_deleted,
+    ) {
+        let kubeconfig = SecretPurpose::AdminKubeconfig.secret_name(cluster);
+        let deleted = match target::admin_client(ctx, &ns, &kubeconfig).await {
+            Ok(Some(client)) => join::delete_token(&client, id)
+                .await
+                .map_err(|e| e.to_string()),
+            Ok(None) => Err(format!("cluster {cluster} has no admin kubeconfig")),
+            Err(e) => Err(e.to_string()),
+        };
+        match deleted {
+            Ok(()) => {
+                ctx.event(
+                    cfg.object_ref(&()),
+                    EventType::Normal,
+                    "TokenDeleted",
+                    &format!("the config is deleted before its machine joined: its bootstrap token {id} is deleted in cluster {cluster}"),
+                )
+                .await;
+            }
+            Err(e) => {
+                tracing::warn!(config = %cfg.name_any(), token = %id, error = %e, "cannot delete a deleted config's bootstrap token; it expires by itself")
+            }
+        }
+    }
+    let api: Api<NestplaneConfig> = Api::namespaced(ctx.client.clone(), &ns);
+    crate::finalizer::remove(&api, cfg, FINALIZER).await?;
+    Ok(Action::await_change())
+}
+
 /// One pass over a config.
 pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<Action, Error> {
     if cfg.metadata.deletion_timestamp.is_some() {
-        // Its data Secret goes with it (owned); its token expires.
-        return Ok(Action::await_change());
+        // Its data Secret goes with it (owned); its token is deleted here.
+        return release(&ctx, &cfg).await;
     }
     let ns = cfg.namespace().unwrap_or_default();
     if let Err(why) = data::validate(&cfg.spec) {
@@ -354,6 +399,13 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
             .await;
         }
     };
+    // Before any token can exist.
+    crate::finalizer::add(
+        &Api::<NestplaneConfig>::namespaced(ctx.client.clone(), &ns),
+        cfg.as_ref(),
+        FINALIZER,
+    )
+    .await?;
     let paused = machine.paused || cfg.annotations().contains_key(names::PAUSED_ANNOTATION);
     let status = with_condition(
         &cfg,
@@ -467,6 +519,7 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
     let node_ip = nestplane_nodes::config::Addresses::of(slot).node_ip;
     let mut status = cfg.status.clone().unwrap_or_default();
     status.slot = Some(slot);
+    status.cluster_name = Some(cluster.clone());
 
     // The Node: once it has registered, its token goes.
     let node = Api::<Node>::all(client.clone())
