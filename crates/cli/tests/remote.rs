@@ -226,6 +226,29 @@ impl Drop for RemoteMachine {
     }
 }
 
+/// A NestplaneConfig `name` in `ns` whose spec is `spec` (flow YAML), and the Machine of
+/// cluster `far` that references it (what Cluster API's MachineSet controller makes).
+fn config_and_machine(ns: &str, name: &str, spec: &str) -> String {
+    format!(
+        r#"
+apiVersion: bootstrap.cluster.x-k8s.io/v1alpha1
+kind: NestplaneConfig
+metadata: {{name: {name}, namespace: {ns}}}
+spec: {spec}
+---
+apiVersion: cluster.x-k8s.io/v1beta2
+kind: Machine
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  clusterName: far
+  version: v1.20.2
+  bootstrap:
+    configRef: {{apiGroup: bootstrap.cluster.x-k8s.io, kind: NestplaneConfig, name: {name}}}
+  infrastructureRef: {{apiGroup: infrastructure.cluster.x-k8s.io, kind: TestMachine, name: {name}}}
+"#
+    )
+}
+
 /// Whether this host can open a connection to `addr` within a second.
 fn dials(addr: SocketAddr) -> bool {
     TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok()
@@ -290,24 +313,7 @@ spec:
 
     // A namespace user elsewhere names this cluster: nothing of it is theirs.
     kubectl_ok(&mgmt, &["create", "namespace", "other"]);
-    env.apply(
-        r#"
-apiVersion: bootstrap.cluster.x-k8s.io/v1alpha1
-kind: NestplaneConfig
-metadata: {name: steal, namespace: other}
-spec: {}
----
-apiVersion: cluster.x-k8s.io/v1beta2
-kind: Machine
-metadata: {name: steal, namespace: other}
-spec:
-  clusterName: far
-  version: v1.20.2
-  bootstrap:
-    configRef: {apiGroup: bootstrap.cluster.x-k8s.io, kind: NestplaneConfig, name: steal}
-  infrastructureRef: {apiGroup: infrastructure.cluster.x-k8s.io, kind: TestMachine, name: steal}
-"#,
-    );
+    env.apply(&config_and_machine("other", "steal", "{}"));
     eventually(
         "the other namespace's config waits",
         Duration::from_secs(30),
@@ -341,26 +347,11 @@ spec:
     );
 
     // The provider's part: a config, and the Machine that references it.
-    env.apply(
-        r#"
-apiVersion: bootstrap.cluster.x-k8s.io/v1alpha1
-kind: NestplaneConfig
-metadata: {name: far-m0, namespace: default}
-spec:
-  nodeLabels: {nestplane.io/where: far-away}
-  tokenTtlSeconds: 600
----
-apiVersion: cluster.x-k8s.io/v1beta2
-kind: Machine
-metadata: {name: far-m0, namespace: default}
-spec:
-  clusterName: far
-  version: v1.20.2
-  bootstrap:
-    configRef: {apiGroup: bootstrap.cluster.x-k8s.io, kind: NestplaneConfig, name: far-m0}
-  infrastructureRef: {apiGroup: infrastructure.cluster.x-k8s.io, kind: TestMachine, name: far-m0}
-"#,
-    );
+    env.apply(&config_and_machine(
+        "default",
+        "far-m0",
+        "{nodeLabels: {nestplane.io/where: far-away}, tokenTtlSeconds: 600}",
+    ));
     let secret_name = eventually("the bootstrap data", Duration::from_secs(60), || {
         let ready = jsonpath(
             &mgmt,
@@ -429,24 +420,7 @@ spec:
         .to_string();
 
     // A config deleted before its machine ever ran takes its token with it.
-    env.apply(
-        r#"
-apiVersion: bootstrap.cluster.x-k8s.io/v1alpha1
-kind: NestplaneConfig
-metadata: {name: far-m1, namespace: default}
-spec: {}
----
-apiVersion: cluster.x-k8s.io/v1beta2
-kind: Machine
-metadata: {name: far-m1, namespace: default}
-spec:
-  clusterName: far
-  version: v1.20.2
-  bootstrap:
-    configRef: {apiGroup: bootstrap.cluster.x-k8s.io, kind: NestplaneConfig, name: far-m1}
-  infrastructureRef: {apiGroup: infrastructure.cluster.x-k8s.io, kind: TestMachine, name: far-m1}
-"#,
-    );
+    env.apply(&config_and_machine("default", "far-m1", "{}"));
     let unused = eventually(
         "the second machine's token",
         Duration::from_secs(60),

@@ -50,21 +50,7 @@ pub fn server_tls(
     key_pem: &str,
     client_ca_pem: &str,
 ) -> Result<tokio_rustls::TlsAcceptor, String> {
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-        Arc::new(tunnel::roots(client_ca_pem)?),
-        tunnel::provider(),
-    )
-    .allow_unauthenticated()
-    .build()
-    .map_err(|e| format!("client verification: {e}"))?;
-    let (certs, key) = tunnel::cert_and_key(chain_pem, key_pem)?;
-    let config = rustls::ServerConfig::builder_with_provider(tunnel::provider())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_client_cert_verifier(verifier)
-        .with_single_cert(certs, key)
-        .map_err(|e| format!("the serving certificate: {e}"))?;
-    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+    tunnel::acceptor(chain_pem, key_pem, client_ca_pem, false)
 }
 
 /// Serve the door on `listener` until this future is dropped.
@@ -80,14 +66,7 @@ pub async fn serve(
     let replica = Arc::new(replica);
     let next = Arc::new(AtomicUsize::new(0));
     loop {
-        let Ok((tcp, peer)) = listener.accept().await else {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        };
-        let Ok(permit) = welcoming.clone().try_acquire_owned() else {
-            drop(tcp);
-            continue;
-        };
+        let (tcp, peer, permit) = tunnel::next_welcomed(&listener, &welcoming).await;
         let (tls, agents, replica, backends, carried, next) = (
             tls.clone(),
             agents.clone(),

@@ -113,12 +113,29 @@ pub fn server_tls(
     key_pem: &str,
     client_ca_pem: &str,
 ) -> Result<tokio_rustls::TlsAcceptor, String> {
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+    acceptor(cert_pem, key_pem, client_ca_pem, true)
+}
+
+/// A TLS server serving `cert_pem` (a chain) and `key_pem` that asks for a client certificate
+/// of `client_ca_pem`, and refuses a client without one when `required`.
+pub(crate) fn acceptor(
+    cert_pem: &str,
+    key_pem: &str,
+    client_ca_pem: &str,
+    required: bool,
+) -> Result<tokio_rustls::TlsAcceptor, String> {
+    let builder = rustls::server::WebPkiClientVerifier::builder_with_provider(
         Arc::new(roots(client_ca_pem)?),
         provider(),
-    )
-    .build()
-    .map_err(|e| format!("client verification: {e}"))?;
+    );
+    let builder = if required {
+        builder
+    } else {
+        builder.allow_unauthenticated()
+    };
+    let verifier = builder
+        .build()
+        .map_err(|e| format!("client verification: {e}"))?;
     let (certs, key) = cert_and_key(cert_pem, key_pem)?;
     let config = rustls::ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
@@ -431,14 +448,7 @@ pub async fn serve_agents(
     let welcoming = Arc::new(tokio::sync::Semaphore::new(MAX_WELCOMING));
     let replica = Arc::new(replica);
     loop {
-        let Ok((tcp, peer)) = listener.accept().await else {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        };
-        let Ok(permit) = welcoming.clone().try_acquire_owned() else {
-            drop(tcp);
-            continue;
-        };
+        let (tcp, peer, permit) = next_welcomed(&listener, &welcoming).await;
         let tls = tls.clone();
         let agents = agents.clone();
         let replica = replica.clone();
@@ -448,6 +458,24 @@ pub async fn serve_agents(
                 tracing::debug!(%peer, error = %e, "an agent's connection is refused");
             }
         });
+    }
+}
+
+/// The next connection on `listener` and its permit of `welcoming` (held until it has said
+/// who it is); one beyond the permits is closed at once.
+pub(crate) async fn next_welcomed(
+    listener: &TcpListener,
+    welcoming: &Arc<tokio::sync::Semaphore>,
+) -> (TcpStream, SocketAddr, tokio::sync::OwnedSemaphorePermit) {
+    loop {
+        let Ok((tcp, peer)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        match welcoming.clone().try_acquire_owned() {
+            Ok(permit) => return (tcp, peer, permit),
+            Err(_) => drop(tcp),
+        }
     }
 }
 

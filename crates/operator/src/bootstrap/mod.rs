@@ -361,6 +361,23 @@ async fn release(ctx: &Context, cfg: &NestplaneConfig) -> Result<Action, Error> 
     Ok(Action::await_change())
 }
 
+/// The config waits for its cluster's control plane, saying why.
+async fn waiting_for_control_plane(
+    ctx: &Context,
+    cfg: &NestplaneConfig,
+    why: String,
+) -> Result<Action, Error> {
+    wait(
+        ctx,
+        cfg,
+        "Ready",
+        reasons::WAITING_FOR_CONTROL_PLANE,
+        why,
+        false,
+    )
+    .await
+}
+
 /// One pass over a config.
 pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<Action, Error> {
     if cfg.metadata.deletion_timestamp.is_some() {
@@ -431,42 +448,28 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
     };
     let cfg = &cfg_now;
     let Some(ncp) = control_plane_of(&ctx, &ns, &machine.cluster).await? else {
-        return wait(
+        return waiting_for_control_plane(
             &ctx,
             cfg,
-            "Ready",
-            reasons::WAITING_FOR_CONTROL_PLANE,
             format!(
                 "cluster {:?} has no NestedControlPlane in namespace {ns}",
                 machine.cluster
             ),
-            false,
         )
         .await;
     };
     let ncp_status = ncp.status.clone().unwrap_or_default();
     let Some(gateway) = ncp_status.gateway.clone() else {
-        return wait(
-            &ctx,
-            cfg,
-            "Ready",
-            reasons::WAITING_FOR_CONTROL_PLANE,
-            format!(
+        return waiting_for_control_plane(&ctx, cfg, format!(
                 "control plane {} has no gateway address (status.gateway): machines of other hosts come in through the operator's gateway (--gateway-bind-address)",
                 ncp.name_any()
-            ),
-            false,
-        )
-        .await;
+            )).await;
     };
     if !ncp_status.ready {
-        return wait(
+        return waiting_for_control_plane(
             &ctx,
             cfg,
-            "Ready",
-            reasons::WAITING_FOR_CONTROL_PLANE,
             format!("control plane {} is not Ready yet", ncp.name_any()),
-            false,
         )
         .await;
     }
@@ -477,16 +480,13 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
         target::admin_client(&ctx, &ns, &kubeconfig).await?,
         target::secret_value(&ctx, &ns, &ca_secret, names::TLS_CRT).await?,
     ) else {
-        return wait(
+        return waiting_for_control_plane(
             &ctx,
             cfg,
-            "Ready",
-            reasons::WAITING_FOR_CONTROL_PLANE,
             format!(
                 "control plane {} has no admin kubeconfig or CA yet",
                 ncp.name_any()
             ),
-            false,
         )
         .await;
     };

@@ -145,6 +145,12 @@ impl Pass<'_> {
     }
 }
 
+/// Approve the kubelet certificates of `machines`, nodes this pool made ([`csr::approve`]).
+async fn approve(pass: &Pass<'_>, n: &Nodes<'_>, machines: &[Machine]) {
+    let owner = format!("NodePool {}", pass.key);
+    csr::approve(&n.target.client, &owner, "NestplaneNodePool", machines).await;
+}
+
 /// Reconcile one NodePool.
 #[tracing::instrument(name = "NodePool", skip_all, fields(nodepool = %pool_key(&pool)))]
 pub async fn reconcile(pool: Arc<NodePool>, ctx: Arc<HostedContext>) -> Result<Action, Error> {
@@ -416,13 +422,7 @@ async fn converge(pass: &Pass<'_>, n: &Nodes<'_>) -> Result<Step<Vec<KubeNode>>,
         &members,
     );
     // Approve the certificates of the nodes we made (and nobody else's).
-    csr::approve(
-        &n.target.client,
-        &format!("NodePool {}", pass.key),
-        "NestplaneNodePool",
-        &machines,
-    )
-    .await;
+    approve(pass, n, &machines).await;
     // The cluster's side of joining, kept in place (a deleted binding comes back).
     if let Err(e) = join::ensure_bindings(&n.target.client, false).await {
         tracing::warn!(error = %e, "keeping the join bindings failed; next pass");
@@ -492,13 +492,7 @@ async fn start_nodes(pass: &Pass<'_>, n: &Nodes<'_>, count: u32) {
     let approving = async {
         loop {
             tokio::time::sleep(JOINING_APPROVAL_INTERVAL).await;
-            csr::approve(
-                &n.target.client,
-                &format!("NodePool {}", pass.key),
-                "NestplaneNodePool",
-                &joining,
-            )
-            .await;
+            approve(pass, n, &joining).await;
         }
     };
     let results = tokio::select! {
