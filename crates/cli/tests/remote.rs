@@ -265,19 +265,7 @@ async fn a_machine_the_control_plane_cannot_dial_joins_through_bootstrap_data_an
     // The gateway listens on the host's end of the machine's link: the one address the
     // machine reaches.
     env.start_operator_with_gateway_at(SocketAddr::new(machine.host_ip.into(), 0));
-    env.apply(
-        &std::fs::read_to_string(repo().join("crates/cli/tests/fixtures/capi-machines-crd.yaml"))
-            .unwrap(),
-    );
-    kubectl_ok(
-        env.kubeconfig(),
-        &[
-            "wait",
-            "--for=condition=Established",
-            "crd/machines.cluster.x-k8s.io",
-            "--timeout=60s",
-        ],
-    );
+    env.install_crd("capi-machines-crd.yaml", "machines.cluster.x-k8s.io");
     env.create_ncp("default", "far").await;
     env.wait_ready("default", "far", READY).await;
     let tenant = env.tenant_kubeconfig("default", "far").await;
@@ -601,20 +589,9 @@ fn md(kc: &Path, name: &str, path: &str) -> String {
 async fn a_cluster_api_node_pool_owns_a_machine_deployment_that_scales_and_rolls() {
     let env = Env::start(true).await;
     let kc = env.kubeconfig().to_path_buf();
-    env.apply(
-        &std::fs::read_to_string(
-            repo().join("crates/cli/tests/fixtures/capi-machinedeployments-crd.yaml"),
-        )
-        .unwrap(),
-    );
-    kubectl_ok(
-        &kc,
-        &[
-            "wait",
-            "--for=condition=Established",
-            "crd/machinedeployments.cluster.x-k8s.io",
-            "--timeout=60s",
-        ],
+    env.install_crd(
+        "capi-machinedeployments-crd.yaml",
+        "machinedeployments.cluster.x-k8s.io",
     );
     env.apply("apiVersion: nestplane.io/v1alpha1\nkind: HostedCluster\nmetadata: {name: hc, namespace: default}\nspec:\n  release: {version: 1.20.2}\n");
 

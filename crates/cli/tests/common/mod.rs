@@ -289,15 +289,16 @@ impl Env {
             std::fs::read_to_string(repo().join("crates/cli/tests/fixtures/cluster-crd.yaml"))
                 .unwrap();
         self.apply(&crd);
-        kubectl_ok(
-            self.kubeconfig(),
-            &[
-                "wait",
-                "--for=condition=Established",
-                "crd/clusters.cluster.x-k8s.io",
-                "--timeout=60s",
-            ],
-        );
+        wait_established(self.kubeconfig(), "clusters.cluster.x-k8s.io");
+    }
+
+    /// Apply the CRD fixture `file` (under `crates/cli/tests/fixtures`) and wait until `name`
+    /// is served.
+    pub fn install_crd(&self, file: &str, name: &str) {
+        let crd =
+            std::fs::read_to_string(repo().join("crates/cli/tests/fixtures").join(file)).unwrap();
+        self.apply(&crd);
+        wait_established(self.kubeconfig(), name);
     }
 
     /// Create a control plane from YAML via kubectl (what a user does).
@@ -400,6 +401,23 @@ impl Env {
         std::fs::write(&path, value).unwrap();
         path
     }
+}
+
+/// Wait until CRD `name` is `Established`. (Not `kubectl wait`: a kubectl of 1.20 fails at
+/// once on a CRD whose status has no conditions yet, as one just applied may not.)
+pub fn wait_established(kc: &Path, name: &str) {
+    eventually(
+        &format!("CRD {name} established"),
+        Duration::from_secs(60),
+        || {
+            let s = jsonpath(
+                kc,
+                &["crd", name],
+                "{.status.conditions[?(@.type==\"Established\")].status}",
+            );
+            (s.trim() == "True").then_some(())
+        },
+    );
 }
 
 /// A child process (an operator the test runs) that is killed (SIGKILL) and reaped when

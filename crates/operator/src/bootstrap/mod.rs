@@ -438,8 +438,9 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
             },
         ),
     );
+    // Written now (a no-op when unchanged), so that what follows compares with what is stored.
+    write_status(&ctx, &cfg, status.clone()).await?;
     if paused {
-        write_status(&ctx, &cfg, status).await?;
         return Ok(Action::requeue(WAITING));
     }
     let cfg_now = NestplaneConfig {
