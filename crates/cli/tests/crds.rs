@@ -49,16 +49,7 @@ async fn crds_install_samples_apply_scale_and_validate() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    kubectl_ok(
-        &kc,
-        &[
-            "wait",
-            "--for=condition=Established",
-            "crd",
-            "--all",
-            "--timeout=30s",
-        ],
-    );
+    wait_all_established(&kc);
 
     // CAPI reads the contract labels on the CRD.
     let labels = kubectl_ok(
@@ -174,15 +165,7 @@ async fn install_names_a_crd_that_another_keeps_from_being_served() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    kubectl_ok(
-        &kc,
-        &[
-            "wait",
-            "--for=condition=Established",
-            "crd/impostors.controlplane.cluster.x-k8s.io",
-            "--timeout=30s",
-        ],
-    );
+    wait_established(&kc, "impostors.controlplane.cluster.x-k8s.io");
 
     let err = nestplane_operator::crds::install(&plane.client(), Duration::from_secs(5))
         .await

@@ -95,16 +95,7 @@ async fn kubernetes_runtime_with_real_pods_and_the_operator_installed_by_kustomi
     kubectl_ok(&kc, &["create", "namespace", "nestplane-system"]);
     kubectl_ok(&kc, &["apply", "-k", &config_default(), "--dry-run=server"]);
     kubectl_ok(&kc, &["apply", "-k", &config_default()]);
-    kubectl_ok(
-        &kc,
-        &[
-            "wait",
-            "--for=condition=Established",
-            "crd",
-            "--all",
-            "--timeout=60s",
-        ],
-    );
+    wait_all_established(&kc);
     let deploy: Deployment = Api::namespaced(admin.clone(), "nestplane-system")
         .get("nestplane-controller-manager")
         .await

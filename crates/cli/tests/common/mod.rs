@@ -420,6 +420,19 @@ pub fn wait_established(kc: &Path, name: &str) {
     );
 }
 
+/// Wait until every CRD is `Established` ([`wait_established`]).
+pub fn wait_all_established(kc: &Path) {
+    eventually("every CRD established", Duration::from_secs(60), || {
+        let s = jsonpath(
+            kc,
+            &["crd"],
+            "{range .items[*]}{.metadata.name}={.status.conditions[?(@.type==\"Established\")].status}{\"\\n\"}{end}",
+        );
+        let lines: Vec<&str> = s.lines().filter(|l| !l.is_empty()).collect();
+        (!lines.is_empty() && lines.iter().all(|l| l.ends_with("=True"))).then_some(())
+    });
+}
+
 /// A child process (an operator the test runs) that is killed (SIGKILL) and reaped when
 /// dropped, so a failing test never leaves it, and the tenants it supervises, running.
 pub struct KillOnDrop(pub std::process::Child);

@@ -266,14 +266,7 @@ pub fn serve_and_reach(kc: &Path) -> String {
     kubectl_ok(kc, &["create", "configmap", "c1", "-n", NS]);
 
     // The conversion webhook converts: stored as v1, read as v2.
-    kubectl_ok(
-        kc,
-        &[
-            "wait",
-            "--for=condition=Established",
-            "crd/widgets.stable.example.com",
-        ],
-    );
+    super::wait_established(kc, "widgets.stable.example.com");
     eventually("a v1 Widget is created", Duration::from_secs(30), || {
         kubectl_stdin(
             kc,
