@@ -107,8 +107,9 @@ pub struct NestplaneConfigStatus {
     /// When the token expires (RFC 3339).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_expires: Option<String>,
-    /// The token was deleted (its machine joined, so no one may join with it again).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    /// The token was deleted (its machine joined, so no one may join with it again). Always
+    /// written: a merge patch must be able to say `false` again.
+    #[serde(default)]
     pub token_deleted: bool,
     /// The machine's address block in its cluster (node `10.201.SLOT.2`, pods
     /// `10.244.SLOT.0/24`): given once, unique among the namespace's configs.

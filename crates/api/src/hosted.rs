@@ -521,6 +521,10 @@ pub struct NodePoolStatus {
     /// Ready nodes.
     #[serde(default)]
     pub replicas: i32,
+    /// The platform the pool's nodes run on (`Local` or `ClusterAPI`), fixed once the pool is
+    /// first admitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<String>,
     /// The version every node runs, once a rollout is complete.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub version: Option<String>,

@@ -33,6 +33,7 @@ struct RemoteMachine {
     link: String,
     cgroup: String,
     root: tempfile::TempDir,
+    scratch: tempfile::TempDir,
     host_ip: Ipv4Addr,
     ip: Ipv4Addr,
     running: Option<KillOnDrop>,
@@ -41,22 +42,31 @@ struct RemoteMachine {
 
 impl RemoteMachine {
     /// A machine whose link to this host is `10.252.<k>.0/30`: the host is `.1`, the
-    /// machine `.2`. No default route; a firewall that lets in only what answers the
+    /// machine `.2`, `k` the first from `first` whose names are free (another run's machine
+    /// is never touched). No default route; a firewall that lets in only what answers the
     /// machine's own connections.
-    fn create(k: u8, log: PathBuf) -> RemoteMachine {
+    fn create(first: u8, log: PathBuf) -> RemoteMachine {
+        let k = (0..200u8)
+            .map(|i| first.wrapping_add(i).max(1))
+            .find(|k| {
+                Command::new("ip")
+                    .args(["netns", "add", &format!("np-machine-{k}")])
+                    .output()
+                    .is_ok_and(|o| o.status.success())
+            })
+            .expect("a free machine name");
         let m = RemoteMachine {
             netns: format!("np-machine-{k}"),
             link: format!("npm{k}"),
             cgroup: format!("nestplane-machine-{k}"),
             root: tempfile::tempdir().unwrap(),
+            scratch: tempfile::tempdir().unwrap(),
             host_ip: Ipv4Addr::new(10, 252, k, 1),
             ip: Ipv4Addr::new(10, 252, k, 2),
             running: None,
             log,
         };
-        m.remove_network();
         let ns = m.netns.as_str();
-        run(&["ip", "netns", "add", ns]);
         run(&[
             "ip", "link", "add", &m.link, "type", "veth", "peer", "name", "eth0", "netns", ns,
         ]);
@@ -108,7 +118,9 @@ impl RemoteMachine {
 
     /// Run `script` as the machine's bootstrap data, in the background.
     fn boot(&mut self, script: &str) {
-        let file = self.root.path().with_extension("bootstrap.sh");
+        // Where the provider keeps the machine's user data (it holds the token): gone with
+        // the machine.
+        let file = self.scratch.path().join("bootstrap.sh");
         std::fs::write(&file, script).unwrap();
         let log = std::fs::File::create(&self.log).unwrap();
         let kubebin = nestplane_runtime::binaries::kubernetes("kubelet", "v1.20.2")
@@ -681,6 +693,47 @@ spec:
     eventually("scaled", Duration::from_secs(60), || {
         (md(&kc, "edge", "{.spec.replicas}") == "3").then_some(())
     });
+
+    // The platform cannot change under running machines.
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "nodepool",
+            "edge",
+            "--type=merge",
+            "-p",
+            "{\"spec\":{\"platform\":{\"type\":\"Local\"}}}",
+        ],
+    );
+    eventually(
+        "the platform change refused",
+        Duration::from_secs(60),
+        || {
+            let m = jsonpath(
+                &kc,
+                &["nodepool", "edge"],
+                "{.status.conditions[?(@.type==\"Ready\")].message}",
+            );
+            m.contains("cannot change").then_some(())
+        },
+    );
+    assert_eq!(
+        md(&kc, "edge", "{.spec.replicas}"),
+        "3",
+        "the machines stay"
+    );
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "nodepool",
+            "edge",
+            "--type=merge",
+            "-p",
+            "{\"spec\":{\"platform\":{\"type\":\"ClusterAPI\"}}}",
+        ],
+    );
 
     // A rolling change of the node settings: a new template, the old one kept for the
     // rollout.

@@ -201,9 +201,12 @@ struct Waiting {
     stream: Box<dyn Stream>,
 }
 
-/// Whether node `name` may announce address `ip` and pod range `cidr` (its cluster assigned
-/// them): `Err` says why not.
-pub type Verify = Arc<dyn Fn(&str, Ipv4Addr, Option<Ipv4Net>) -> Result<(), String> + Send + Sync>;
+/// Whether node `name` may announce address `ip` and pod range `cidr`: `Ok(true)` when its
+/// cluster assigned them to it (its connections then replace any other node's that hold them:
+/// those are stale), `Ok(false)` when nobody was assigned them (the first to hold them keeps
+/// them), `Err` why not.
+pub type Verify =
+    Arc<dyn Fn(&str, Ipv4Addr, Option<Ipv4Net>) -> Result<bool, String> + Send + Sync>;
 
 /// The agents connected to one control plane's proxy, and its Service ranges.
 pub struct Agents {
@@ -233,11 +236,12 @@ impl Agents {
     /// Whether node `node` may announce `ip` and `cidr`: what the cluster assigned it (where
     /// it assigns), and nothing another node's waiting connections hold (the first holds).
     fn may_announce(&self, node: &str, ip: Ipv4Addr, cidr: Option<Ipv4Net>) -> Result<(), String> {
-        if let Some(v) = &self.verify {
-            v(node, ip, cidr)?;
-        }
-        let all = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        let clash = all.iter().find(|w| {
+        let assigned = match &self.verify {
+            Some(v) => v(node, ip, cidr)?,
+            None => false,
+        };
+        let mut all = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        let clashes = |w: &Waiting| {
             w.node != node
                 && (w.node_ip == ip
                     || cidr.is_some_and(|c| c.contains(&w.node_ip))
@@ -247,8 +251,14 @@ impl Agents {
                                 c.contains(&wc.network()) || wc.contains(&c.network())
                             })
                     }))
-        });
-        match clash {
+        };
+        if assigned {
+            // The addresses are this node's now: another node's connections that hold them
+            // are left from a node that went (its block was given anew).
+            all.retain(|w| !clashes(w));
+            return Ok(());
+        }
+        match all.iter().find(|w| clashes(w)) {
             Some(w) => Err(format!(
                 "{ip} or its pod range is node {}'s, which is connected",
                 w.node
@@ -1034,6 +1044,27 @@ mod tests {
         ] {
             assert!(parse_greeting(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[tokio::test]
+    async fn an_assigned_node_takes_its_block_from_a_node_that_went() {
+        let agents =
+            Agents::new(vec![]).with_verify(Arc::new(|node: &str, _, _| Ok(node == "new")));
+        let ip: Ipv4Addr = "10.201.250.2".parse().unwrap();
+        let cidr: Option<Ipv4Net> = Some("10.244.250.0/24".parse().unwrap());
+        let (left, _right) = tokio::io::duplex(64);
+        agents.push(Waiting {
+            node: "old".into(),
+            node_ip: ip,
+            pod_cidr: cidr,
+            stream: Box::new(left),
+        });
+        // Nobody was given the block: the node that holds it keeps it.
+        assert!(agents.may_announce("other", ip, cidr).is_err());
+        assert_eq!(agents.nodes(), ["old"]);
+        // The node it was given to: the stale connections go.
+        assert_eq!(agents.may_announce("new", ip, cidr), Ok(()));
+        assert!(agents.nodes().is_empty());
     }
 
     #[tokio::test]

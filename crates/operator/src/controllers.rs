@@ -291,6 +291,9 @@ pub fn all(
     }
     if on("NestplaneConfig") {
         running.push(bootstrap_configs(w, ctx));
+    } else {
+        // No provider here gives machines blocks: a node joined by hand may take any.
+        ctx.assigned.load(&[]);
     }
     running
 }
@@ -298,13 +301,19 @@ pub fn all(
 /// NestplaneConfigs (the bootstrap provider): each looked at again on its own timer while
 /// its machine joins ([`crate::bootstrap`]).
 fn bootstrap_configs(w: &mut Watches, ctx: &Arc<Context>) -> Running {
-    Controller::new(
+    let controller = Controller::new(
         api::<nestplane_api::bootstrap::NestplaneConfig>(&w.client, &w.namespace),
         watcher::Config::default(),
     )
     .graceful_shutdown_on(w.stop())
     .run(crate::bootstrap::reconcile, error_policy, ctx.clone())
-    .for_each(report("NestplaneConfig", ctx))
+    .for_each(report("NestplaneConfig", ctx));
+    let (client, namespace, ctx) = (w.client.clone(), w.namespace.clone(), ctx.clone());
+    async move {
+        // The blocks given so far, before any agent is judged.
+        ctx.assigned.load_from(&client, namespace.as_deref()).await;
+        controller.await;
+    }
     .boxed()
 }
 

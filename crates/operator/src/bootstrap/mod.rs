@@ -42,23 +42,67 @@ const MANAGER: &str = "nestplane-bootstrap";
 pub const MACHINE_SLOTS: std::ops::RangeInclusive<u8> = 101..=250;
 
 /// The slot (address block, [`nestplane_nodes::config::Addresses::of`]) the provider gave
-/// each machine of each cluster: what their tunnel agents may announce. Filled as configs are
-/// reconciled (after a restart, by the first pass over each: agents are refused until then,
-/// and retry).
+/// each machine of each cluster: what their tunnel agents may announce. Read whole from the
+/// configs' statuses when the provider starts ([`Assigned::load_from`]); until then every
+/// announcement is refused (agents retry), so nothing is admitted that the blocks would not
+/// allow.
 #[derive(Default)]
-pub struct Assigned(Mutex<HashMap<(String, String), HashMap<String, u8>>>);
+pub struct Assigned {
+    blocks: Mutex<HashMap<(String, String), HashMap<String, u8>>>,
+    loaded: std::sync::atomic::AtomicBool,
+}
 
 impl Assigned {
     fn set(&self, ns: &str, cluster: &str, node: &str, slot: u8) {
-        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.blocks.lock().unwrap_or_else(|e| e.into_inner());
         map.entry((ns.to_string(), cluster.to_string()))
             .or_default()
             .insert(node.to_string(), slot);
     }
 
-    /// What node `node` of cluster `ns/cluster` may announce: its assigned block exactly;
-    /// a node the provider did not make (joined by hand) anything outside every assigned
-    /// block. Pure but for the lookup.
+    /// The node's block is given back (its config is deleted).
+    fn forget(&self, ns: &str, cluster: &str, node: &str) {
+        let mut map = self.blocks.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(nodes) = map.get_mut(&(ns.to_string(), cluster.to_string())) {
+            nodes.remove(node);
+        }
+    }
+
+    /// Every block the configs' statuses record (`clusterName`, `nodeName`, `slot`); from
+    /// then on announcements are judged.
+    pub fn load(&self, configs: &[NestplaneConfig]) {
+        for c in configs {
+            let Some(s) = &c.status else { continue };
+            if let (Some(cluster), Some(node), Some(slot)) = (&s.cluster_name, &s.node_name, s.slot)
+            {
+                self.set(&c.namespace().unwrap_or_default(), cluster, node, slot);
+            }
+        }
+        self.loaded
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Read every config's block, and start judging (the provider's first step; a failure
+    /// is retried).
+    pub async fn load_from(&self, client: &kube::Client, namespace: Option<&str>) {
+        let api: Api<NestplaneConfig> = match namespace {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        };
+        loop {
+            match api.list(&Default::default()).await {
+                Ok(l) => return self.load(&l.items),
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading the machines' address blocks; retrying");
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
+            }
+        }
+    }
+
+    /// What node `node` of cluster `ns/cluster` may announce: its assigned block exactly
+    /// (`Ok(true)`); a node the provider did not make (joined by hand) anything that touches
+    /// no assigned block (`Ok(false)`). Pure but for the lookup.
     pub fn check(
         &self,
         ns: &str,
@@ -66,8 +110,11 @@ impl Assigned {
         node: &str,
         ip: std::net::Ipv4Addr,
         cidr: Option<ipnet::Ipv4Net>,
-    ) -> Result<(), String> {
-        let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+    ) -> Result<bool, String> {
+        if !self.loaded.load(std::sync::atomic::Ordering::Acquire) {
+            return Err("the operator is still reading the machines' address blocks".into());
+        }
+        let map = self.blocks.lock().unwrap_or_else(|e| e.into_inner());
         let empty = HashMap::new();
         let nodes = map
             .get(&(ns.to_string(), cluster.to_string()))
@@ -84,11 +131,12 @@ impl Assigned {
                     want_cidr.map(|c| c.to_string()).unwrap_or_default()
                 ));
             }
-            return Ok(());
+            return Ok(true);
         }
         for (other, slot) in nodes {
             let (oip, ocidr) = block(*slot);
             let overlaps = ip == oip
+                || cidr.is_some_and(|c| c.contains(&oip))
                 || ocidr.is_some_and(|o| {
                     o.contains(&ip)
                         || cidr
@@ -98,9 +146,10 @@ impl Assigned {
                 return Err(format!("{ip} or its pod range is node {other}'s"));
             }
         }
-        Ok(())
+        Ok(false)
     }
 }
+
 /// How often a config whose machine has not joined (or whose Node is not Ready yet: its
 /// serving certificate waits for approval) is looked at.
 const JOINING: Duration = Duration::from_secs(3);
@@ -207,12 +256,18 @@ async fn slot_of(ctx: &Context, cfg: &NestplaneConfig) -> Result<Option<u8>, Err
     let _one = ALLOCATING.lock().await;
     let api: Api<NestplaneConfig> =
         Api::namespaced(ctx.client.clone(), &cfg.namespace().unwrap_or_default());
-    let used: std::collections::HashSet<u8> = api
-        .list(&Default::default())
-        .await?
-        .items
+    let listed = api.list(&Default::default()).await?.items;
+    // The cache may be behind: a block already given is this config's for good.
+    if let Some(own) = listed
+        .iter()
+        .find(|c| c.uid() == cfg.uid())
+        .and_then(|c| c.status.as_ref()?.slot)
+    {
+        return Ok(Some(own));
+    }
+    let used: std::collections::HashSet<u8> = listed
         .into_iter()
-        .filter(|c| c.name_any() != cfg.name_any())
+        .filter(|c| c.uid() != cfg.uid())
         .filter_map(|c| c.status.and_then(|s| s.slot))
         .collect();
     let Some(slot) = MACHINE_SLOTS.rev().find(|s| !used.contains(s)) else {
@@ -328,6 +383,13 @@ async fn release(ctx: &Context, cfg: &NestplaneConfig) -> Result<Action, Error> 
     }
     let ns = cfg.namespace().unwrap_or_default();
     let status = cfg.status.clone().unwrap_or_default();
+    if let (Some(cluster), Some(node)) = (&status.cluster_name, &status.node_name) {
+        ctx.assigned.forget(&ns, cluster, node);
+    }
+    let expired = status.token_expires.as_deref().is_none_or(|t| {
+        t.parse::<k8s_openapi::jiff::Timestamp>()
+            .map_or(true, |t| t <= k8s_openapi::jiff::Timestamp::now())
+    });
     if let (Some(id), Some(cluster), false) = (
         status.token_id.as_deref(),
         status.cluster_name.as_deref(),
@@ -337,9 +399,10 @@ async fn release(ctx: &Context, cfg: &NestplaneConfig) -> Result<Action, Error> 
         let deleted = match target::admin_client(ctx, &ns, &kubeconfig).await {
             Ok(Some(client)) => join::delete_token(&client, id)
                 .await
-                .map_err(|e| e.to_string()),
-            Ok(None) => Err(format!("cluster {cluster} has no admin kubeconfig")),
-            Err(e) => Err(e.to_string()),
+                .map_err(|e| Some(e.to_string())),
+            // The cluster is gone: its tokens with it.
+            Ok(None) => Err(None),
+            Err(e) => Err(Some(e.to_string())),
         };
         match deleted {
             Ok(()) => {
@@ -351,9 +414,12 @@ async fn release(ctx: &Context, cfg: &NestplaneConfig) -> Result<Action, Error> 
                 )
                 .await;
             }
-            Err(e) => {
-                tracing::warn!(config = %cfg.name_any(), token = %id, error = %e, "cannot delete a deleted config's bootstrap token; it expires by itself")
+            // The cluster is there but failed: again, until the token would be gone anyway.
+            Err(Some(e)) if !expired => {
+                tracing::warn!(config = %cfg.name_any(), token = %id, error = %e, "cannot delete a deleted config's bootstrap token yet; trying again");
+                return Ok(Action::requeue(WAITING));
             }
+            Err(_) => {}
         }
     }
     let api: Api<NestplaneConfig> = Api::namespaced(ctx.client.clone(), &ns);
@@ -521,6 +587,7 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
     let mut status = cfg.status.clone().unwrap_or_default();
     status.slot = Some(slot);
     status.cluster_name = Some(cluster.clone());
+    status.node_name = Some(node_name.clone());
 
     // The Node: once it has registered, its token goes.
     let node = Api::<Node>::all(client.clone())
@@ -612,12 +679,26 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
         join::ensure_bindings(&client, false)
             .await
             .map_err(|e| Error::Unavailable(e.to_string()))?;
-        join::create_token(&client, &token, Duration::from_secs(ttl.into()))
-            .await
-            .map_err(|e| Error::Unavailable(e.to_string()))?;
         let expires = (k8s_openapi::jiff::Timestamp::now()
             + k8s_openapi::jiff::SignedDuration::from_secs(ttl.into()))
         .to_string();
+        // Recorded before it exists: an operator that stops in between leaves no token that
+        // its finalizer does not know of.
+        Api::<NestplaneConfig>::namespaced(ctx.client.clone(), &ns)
+            .patch_status(
+                &cfg.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "status": {
+                    "tokenId": token.id,
+                    "tokenExpires": expires,
+                    "tokenDeleted": false,
+                    "clusterName": cluster,
+                }})),
+            )
+            .await?;
+        join::create_token(&client, &token, Duration::from_secs(ttl.into()))
+            .await
+            .map_err(|e| Error::Unavailable(e.to_string()))?;
         let script = data::script(
             &data::Join {
                 server: gateway.server.trim_start_matches("https://").to_string(),
@@ -680,8 +761,9 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
                 &Patch::Apply(body),
             )
             .await?;
-        if expired && let Some(old) = &token_id {
-            // Gone by itself already (the cluster's token cleaner); made sure of.
+        if let Some(old) = &token_id {
+            // Replaced (expired, or made by a pass that stopped before its Secret was
+            // written): gone, so that no token lives that no config names.
             let _ = join::delete_token(&client, old).await;
         }
         let (reason, note) = if expired {
@@ -760,82 +842,50 @@ mod tests {
     #[test]
     fn a_machine_may_announce_its_block_and_nobody_else_may() {
         let a = Assigned::default();
+        let check = |node: &str, ip: &str, cidr: &str| {
+            a.check(
+                "default",
+                "far",
+                node,
+                ip.parse().unwrap(),
+                Some(cidr.parse().unwrap()),
+            )
+        };
+        assert!(
+            check("m-0", "10.201.250.2", "10.244.250.0/24").is_err(),
+            "nothing is admitted before the blocks are read"
+        );
+        a.load(&[]);
         a.set("default", "far", "m-0", 250);
         a.set("default", "far", "m-1", 249);
-        let ip = |s: &str| s.parse().unwrap();
-        let net = |s: &str| Some(s.parse().unwrap());
-        assert_eq!(
-            a.check(
-                "default",
-                "far",
-                "m-0",
-                ip("10.201.250.2"),
-                net("10.244.250.0/24")
-            ),
-            Ok(())
-        );
-        // Another machine's block, or a wider range over it.
+        assert_eq!(check("m-0", "10.201.250.2", "10.244.250.0/24"), Ok(true));
+        // Another machine's block, or a range over it.
+        assert!(check("m-0", "10.201.249.2", "10.244.249.0/24").is_err());
+        assert!(check("m-1", "10.201.249.2", "10.244.250.0/24").is_err());
+        // A node joined by hand: anything that touches no machine's block.
+        assert_eq!(check("by-hand", "10.201.7.2", "10.244.7.0/24"), Ok(false));
+        assert!(check("by-hand", "10.201.250.2", "10.244.7.0/24").is_err());
+        assert!(check("by-hand", "10.201.7.2", "10.244.249.128/25").is_err());
         assert!(
-            a.check(
-                "default",
-                "far",
-                "m-0",
-                ip("10.201.249.2"),
-                net("10.244.249.0/24")
-            )
-            .is_err()
+            check("by-hand", "10.201.7.2", "10.201.250.0/24").is_err(),
+            "a pod range over a machine's node address"
         );
-        assert!(
-            a.check(
-                "default",
-                "far",
-                "m-1",
-                ip("10.201.249.2"),
-                net("10.244.250.0/24")
-            )
-            .is_err()
-        );
-        // A node joined by hand: anything but the machines' blocks.
-        assert_eq!(
-            a.check(
-                "default",
-                "far",
-                "by-hand",
-                ip("10.201.7.2"),
-                net("10.244.7.0/24")
-            ),
-            Ok(())
-        );
-        assert!(
-            a.check(
-                "default",
-                "far",
-                "by-hand",
-                ip("10.201.250.2"),
-                net("10.244.7.0/24")
-            )
-            .is_err()
-        );
-        assert!(
-            a.check(
-                "default",
-                "far",
-                "by-hand",
-                ip("10.201.7.2"),
-                net("10.244.249.128/25")
-            )
-            .is_err()
-        );
-        // Another cluster's assignments are its own.
+        // Another cluster's blocks are its own.
         assert_eq!(
             a.check(
                 "default",
                 "near",
                 "m-0",
-                ip("10.201.249.2"),
-                net("10.244.249.0/24")
+                "10.201.249.2".parse().unwrap(),
+                None
             ),
-            Ok(())
+            Ok(false)
+        );
+        // A block given back is anyone's again.
+        a.forget("default", "far", "m-1");
+        assert_eq!(
+            check("by-hand", "10.201.249.2", "10.244.249.0/24"),
+            Ok(false)
         );
     }
 }

@@ -251,7 +251,11 @@ pub(super) async fn converge(
                 .as_ref()
                 .and_then(|s| s.conditions.as_ref())
                 .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True")),
-            current: n.labels().get(plan::POOL_LABEL) == Some(&name),
+            current: n
+                .status
+                .as_ref()
+                .and_then(|s| s.node_info.as_ref())
+                .is_some_and(|i| i.kubelet_version == version),
         })
         .collect();
     let ready = infos.iter().filter(|i| i.ready).count() as i32;

@@ -251,6 +251,20 @@ async fn admit(
     if let Err(msg) = plan::validate_pool(pool) {
         return Ok(Err(Halt::warn("InvalidConfiguration", msg)));
     }
+    // Where the nodes run is fixed: a change would leave the other platform's nodes behind.
+    let platform = plan::platform_name(pool);
+    match pass.status.platform.as_deref() {
+        Some(was) if was != platform => {
+            return Ok(Err(Halt::warn(
+                "InvalidConfiguration",
+                format!(
+                    "platform.type is {platform}, but the pool's nodes run on {was}: the platform cannot change (set it back, or make another pool)"
+                ),
+            )));
+        }
+        Some(_) => {}
+        None => pass.status.platform = Some(platform.to_string()),
+    }
     let cp_version = super::plan::version(&hc.spec.release.version);
     let version = pool
         .spec

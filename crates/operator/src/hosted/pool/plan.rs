@@ -83,6 +83,15 @@ pub fn cluster_api(pool: &NodePool) -> Option<&ClusterApiPlatform> {
         .flatten()
 }
 
+/// The name of the pool's platform (`Local` when it names none).
+pub fn platform_name(pool: &NodePool) -> &'static str {
+    if cluster_api(pool).is_some() {
+        platforms::CLUSTER_API
+    } else {
+        platforms::LOCAL
+    }
+}
+
 /// The platform: `Local` (or none) or `ClusterAPI` with an infrastructure template.
 fn validate_platform(pool: &NodePool) -> Result<(), String> {
     let Some(p) = &pool.spec.platform else {
