@@ -261,6 +261,25 @@ spec:
     )
 }
 
+/// Wait until `field` (`reason` or `message`) of WHAT's `Ready` condition contains `needle`.
+fn wait_ready_says(kc: &Path, what: &[&str], field: &str, needle: &str) {
+    let path = format!("{{.status.conditions[?(@.type==\"Ready\")].{field}}}");
+    eventually(
+        &format!("{what:?}'s Ready {field} saying {needle:?}"),
+        Duration::from_secs(60),
+        || jsonpath(kc, what, &path).contains(needle).then_some(()),
+    );
+}
+
+/// A merge patch of NodePool `name`'s spec.
+fn patch_pool(kc: &Path, name: &str, spec: &str) {
+    let patch = format!("{{\"spec\":{spec}}}");
+    kubectl_ok(
+        kc,
+        &["patch", "nodepool", name, "--type=merge", "-p", &patch],
+    );
+}
+
 /// Whether this host can open a connection to `addr` within a second.
 fn dials(addr: SocketAddr) -> bool {
     TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok()
@@ -293,18 +312,7 @@ spec:
   nodeLabels: {x: "$(reboot)"}
 "#,
     );
-    eventually(
-        "the bad config's condition",
-        Duration::from_secs(30),
-        || {
-            let c = jsonpath(
-                &mgmt,
-                &["nestplaneconfig", "bad"],
-                "{.status.conditions[?(@.type==\"Ready\")].reason}",
-            );
-            c.contains("InvalidSpec").then_some(())
-        },
-    );
+    wait_ready_says(&mgmt, &["nestplaneconfig", "bad"], "reason", "InvalidSpec");
     assert!(events_for(&mgmt, "default", "bad").contains("InvalidSpec"));
     assert!(
         !kubectl_ok(&mgmt, &["get", "secrets", "-o", "name"]).contains("secret/bad"),
@@ -314,18 +322,11 @@ spec:
     // A namespace user elsewhere names this cluster: nothing of it is theirs.
     kubectl_ok(&mgmt, &["create", "namespace", "other"]);
     env.apply(&config_and_machine("other", "steal", "{}"));
-    eventually(
-        "the other namespace's config waits",
-        Duration::from_secs(30),
-        || {
-            let m = jsonpath(
-                &mgmt,
-                &["nestplaneconfig", "steal", "-n", "other"],
-                "{.status.conditions[?(@.type==\"Ready\")].message}",
-            );
-            m.contains("no NestedControlPlane in namespace other")
-                .then_some(())
-        },
+    wait_ready_says(
+        &mgmt,
+        &["nestplaneconfig", "steal", "-n", "other"],
+        "message",
+        "no NestedControlPlane in namespace other",
     );
     assert!(
         kubectl_ok(
@@ -619,14 +620,7 @@ spec:
   platform: {type: Elsewhere}
 "#,
     );
-    eventually("InvalidConfiguration", Duration::from_secs(60), || {
-        let r = jsonpath(
-            &kc,
-            &["nodepool", "nowhere"],
-            "{.status.conditions[?(@.type==\"Ready\")].message}",
-        );
-        r.contains("platform.type").then_some(())
-    });
+    wait_ready_says(&kc, &["nodepool", "nowhere"], "message", "platform.type");
     assert!(events_for(&kc, "default", "nowhere").contains("InvalidConfiguration"));
 
     // A pool on Cluster API's machines.
@@ -679,75 +673,24 @@ spec:
     );
 
     // Scale: the MachineDeployment follows.
-    kubectl_ok(
-        &kc,
-        &[
-            "patch",
-            "nodepool",
-            "edge",
-            "--type=merge",
-            "-p",
-            "{\"spec\":{\"replicas\":3}}",
-        ],
-    );
+    patch_pool(&kc, "edge", "{\"replicas\":3}");
     eventually("scaled", Duration::from_secs(60), || {
         (md(&kc, "edge", "{.spec.replicas}") == "3").then_some(())
     });
 
     // The platform cannot change under running machines.
-    kubectl_ok(
-        &kc,
-        &[
-            "patch",
-            "nodepool",
-            "edge",
-            "--type=merge",
-            "-p",
-            "{\"spec\":{\"platform\":{\"type\":\"Local\"}}}",
-        ],
-    );
-    eventually(
-        "the platform change refused",
-        Duration::from_secs(60),
-        || {
-            let m = jsonpath(
-                &kc,
-                &["nodepool", "edge"],
-                "{.status.conditions[?(@.type==\"Ready\")].message}",
-            );
-            m.contains("cannot change").then_some(())
-        },
-    );
+    patch_pool(&kc, "edge", "{\"platform\":{\"type\":\"Local\"}}");
+    wait_ready_says(&kc, &["nodepool", "edge"], "message", "cannot change");
     assert_eq!(
         md(&kc, "edge", "{.spec.replicas}"),
         "3",
         "the machines stay"
     );
-    kubectl_ok(
-        &kc,
-        &[
-            "patch",
-            "nodepool",
-            "edge",
-            "--type=merge",
-            "-p",
-            "{\"spec\":{\"platform\":{\"type\":\"ClusterAPI\"}}}",
-        ],
-    );
+    patch_pool(&kc, "edge", "{\"platform\":{\"type\":\"ClusterAPI\"}}");
 
     // A rolling change of the node settings: a new template, the old one kept for the
     // rollout.
-    kubectl_ok(
-        &kc,
-        &[
-            "patch",
-            "nodepool",
-            "edge",
-            "--type=merge",
-            "-p",
-            "{\"spec\":{\"nodeLabels\":{\"tier\":\"edge-2\"}}}",
-        ],
-    );
+    patch_pool(&kc, "edge", "{\"nodeLabels\":{\"tier\":\"edge-2\"}}");
     let second = eventually("a new template", Duration::from_secs(60), || {
         let t = md(
             &kc,
