@@ -12,14 +12,19 @@ down:
 test:
 	scripts/test.sh
 
-# Regenerate the checked-in CRDs.
+# Regenerate the checked-in CRDs (each provider's where its kustomize tree reads them) and
+# the clusterctl install manifests.
 crds:
-	cargo run --quiet -p nestplane-cli -- crds > config/crd/nestplane.yaml
+	cargo run --quiet -p nestplane-cli -- crds --provider control-plane > config/crd/nestplane.yaml.new
+	cargo run --quiet -p nestplane-cli -- crds --provider bootstrap > config/bootstrap/crds.yaml.new
+	mv config/crd/nestplane.yaml.new config/crd/nestplane.yaml
+	mv config/bootstrap/crds.yaml.new config/bootstrap/crds.yaml
 	kubectl kustomize config/default > control-plane-components.yaml
+	kubectl kustomize config/bootstrap > bootstrap-components.yaml
 
-# Regenerate the clusterctl install manifest from the kustomize tree under config/.
+# Regenerate the clusterctl install manifests from the kustomize trees under config/: the
+# control-plane provider (config/default) and the bootstrap provider (config/bootstrap).
 release-manifests: crds
-	kubectl kustomize config/default > control-plane-components.yaml
 
 bench:
 	scripts/bench.sh

@@ -7,8 +7,16 @@ use crate::controlplane::{
     NestedAPIServer, NestedControlPlane, NestedControllerManager, NestedEtcd, NestedScheduler,
 };
 
-/// Every CRD, in a stable order.
+/// Every CRD, in a stable order: the control-plane provider's, then the bootstrap
+/// provider's.
 pub fn all() -> Vec<CustomResourceDefinition> {
+    let mut all = control_plane();
+    all.extend(bootstrap());
+    all
+}
+
+/// What the control-plane provider installs (`control-plane-components.yaml`).
+pub fn control_plane() -> Vec<CustomResourceDefinition> {
     vec![
         NestedControlPlane::crd(),
         NestedEtcd::crd(),
@@ -24,6 +32,13 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         crate::backup::NestedBackup::crd(),
         crate::backup::NestedRestore::crd(),
         crate::backup::NestedBackupSchedule::crd(),
+    ]
+}
+
+/// What the bootstrap provider installs (`bootstrap-components.yaml`): clusterctl lets one
+/// provider own a CRD, so each kind is in exactly one of the two.
+pub fn bootstrap() -> Vec<CustomResourceDefinition> {
+    vec![
         crate::bootstrap::NestplaneConfig::crd(),
         crate::bootstrap::NestplaneConfigTemplate::crd(),
     ]

@@ -23,7 +23,12 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Print every CRD as one multi-document YAML (`nestplane crds | kubectl apply -f -`).
-    Crds,
+    Crds {
+        /// Only one provider's: `control-plane` (what `control-plane-components.yaml`
+        /// installs) or `bootstrap` (`bootstrap-components.yaml`).
+        #[arg(long, value_parser = ["control-plane", "bootstrap"])]
+        provider: Option<String>,
+    },
     /// Start a local management plane, the operator and a tenant control plane; print the
     /// tenant's kubeconfig; stay in the foreground until Ctrl-C or SIGTERM.
     Up(up::UpArgs),
@@ -228,10 +233,15 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match cli.command {
-        Command::Crds => {
+        Command::Crds { provider } => {
+            let crds = match provider.as_deref() {
+                Some("control-plane") => nestplane_api::crds::control_plane(),
+                Some(_) => nestplane_api::crds::bootstrap(),
+                None => nestplane_api::crds::all(),
+            };
             print!(
                 "{}",
-                nestplane_operator::crds::yaml().context("serializing CRDs")?
+                nestplane_operator::crds::yaml(&crds).context("serializing CRDs")?
             );
             Ok(())
         }

@@ -65,24 +65,75 @@ fn container_of(d: &Deployment) -> k8s_openapi::api::core::v1::Container {
         .clone()
 }
 
+fn config_bootstrap() -> String {
+    repo().join("config/bootstrap").display().to_string()
+}
+
 #[test]
-fn release_manifest_is_generated_from_config_default() {
-    let out = std::process::Command::new("kubectl")
-        .args(["kustomize", &config_default()])
-        .output()
-        .expect("kubectl not found on PATH: run scripts/install-deps.sh");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let checked_in = std::fs::read_to_string(repo().join("control-plane-components.yaml")).unwrap();
-    assert!(
-        checked_in == String::from_utf8_lossy(&out.stdout),
-        "control-plane-components.yaml is stale: run `make release-manifests`"
-    );
+fn release_manifests_are_generated_from_config() {
+    // clusterctl's two providers of one release: each components file is its kustomize tree,
+    // every object carries its provider's label, and everything namespaced is in its one
+    // namespace.
+    let mut crds = Vec::new();
+    for (tree, file, provider, namespace) in [
+        (
+            config_default(),
+            "control-plane-components.yaml",
+            "control-plane-nestplane",
+            "nestplane-system",
+        ),
+        (
+            config_bootstrap(),
+            "bootstrap-components.yaml",
+            "bootstrap-nestplane",
+            "nestplane-bootstrap-system",
+        ),
+    ] {
+        let out = std::process::Command::new("kubectl")
+            .args(["kustomize", &tree])
+            .output()
+            .expect("kubectl not found on PATH: run scripts/install-deps.sh");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let checked_in = std::fs::read_to_string(repo().join(file)).unwrap();
+        assert!(
+            checked_in == String::from_utf8_lossy(&out.stdout),
+            "{file} is stale: run `make release-manifests`"
+        );
+        let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(&checked_in).unwrap();
+        let namespaces: Vec<_> = docs.iter().filter(|d| d["kind"] == "Namespace").collect();
+        assert_eq!(namespaces.len(), 1, "{file}: one target namespace");
+        assert_eq!(namespaces[0]["metadata"]["name"], namespace, "{file}");
+        for d in &docs {
+            let what = format!("{file}: {} {}", d["kind"], d["metadata"]["name"]);
+            assert_eq!(
+                d["metadata"]["labels"]["cluster.x-k8s.io/provider"], provider,
+                "{what}"
+            );
+            if let Some(ns) = d["metadata"]["namespace"].as_str() {
+                assert_eq!(ns, namespace, "{what}");
+            }
+            if d["kind"] == "CustomResourceDefinition" {
+                crds.push(d["metadata"]["name"].as_str().unwrap().to_string());
+            }
+        }
+        let deploys = docs.iter().filter(|d| d["kind"] == "Deployment").count();
+        assert_eq!(deploys, 1, "{file}: one manager");
+    }
+    // No CRD is owned by both providers.
+    let total = crds.len();
+    crds.sort();
+    crds.dedup();
+    assert_eq!(crds.len(), total, "a CRD in both components files");
+    assert!(crds.contains(&"nestplaneconfigs.bootstrap.cluster.x-k8s.io".to_string()));
     let metadata = std::fs::read_to_string(repo().join("metadata.yaml")).unwrap();
     assert!(metadata.contains("kind: Metadata") && metadata.contains("contract: v1beta1"));
+    for file in ["control-plane-components.yaml", "bootstrap-components.yaml"] {
+        assert!(metadata.contains(file), "metadata.yaml names {file}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -127,6 +178,21 @@ async fn kubernetes_runtime_with_real_pods_and_the_operator_installed_by_kustomi
         ],
     );
     assert_eq!(sa.trim(), "nestplane-controller-manager");
+    // The bootstrap provider, from its own tree, beside it: its own Deployment, its own
+    // ServiceAccount and role (Machines are Cluster API's; here their CRD is a fixture).
+    kubectl_apply(
+        &kc,
+        &std::fs::read_to_string(repo().join("crates/cli/tests/fixtures/capi-machines-crd.yaml"))
+            .unwrap(),
+    );
+    wait_established(&kc, "machines.cluster.x-k8s.io");
+    kubectl_ok(&kc, &["create", "namespace", "nestplane-bootstrap-system"]);
+    kubectl_ok(
+        &kc,
+        &["apply", "-k", &config_bootstrap(), "--dry-run=server"],
+    );
+    kubectl_ok(&kc, &["apply", "-k", &config_bootstrap()]);
+    wait_all_established(&kc);
 
     kubectl_ok(&kc, &["create", "namespace", NS]);
     kubectl_stdin(
@@ -232,6 +298,85 @@ async fn kubernetes_runtime_with_real_pods_and_the_operator_installed_by_kustomi
         &published.metadata,
         "demo"
     ));
+
+    // The bootstrap provider answers a Machine of this cluster under its own role: it finds
+    // the Machine and the control plane, and says why the machine cannot join yet (machines
+    // of other hosts come in through the gateway, which this runtime does not run yet).
+    wait_rollout(
+        &kc,
+        "nestplane-bootstrap-system",
+        "deployment/nestplane-bootstrap-controller-manager",
+    );
+    let sa = kubectl_ok(
+        &kc,
+        &[
+            "get",
+            "pods",
+            "-n",
+            "nestplane-bootstrap-system",
+            "-o",
+            "jsonpath={.items[0].spec.serviceAccountName}",
+        ],
+    );
+    assert_eq!(sa.trim(), "nestplane-bootstrap-controller-manager");
+    kubectl_apply(
+        &kc,
+        r#"
+apiVersion: bootstrap.cluster.x-k8s.io/v1alpha1
+kind: NestplaneConfig
+metadata: {name: worker, namespace: tenants}
+spec: {}
+---
+apiVersion: cluster.x-k8s.io/v1beta2
+kind: Machine
+metadata: {name: worker, namespace: tenants}
+spec:
+  clusterName: demo
+  version: v1.20.2
+  bootstrap:
+    configRef: {apiGroup: bootstrap.cluster.x-k8s.io, kind: NestplaneConfig, name: worker}
+  infrastructureRef: {apiGroup: infrastructure.cluster.x-k8s.io, kind: TestMachine, name: worker}
+"#,
+    );
+    let ready = |field: &str| {
+        jsonpath(
+            &kc,
+            &["-n", NS, "nestplaneconfig", "worker"],
+            &format!("{{.status.conditions[?(@.type==\"Ready\")].{field}}}"),
+        )
+    };
+    eventually(
+        "the bootstrap provider's answer",
+        Duration::from_secs(60),
+        || (ready("reason") == "WaitingForControlPlane").then_some(()),
+    );
+    assert!(
+        ready("message").contains("control plane demo has no gateway address"),
+        "{}",
+        ready("message")
+    );
+    let events = kubectl_ok(
+        &kc,
+        &[
+            "get",
+            "events",
+            "-n",
+            NS,
+            "--field-selector",
+            "involvedObject.name=worker,involvedObject.kind=NestplaneConfig",
+            "-o",
+            "jsonpath={.items[*].reason}",
+        ],
+    );
+    assert!(events.contains("WaitingForControlPlane"), "{events}");
+    assert_eq!(
+        jsonpath(
+            &kc,
+            &["-n", NS, "nestplaneconfig", "worker"],
+            "{.status.ready}"
+        ),
+        "false"
+    );
     let serving = secrets.get("demo-apiserver").await.unwrap();
     let cert = String::from_utf8(serving.data.unwrap()["tls.crt"].0.clone()).unwrap();
     let info = nestplane_pki::inspect(&cert).unwrap();

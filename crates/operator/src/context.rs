@@ -505,6 +505,14 @@ impl Controllers {
     pub fn runs_named(&self, kind: &str) -> bool {
         self.wings.contains(kind)
     }
+
+    /// Whether a controller runs that reads the shared watches: any but the bootstrap
+    /// provider's, which asks for the little it reads. An operator run as the bootstrap
+    /// provider alone (`--controllers=NestplaneConfig`) then watches nothing else, and its
+    /// role grants nothing else.
+    pub fn reads_shared_watches(&self) -> bool {
+        !self.on.is_empty() || self.wings.iter().any(|w| *w != "NestplaneConfig")
+    }
 }
 
 /// `Kind/namespace/name`: the key of an object in per-object state.
@@ -672,6 +680,17 @@ mod controller_tests {
         let only_pools = Controllers::parse("NodePool").unwrap();
         assert!(only_pools.runs_named("NodePool") && !only_pools.runs_named("PostCreateConfig"));
         assert!(!only_pools.runs(Component::Etcd));
+        // The bootstrap provider's own Deployment runs its controller alone, and watches
+        // nothing of the control planes'; anything else with it does.
+        let bootstrap = Controllers::parse("NestplaneConfig").unwrap();
+        assert!(bootstrap.runs_named("NestplaneConfig") && !bootstrap.runs_named("NodePool"));
+        assert!(!bootstrap.reads_shared_watches());
+        assert!(only_pools.reads_shared_watches() && components_only.reads_shared_watches());
+        assert!(
+            Controllers::parse("*,-NestplaneConfig")
+                .unwrap()
+                .reads_shared_watches()
+        );
         let err = Controllers::parse("*,-etdc").unwrap_err();
         assert!(
             err.contains("etdc") && err.contains("controller-manager"),

@@ -179,6 +179,9 @@ impl Watches {
 
     /// Start every watch (once every controller has subscribed).
     pub fn run(self, ctx: &Arc<Context>) -> Running {
+        if !ctx.controllers.reads_shared_watches() {
+            return futures::future::ready(()).boxed();
+        }
         let wc = watcher::Config::default;
         let mut ncp_watch = wc();
         if let Some(f) = &self.watch_filter {

@@ -72,11 +72,11 @@ pub fn established(crd: &CustomResourceDefinition) -> bool {
         })
 }
 
-/// Every CRD as one multi-document YAML (what `nestplane crds` prints and `config/crd/`
-/// holds).
-pub fn yaml() -> Result<String, serde_saphyr::ser::Error> {
+/// CRDs as one multi-document YAML (what `nestplane crds` prints; `config/crd/` holds the
+/// control-plane provider's, `config/bootstrap/` the bootstrap provider's).
+pub fn yaml(crds: &[CustomResourceDefinition]) -> Result<String, serde_saphyr::ser::Error> {
     let mut out = String::new();
-    for crd in nestplane_api::crds::all() {
+    for crd in crds {
         out.push_str("---\n");
         out.push_str(&serde_saphyr::to_string(&crd)?);
     }
