@@ -716,10 +716,57 @@ spec:
     );
     assert!(events_for(&kc, "default", "edge").contains(&second));
 
-    // The pool goes: its MachineDeployment and templates with it.
+    // The pool goes: its MachineDeployment and templates with it. Cluster API holds a
+    // MachineDeployment with its finalizer while it deletes the machines (played here): the
+    // pool says what it waits for meanwhile.
     kubectl_ok(
         &kc,
-        &["delete", "nodepool", "edge", "--wait=true", "--timeout=60s"],
+        &[
+            "patch",
+            "machinedeployment",
+            "edge",
+            "-n",
+            "default-hc",
+            "--type=merge",
+            "-p",
+            r#"{"metadata":{"finalizers":["cluster.x-k8s.io/machinedeployment"]}}"#,
+        ],
+    );
+    kubectl_ok(&kc, &["delete", "nodepool", "edge", "--wait=false"]);
+    let deleting = |field: &str| {
+        jsonpath(
+            &kc,
+            &["nodepool", "edge"],
+            &format!("{{.status.conditions[?(@.type==\"Deleting\")].{field}}}"),
+        )
+    };
+    eventually(
+        "the pool to say it waits for its MachineDeployment",
+        Duration::from_secs(30),
+        || (deleting("reason") == "DeletingMachineDeployment").then_some(()),
+    );
+    assert!(
+        deleting("message").contains("MachineDeployment default-hc/edge"),
+        "{}",
+        deleting("message")
+    );
+    assert!(events_for(&kc, "default", "edge").contains("Cluster API to delete"));
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "machinedeployment",
+            "edge",
+            "-n",
+            "default-hc",
+            "--type=merge",
+            "-p",
+            r#"{"metadata":{"finalizers":null}}"#,
+        ],
+    );
+    kubectl_ok(
+        &kc,
+        &["wait", "--for=delete", "nodepool/edge", "--timeout=60s"],
     );
     assert!(
         !kubectl(

@@ -321,12 +321,12 @@ async fn remove_old_templates(
 }
 
 /// The pool is being deleted: its MachineDeployment goes (Cluster API drains and deletes its
-/// machines), then its templates. `true` once both are gone.
+/// machines), then its templates. `None` once both are gone, else what it waits for.
 pub(super) async fn teardown(
     client: &kube::Client,
     pool: &NodePool,
     hc: &HostedCluster,
-) -> Result<bool, Error> {
+) -> Result<Option<String>, Error> {
     let name = pool.name_any();
     let cp_ns = claim::control_plane_namespace(hc);
     let mds: Api<DynamicObject> =
@@ -336,7 +336,10 @@ pub(super) async fn teardown(
             if md.metadata.deletion_timestamp.is_none() {
                 mds.delete(&name, &DeleteParams::foreground()).await?;
             }
-            return Ok(false);
+            let machines = md.data["status"]["replicas"].as_i64().unwrap_or(0);
+            return Ok(Some(format!(
+                "waiting for Cluster API to delete MachineDeployment {cp_ns}/{name} ({machines} machines left; they are drained and deleted first)"
+            )));
         }
         Ok(_) => {}
         Err(kube::Error::Api(e)) if e.code == 404 => {}
@@ -344,7 +347,7 @@ pub(super) async fn teardown(
     }
     let templates: Api<NestplaneConfigTemplate> = Api::namespaced(client.clone(), &cp_ns);
     remove_old_templates(&templates, hc, &name, "", 0).await;
-    Ok(true)
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -719,9 +719,25 @@ async fn teardown(
     }
     if plan::cluster_api(pool).is_some()
         && let Some(hc) = hc
-        && !capi::teardown(&ctx.client, pool, hc).await?
+        && let Some(waiting) = capi::teardown(&ctx.client, pool, hc).await?
     {
-        // Cluster API deletes the machines first.
+        // Cluster API deletes the machines first; the pool says so meanwhile.
+        let api: Api<NodePool> =
+            Api::namespaced(ctx.client.clone(), &pool.namespace().unwrap_or_default());
+        let mut status = pool.status.clone().unwrap_or_default();
+        let reason = "DeletingMachineDeployment";
+        let before = conditions::get(&status.conditions, types::DELETING).map(|c| c.reason.clone());
+        super::set_condition(
+            &mut status.conditions,
+            pool,
+            conditions::new(types::DELETING, true, reason, &waiting),
+            Timestamp::now(),
+        );
+        if before.as_deref() != Some(reason) {
+            ctx.event(pool.object_ref(&()), EventType::Normal, reason, &waiting)
+                .await;
+        }
+        crate::status::write(&api, pool, pool.status.as_ref(), &status).await?;
         return Ok(Action::requeue(Duration::from_secs(5)));
     }
     let target = match hc {
