@@ -294,11 +294,47 @@ pub fn all(
     }
     if on("NestplaneConfig") {
         running.push(bootstrap_configs(w, ctx));
+    } else if !w.workloads {
+        // This operator's door judges agents, but another process gives the blocks: follow
+        // them from the configs' statuses.
+        running.push(follow_blocks(w, ctx));
     } else {
-        // No provider here gives machines blocks: a node joined by hand may take any.
+        // No door here (the kubernetes runtime's agents reach their API server's own
+        // egress proxy, and machines do not come in yet).
         ctx.assigned.load(&[]);
     }
     running
+}
+
+/// The address blocks a bootstrap provider in another process gives, followed read-only
+/// (its configs' statuses): the door admits by them as it would by its own. Where no
+/// NestplaneConfig CRD is installed there is no provider, and a node joined by hand may take
+/// any block.
+fn follow_blocks(w: &mut Watches, ctx: &Arc<Context>) -> Running {
+    use kube::runtime::watcher::Event;
+    let api = api::<nestplane_api::bootstrap::NestplaneConfig>(&w.client, &w.namespace);
+    let (ctx, stop) = (ctx.clone(), w.stop());
+    async move {
+        let mut listed = Vec::new();
+        let events = watcher(api, watcher::Config::default())
+            .default_backoff()
+            .take_until(stop);
+        futures::pin_mut!(events);
+        while let Some(event) = events.next().await {
+            match event {
+                Ok(Event::Init) => listed.clear(),
+                Ok(Event::InitApply(c)) => listed.push(c),
+                Ok(Event::InitDone) => ctx.assigned.replace(&std::mem::take(&mut listed)),
+                Ok(Event::Apply(c)) => ctx.assigned.note(&c, false),
+                Ok(Event::Delete(c)) => ctx.assigned.note(&c, true),
+                Err(watcher::Error::InitialListFailed(kube::Error::Api(e))) if e.code == 404 => {
+                    ctx.assigned.load(&[]);
+                }
+                Err(e) => ctx.metrics.watch_error(&ctx.health, "NestplaneConfig", &e),
+            }
+        }
+    }
+    .boxed()
 }
 
 /// NestplaneConfigs (the bootstrap provider): each looked at again on its own timer while
@@ -311,10 +347,10 @@ fn bootstrap_configs(w: &mut Watches, ctx: &Arc<Context>) -> Running {
     .graceful_shutdown_on(w.stop())
     .run(crate::bootstrap::reconcile, error_policy, ctx.clone())
     .for_each(report("NestplaneConfig", ctx));
-    let (client, namespace, ctx) = (w.client.clone(), w.namespace.clone(), ctx.clone());
+    let (namespace, ctx) = (w.namespace.clone(), ctx.clone());
     async move {
         // The blocks given so far, before any agent is judged.
-        ctx.assigned.load_from(&client, namespace.as_deref()).await;
+        ctx.assigned.load_from(&ctx, namespace.as_deref()).await;
         controller.await;
     }
     .boxed()

@@ -82,18 +82,44 @@ impl Assigned {
             .store(true, std::sync::atomic::Ordering::Release);
     }
 
+    /// Exactly the blocks `configs` record: what a follower of another process's provider
+    /// holds after (re)listing them.
+    pub fn replace(&self, configs: &[NestplaneConfig]) {
+        self.blocks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        self.load(configs);
+    }
+
+    /// The block `config` records (given, or given back when `deleted`).
+    pub fn note(&self, config: &NestplaneConfig, deleted: bool) {
+        let Some(s) = &config.status else { return };
+        let ns = config.namespace().unwrap_or_default();
+        match (&s.cluster_name, &s.node_name, s.slot) {
+            (Some(cluster), Some(node), _) if deleted => self.forget(&ns, cluster, node),
+            (Some(cluster), Some(node), Some(slot)) => self.set(&ns, cluster, node, slot),
+            _ => {}
+        }
+    }
+
     /// Read every config's block, and start judging (the provider's first step; a failure
-    /// is retried).
-    pub async fn load_from(&self, client: &kube::Client, namespace: Option<&str>) {
+    /// is retried, and fails `/readyz` meanwhile: nothing is bootstrapped until it is read).
+    pub async fn load_from(&self, ctx: &Context, namespace: Option<&str>) {
         let api: Api<NestplaneConfig> = match namespace {
-            Some(ns) => Api::namespaced(client.clone(), ns),
-            None => Api::all(client.clone()),
+            Some(ns) => Api::namespaced(ctx.client.clone(), ns),
+            None => Api::all(ctx.client.clone()),
         };
         loop {
             match api.list(&Default::default()).await {
                 Ok(l) => return self.load(&l.items),
                 Err(e) => {
                     tracing::warn!(error = %e, "reading the machines' address blocks; retrying");
+                    ctx.metrics.watch_failed("NestplaneConfig");
+                    ctx.health.watch_failed(
+                        "NestplaneConfig",
+                        format!("reading the machines' address blocks: {e}"),
+                    );
                     tokio::time::sleep(Duration::from_secs(2)).await;
                 }
             }
@@ -707,12 +733,9 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
                 ca_cert_hash: nestplane_pki::public_key_hash(&ca_pem)?,
                 version: version.clone(),
                 node_name: node_name.clone(),
-                api_port: ncp
-                    .spec
-                    .control_plane_endpoint
-                    .as_ref()
-                    .map(|e| e.port as u16)
-                    .unwrap_or(names::ports::APISERVER as u16),
+                // The API servers' own port (the `kubernetes` Service's), not the endpoint's:
+                // that may be the gateway's.
+                api_port: names::ports::APISERVER as u16,
                 expires: expires.clone(),
                 machine: format!("{ns}/{}", machine.name),
                 slot,
@@ -887,5 +910,43 @@ mod tests {
             check("by-hand", "10.201.249.2", "10.244.249.0/24"),
             Ok(false)
         );
+    }
+
+    /// A config as its status records its machine's block.
+    fn config(name: &str, node: &str, slot: u8) -> NestplaneConfig {
+        let mut c = NestplaneConfig::new(name, Default::default());
+        c.metadata.namespace = Some("default".into());
+        c.status = Some(NestplaneConfigStatus {
+            cluster_name: Some("far".into()),
+            node_name: Some(node.into()),
+            slot: Some(slot),
+            ..Default::default()
+        });
+        c
+    }
+
+    #[test]
+    fn a_follower_holds_exactly_the_blocks_the_configs_record() {
+        let a = Assigned::default();
+        let check = |node: &str, slot: u8| {
+            a.check(
+                "default",
+                "far",
+                node,
+                format!("10.201.{slot}.2").parse().unwrap(),
+                None,
+            )
+        };
+        a.replace(&[config("a", "m-0", 250)]);
+        assert_eq!(check("m-0", 250), Ok(true));
+        // Given as the provider in the other process writes it; given back when deleted.
+        a.note(&config("b", "m-1", 249), false);
+        assert!(check("squatter", 249).is_err());
+        a.note(&config("b", "m-1", 249), true);
+        assert_eq!(check("squatter", 249), Ok(false));
+        // A relist holds what is listed, and nothing from before.
+        a.replace(&[config("b", "m-1", 249)]);
+        assert_eq!(check("squatter", 250), Ok(false));
+        assert_eq!(check("m-1", 249), Ok(true));
     }
 }

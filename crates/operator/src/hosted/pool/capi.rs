@@ -299,11 +299,16 @@ async fn remove_old_templates(
     current: &str,
     keep: usize,
 ) {
-    let Ok(list) = templates
+    let list = match templates
         .list(&ListParams::default().labels(&format!("{}={pool}", plan::POOL_LABEL)))
         .await
-    else {
-        return;
+    {
+        Ok(l) => l,
+        Err(e) => {
+            // Old templates stay until a pass can list them (a refusal here is the role's).
+            tracing::warn!(%pool, error = %e, "listing the pool's NestplaneConfigTemplates failed");
+            return;
+        }
     };
     let mut old: Vec<_> = list
         .items
