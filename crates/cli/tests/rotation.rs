@@ -533,14 +533,18 @@ fn serving_issuer(env: &Env, ns: &str, name: &str, cas: &[String]) -> Option<Str
 /// handshakes: per replica, the CAs they ask client certificates of (by fingerprint, among
 /// `cas`, or "other") and the fingerprint of the CA that signed their certificate.
 async fn handshakes(env: &Env, cas: &[String]) -> Vec<(Vec<String>, Option<String>)> {
-    // The replicas' addresses: the first is the control plane's endpoint, `127.a.b.1`.
-    let first: std::net::Ipv4Addr = jsonpath(
+    // The replicas' addresses: the first is the one the API server's Service stands for,
+    // `127.a.b.1` (the control plane's endpoint is the gateway's).
+    let url = jsonpath(
         env.kubeconfig(),
-        &["ncp", "rot", "-n", "default-rot"],
-        "{.spec.controlPlaneEndpoint.host}",
-    )
-    .parse()
-    .unwrap();
+        &["service", "rot-apiserver", "-n", "default-rot"],
+        "{.metadata.annotations.nestplane\\.io/endpoint}",
+    );
+    let first: std::net::Ipv4Addr = url
+        .trim_start_matches("https://")
+        .trim_end_matches(":6443")
+        .parse()
+        .unwrap_or_else(|e| panic!("{url:?}: {e}"));
     let mut out = Vec::new();
     for i in 0..2u8 {
         let o = first.octets();

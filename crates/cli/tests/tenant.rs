@@ -668,6 +668,37 @@ async fn an_upgrade_moves_the_parts_in_order_drops_no_request_at_the_gateway_and
     assert_eq!(up_name, "up.default.nestplane.internal");
     let tkc = env.tenant_kubeconfig("default", "up").await;
     let okc = env.tenant_kubeconfig("default", "other").await;
+    // The gateway is the endpoint Cluster API and users are given: `controlPlaneEndpoint`,
+    // the ClusterEndpoint and the published kubeconfig (with the tenant's name there as
+    // `tls-server-name`), which works as it is.
+    let address = server.trim_start_matches("https://");
+    for (name, kubeconfig, sni) in [("up", &tkc, &up_name), ("other", &okc, &other_name)] {
+        let endpoint = jsonpath(
+            &kc,
+            &["ncp", name],
+            "{.spec.controlPlaneEndpoint.host}:{.spec.controlPlaneEndpoint.port}",
+        );
+        assert_eq!(endpoint, address, "{name}");
+        let published = jsonpath(
+            &kc,
+            &["clusterendpoint", &format!("{name}-apiserver")],
+            "{.spec.host}:{.spec.port}",
+        );
+        assert_eq!(published, address, "{name}");
+        let text = std::fs::read_to_string(kubeconfig).unwrap();
+        assert!(
+            text.contains(server.as_str())
+                && text.contains("tls-server-name:")
+                && text.contains(sni.as_str()),
+            "{text}"
+        );
+        let out = kubectl(kubeconfig, &["get", "ns", "default", "-o", "name"]);
+        assert!(
+            out.status.success(),
+            "{name}'s kubeconfig as published: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     let through = |kubeconfig: &std::path::Path, name: &str, args: &[&str]| {
         let mut all = vec!["--server", server.as_str(), "--tls-server-name", name];
         all.extend_from_slice(args);
@@ -744,16 +775,12 @@ async fn an_upgrade_moves_the_parts_in_order_drops_no_request_at_the_gateway_and
         std::thread::sleep(Duration::from_millis(500));
     }
 
-    // A client asks the tenant through the gateway all along, a new connection per request:
-    // not one request fails while the API server replicas are replaced.
+    // A client asks the tenant with its published kubeconfig (the gateway) all along, a new
+    // connection per request: not one request fails while the API server replicas are
+    // replaced.
     let done_flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let client = {
-        let (done, tkc, server, name) = (
-            done_flag.clone(),
-            tkc.clone(),
-            server.clone(),
-            up_name.clone(),
-        );
+        let (done, tkc) = (done_flag.clone(), tkc.clone());
         std::thread::spawn(move || {
             let mut results = Vec::new();
             while !done.load(std::sync::atomic::Ordering::Relaxed) && results.len() < 2000 {
@@ -761,10 +788,6 @@ async fn an_upgrade_moves_the_parts_in_order_drops_no_request_at_the_gateway_and
                 let out = kubectl(
                     &tkc,
                     &[
-                        "--server",
-                        &server,
-                        "--tls-server-name",
-                        &name,
                         "--request-timeout=20s",
                         "get",
                         "ns",

@@ -488,6 +488,7 @@ impl LocalPlane {
         let kubeconfig = pki::kubeconfig(
             "nestplane-management",
             &server,
+            None,
             &pki.ca.cert_pem,
             "nestplane-admin",
             &pki.admin,
@@ -754,6 +755,7 @@ impl LocalPlane {
                 return nestplane_pki::write_kubeconfig(&nestplane_pki::KubeconfigSpec {
                     cluster: "management",
                     server: &self.server,
+                    server_name: None,
                     authority: nestplane_pki::Authority::Pem(&self.ca_pem),
                     user: name,
                     credential: nestplane_pki::Credential::Token(&token),

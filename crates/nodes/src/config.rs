@@ -391,6 +391,7 @@ pub fn bootstrap_kubeconfig(layout: &Layout, port: u16, token: &str) -> String {
     nestplane_pki::write_kubeconfig(&nestplane_pki::KubeconfigSpec {
         cluster: "cluster",
         server: &format!("https://{NODE_LOCAL_APISERVER}:{port}"),
+        server_name: None,
         authority: nestplane_pki::Authority::File(&ca.to_string_lossy()),
         user: "kubelet-bootstrap",
         credential: nestplane_pki::Credential::Token(token),

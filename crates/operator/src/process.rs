@@ -59,6 +59,22 @@ impl Processes {
         self
     }
 
+    /// The endpoint every tenant is published at when the gateway runs: the gateway's address
+    /// (its loopback address when it listens on every address), shared by all tenants, each
+    /// named there by its server name.
+    fn at_gateway(&self) -> Option<ApiEndpoint> {
+        let address = self.gateway.as_ref()?.address;
+        let ip = match address.ip() {
+            IpAddr::V4(v4) if v4.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V6(v6) if v6.is_unspecified() => IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+            ip => ip,
+        };
+        Some(ApiEndpoint {
+            host: ip.to_string(),
+            port: i32::from(address.port()),
+        })
+    }
+
     /// API servers send their cluster traffic (kubelets, proxies, webhooks, aggregated APIs)
     /// to `egress`, which connects it from inside their clusters' nodes.
     pub fn with_egress(mut self, egress: Arc<crate::egress::Egress>) -> Self {
@@ -96,10 +112,11 @@ impl Runtime for Processes {
     }
 
     fn gateway(&self, ncp: &NestedControlPlane) -> Option<nestplane_api::GatewayStatus> {
-        let g = self.gateway.as_ref()?;
+        let at = self.at_gateway()?;
         let key = tenant_key(ncp);
+        let ip: IpAddr = at.host.parse().ok()?;
         Some(nestplane_api::GatewayStatus {
-            server: format!("https://{}", g.address),
+            server: format!("https://{}", std::net::SocketAddr::new(ip, at.port as u16)),
             server_name: names::gateway_server_name(&key.cluster, &key.namespace),
         })
     }
@@ -141,6 +158,10 @@ impl Runtime for Processes {
             // A control plane of this name may have been deleted before; this one runs.
             self.processes.revive(&key);
             let hosts = self.processes.hosts(&key)?;
+            // With the gateway, the endpoint outlives any one API server.
+            if let Some(gateway) = self.at_gateway() {
+                return Ok(Some(gateway));
+            }
             Ok(hosts.first().map(|h| ApiEndpoint {
                 host: h.to_string(),
                 port: ports::APISERVER,
@@ -225,7 +246,10 @@ impl Processes {
         if let Some(name) = &gateway_name {
             endpoint_host.push(name.clone());
         }
-        let (secrets, health_ca) = pass.issue(&input, &endpoint_host).await?;
+        // Published at the gateway: clients name the tenant there.
+        let at_gateway = t.ncp.spec.control_plane_endpoint.as_ref() == self.at_gateway().as_ref();
+        let server_name = gateway_name.as_deref().filter(|_| at_gateway);
+        let (secrets, health_ca) = pass.issue(&input, &endpoint_host, server_name).await?;
         let mut data = secrets.data(&rendered.secrets).await?;
         let mut credentials = secrets.credentials(&data);
         // Which datastore an API server on a shared one runs against (a move's cut-over is

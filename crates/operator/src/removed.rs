@@ -166,25 +166,42 @@ pub async fn refresh(ctx: &Context, t: &Tenant, change: &VersionChange) -> Resul
     }
     let waiting = ctx.removed_apis.get(&key, apiserver).is_none();
     let secret = names::SecretPurpose::AdminKubeconfig.secret_name(&t.cluster());
-    let Some(client) = crate::hosted::target::admin_client(ctx, &t.namespace(), &secret).await?
-    else {
+    // Each replica counts the requests it served: every one is read where the runtime knows
+    // them (the endpoint, a gateway or a Service, would answer for one of them).
+    let replicas = ctx.runtime.apiserver_replicas(&t.ncp);
+    let clients = if replicas.is_empty() {
+        crate::hosted::target::admin_client(ctx, &t.namespace(), &secret)
+            .await?
+            .map(|c| vec![c])
+    } else {
+        crate::hosted::target::admin_clients_at(ctx, &t.namespace(), &secret, &replicas).await?
+    };
+    let Some(clients) = clients else {
         return Ok(waiting);
     };
-    let request = http::Request::get("/metrics")
-        .body(Vec::new())
-        .map_err(|e| Error::Internal(e.to_string()))?;
-    match read_metric(&client, request).await {
-        Ok(text) => {
-            let apis = nestplane_render::upgrade::requested_removed_apis(&text);
-            tracing::info!(tenant = %key, %apiserver, removed = apis.len(), "read the API server's requests of removed APIs");
-            ctx.removed_apis.put(key, apiserver, apis);
-            Ok(false)
-        }
-        Err(e) => {
-            tracing::warn!(tenant = %key, error = %e, "reading the API server's metrics");
-            Ok(waiting)
+    let mut apis: Vec<RemovedApi> = Vec::new();
+    for client in &clients {
+        let request = http::Request::get("/metrics")
+            .body(Vec::new())
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        match read_metric(client, request).await {
+            Ok(text) => {
+                for api in nestplane_render::upgrade::requested_removed_apis(&text) {
+                    if !apis.contains(&api) {
+                        apis.push(api);
+                    }
+                }
+            }
+            Err(e) => {
+                // Not judged on part of the replicas.
+                tracing::warn!(tenant = %key, error = %e, "reading the API server's metrics");
+                return Ok(waiting);
+            }
         }
     }
+    tracing::info!(tenant = %key, %apiserver, replicas = clients.len(), removed = apis.len(), "read the API servers' requests of removed APIs");
+    ctx.removed_apis.put(key, apiserver, apis);
+    Ok(false)
 }
 
 /// At most this much of an API server's `/metrics` is read (a tenant admin decides how many

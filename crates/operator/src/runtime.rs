@@ -46,13 +46,15 @@ pub struct Pass<'a> {
 
 impl Pass<'_> {
     /// Issue this component's certificates and kubeconfigs from the pure plan, for `input`
-    /// and the addresses the API server is reached at (`hosts`, the endpoint first). Returns
-    /// the tenant's secrets (to read what the pod template mounts) and the CA that verifies
-    /// the component's health endpoint.
+    /// and the addresses the API server is reached at (`hosts`, the endpoint first). When the
+    /// endpoint is a gateway that tenants share, `server_name` is the tenant's name there
+    /// (the admin kubeconfig's `tls-server-name`). Returns the tenant's secrets (to read what
+    /// the pod template mounts) and the CA that verifies the component's health endpoint.
     pub async fn issue(
         &self,
         input: &RenderInput,
         hosts: &[String],
+        server_name: Option<&str>,
     ) -> Result<(ClusterSecrets, Option<String>), Error> {
         let t = self.tenant;
         let secrets = ClusterSecrets::new(
@@ -63,12 +65,13 @@ impl Pass<'_> {
             self.clock.clone(),
         )
         .with_cache(self.secrets.cloned());
-        let endpoint = t
-            .ncp
-            .spec
-            .control_plane_endpoint
-            .as_ref()
-            .map(|e| (e.host.as_str(), e.port));
+        let endpoint = t.ncp.spec.control_plane_endpoint.as_ref().map(|e| {
+            nestplane_render::certificates::Endpoint {
+                host: &e.host,
+                port: e.port,
+                server_name,
+            }
+        });
         let plan = nestplane_render::certificates::plan(self.component, input, hosts, endpoint);
         let health_ca = secrets.issue(&plan).await;
         self.replaced

@@ -23,6 +23,8 @@ use crate::crds::FIELD_MANAGER;
 pub const CA_HASH_ANNOTATION: &str = "nestplane.io/ca-sha256";
 /// Annotation recording the server URL of a kubeconfig.
 pub const SERVER_ANNOTATION: &str = "nestplane.io/server";
+/// Annotation recording a kubeconfig's `tls-server-name`, when it has one.
+pub const SERVER_NAME_ANNOTATION: &str = "nestplane.io/server-name";
 
 /// Errors handling secrets.
 #[derive(Debug, thiserror::Error)]
@@ -107,6 +109,8 @@ pub struct KubeconfigSpec {
     pub purpose: SecretPurpose,
     /// The API server URL.
     pub server: String,
+    /// Its `tls-server-name` (a shared gateway's name for the tenant), if any.
+    pub server_name: Option<String>,
     /// Client certificate subject.
     pub user: String,
     /// Client certificate organizations (groups).
@@ -566,6 +570,7 @@ impl ClusterSecrets {
             s.metadata.annotations.as_ref().is_some_and(|ann| {
                 ann.get(CA_HASH_ANNOTATION) == Some(&want_hash)
                     && ann.get(SERVER_ANNOTATION) == Some(&spec.server)
+                    && ann.get(SERVER_NAME_ANNOTATION) == spec.server_name.as_ref()
             })
         };
         // `value` is exactly what nestplane writes for this spec, with a client certificate
@@ -576,6 +581,7 @@ impl ClusterSecrets {
             let issued = pki::Issued {
                 cluster: &self.cluster,
                 server: &spec.server,
+                server_name: spec.server_name.as_deref(),
                 ca_pem: &ca.cert_pem,
                 user: &spec.user,
                 groups: &spec.groups,
@@ -619,6 +625,7 @@ impl ClusterSecrets {
         let value = pki::kubeconfig(
             &self.cluster,
             &spec.server,
+            spec.server_name.as_deref(),
             &ca.cert_pem,
             &spec.user,
             &client,
@@ -634,10 +641,18 @@ impl ClusterSecrets {
                 // parsing the kubeconfig.
                 (names::TLS_CRT.to_string(), client.cert_pem.into_bytes()),
             ]),
-            BTreeMap::from([
-                (CA_HASH_ANNOTATION.to_string(), want_hash.clone()),
-                (SERVER_ANNOTATION.to_string(), spec.server.clone()),
-            ]),
+            BTreeMap::from_iter(
+                [
+                    (CA_HASH_ANNOTATION.to_string(), want_hash.clone()),
+                    (SERVER_ANNOTATION.to_string(), spec.server.clone()),
+                ]
+                .into_iter()
+                .chain(
+                    spec.server_name
+                        .clone()
+                        .map(|n| (SERVER_NAME_ANNOTATION.to_string(), n)),
+                ),
+            ),
         );
         if let Some(theirs) = self.put(&secret, create).await? {
             if let Some(value) = current(&theirs) {
@@ -675,6 +690,7 @@ impl ClusterSecrets {
                 Issue::Kubeconfig {
                     purpose,
                     server,
+                    server_name,
                     user,
                     groups,
                 } => {
@@ -684,6 +700,7 @@ impl ClusterSecrets {
                     let spec = KubeconfigSpec {
                         purpose: *purpose,
                         server: server.clone(),
+                        server_name: server_name.clone(),
                         user: user.clone(),
                         groups: groups.clone(),
                     };

@@ -298,7 +298,7 @@ async fn run(
         .iter()
         .find(|s| s.metadata.name.as_deref() == Some(&rendered.workload_name));
     let hosts = api_service.map(service_addresses).unwrap_or_default();
-    let (secrets, _) = pass.issue(&input, &hosts).await?;
+    let (secrets, _) = pass.issue(&input, &hosts, None).await?;
     let data = secrets.data(&rendered.secrets).await?;
     let credentials = secrets.credentials(&data);
     let annotations = &mut objects.workload["spec"]["template"]["metadata"]["annotations"];

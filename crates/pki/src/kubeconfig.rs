@@ -43,6 +43,9 @@ pub struct KubeconfigSpec<'a> {
     pub cluster: &'a str,
     /// The API server URL.
     pub server: &'a str,
+    /// The name the server is asked for and verified as (`tls-server-name`), when it is not
+    /// the URL's host: a gateway that routes by server name.
+    pub server_name: Option<&'a str>,
     /// How the server is verified.
     pub authority: Authority<'a>,
     /// The user's name in the kubeconfig.
@@ -79,6 +82,7 @@ impl KubeconfigSpec<'_> {
                 name: self.cluster.into(),
                 cluster: Some(Cluster {
                     server: Some(self.server.into()),
+                    tls_server_name: self.server_name.map(str::to_string),
                     certificate_authority,
                     certificate_authority_data,
                     ..Cluster::default()
@@ -111,11 +115,13 @@ pub fn write_kubeconfig(spec: &KubeconfigSpec<'_>) -> Result<String, PkiError> {
     serde_saphyr::to_string(&spec.build()).map_err(|e| PkiError::Kubeconfig(e.to_string()))
 }
 
-/// A kubeconfig with one cluster (its CA inline), one client-certificate user and one current
-/// context (`<user>@<cluster>`). Deterministic for the same input.
+/// A kubeconfig with one cluster (its CA inline, and `tls-server-name` when `server_name` is
+/// given), one client-certificate user and one current context (`<user>@<cluster>`).
+/// Deterministic for the same input.
 pub fn kubeconfig(
     cluster_name: &str,
     server: &str,
+    server_name: Option<&str>,
     ca_pem: &str,
     user_name: &str,
     client: &CertKey,
@@ -123,6 +129,7 @@ pub fn kubeconfig(
     write_kubeconfig(&KubeconfigSpec {
         cluster: cluster_name,
         server,
+        server_name,
         authority: Authority::Pem(ca_pem),
         user: user_name,
         credential: Credential::ClientCert(client),

@@ -171,6 +171,8 @@ pub struct Issued<'a> {
     pub cluster: &'a str,
     /// The API server URL.
     pub server: &'a str,
+    /// Its `tls-server-name`, if any.
+    pub server_name: Option<&'a str>,
     /// The CA that signs the client certificate and verifies the server.
     pub ca_pem: &'a str,
     /// The user (the client certificate's common name).
@@ -185,8 +187,15 @@ pub struct Issued<'a> {
 /// (a kubeconfig someone else wrote or edited is never used, whatever it holds). Pure.
 pub fn verify_issued_kubeconfig(value: &str, want: &Issued<'_>) -> Option<CertKey> {
     let client = kubeconfig_client(value)?;
-    let again =
-        crate::kubeconfig(want.cluster, want.server, want.ca_pem, want.user, &client).ok()?;
+    let again = crate::kubeconfig(
+        want.cluster,
+        want.server,
+        want.server_name,
+        want.ca_pem,
+        want.user,
+        &client,
+    )
+    .ok()?;
     if again != value
         || !crate::key_matches(&client.cert_pem, &client.key_pem).ok()?
         || !crate::verify_signed_by(&client.cert_pem, want.ca_pem).ok()?
@@ -309,6 +318,7 @@ mod tests {
         let value = crate::kubeconfig(
             "t",
             "https://127.0.0.1:6443",
+            None,
             &ca.cert_pem,
             "admin",
             &client,
@@ -317,6 +327,7 @@ mod tests {
         let want = Issued {
             cluster: "t",
             server: "https://127.0.0.1:6443",
+            server_name: None,
             ca_pem: &ca.cert_pem,
             user: "admin",
             groups: &groups,
@@ -335,11 +346,33 @@ mod tests {
             ..want
         };
         assert!(verify_issued_kubeconfig(&value, &elsewhere).is_none());
+        // Behind a gateway: the server name is part of what was issued, both ways.
+        let named = Issued {
+            server_name: Some("t.ns.nestplane.internal"),
+            ..want
+        };
+        assert!(verify_issued_kubeconfig(&value, &named).is_none());
+        let behind = crate::kubeconfig(
+            "t",
+            "https://127.0.0.1:6443",
+            named.server_name,
+            &ca.cert_pem,
+            "admin",
+            &client,
+        )
+        .unwrap();
+        assert!(
+            behind.contains("tls-server-name: t.ns.nestplane.internal"),
+            "{behind}"
+        );
+        assert!(verify_issued_kubeconfig(&behind, &named).is_some());
+        assert!(verify_issued_kubeconfig(&behind, &want).is_none());
         let other_ca = crate::generate_ca("other", now).unwrap();
         let foreign = crate::issue(&other_ca, &spec, now).unwrap();
         let forged = crate::kubeconfig(
             "t",
             "https://127.0.0.1:6443",
+            None,
             &ca.cert_pem,
             "admin",
             &foreign,
@@ -358,6 +391,7 @@ mod tests {
         let swapped = crate::kubeconfig(
             "t",
             "https://127.0.0.1:6443",
+            None,
             &ca.cert_pem,
             "admin",
             &nobody,

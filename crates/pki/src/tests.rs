@@ -151,6 +151,7 @@ fn kubeconfig_round_trips() {
     let kc = kubeconfig(
         "demo",
         "https://127.64.1.1:6443",
+        None,
         &ca.cert_pem,
         "admin",
         &client,
@@ -161,6 +162,7 @@ fn kubeconfig_round_trips() {
         kubeconfig(
             "demo",
             "https://127.64.1.1:6443",
+            None,
             &ca.cert_pem,
             "admin",
             &client

@@ -30,6 +30,8 @@ pub enum Issue {
         purpose: SecretPurpose,
         /// The API server URL.
         server: String,
+        /// The name the server is asked for there (`tls-server-name`): a shared gateway's.
+        server_name: Option<String>,
         /// Client certificate subject.
         user: String,
         /// Client certificate organizations (groups).
@@ -77,6 +79,19 @@ fn leaf(cn: &str, orgs: &[&str], sans: Sans, usage: Usage) -> LeafSpec {
     }
 }
 
+/// Where the admin kubeconfig points: the control plane's `spec.controlPlaneEndpoint`, and the
+/// name the tenant is served under there when that address is shared by tenants (a gateway
+/// that routes by server name; it must be among the API server's SANs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Endpoint<'a> {
+    /// Host or address.
+    pub host: &'a str,
+    /// Port.
+    pub port: i32,
+    /// The kubeconfig's `tls-server-name`.
+    pub server_name: Option<&'a str>,
+}
+
 /// The plan for component `c`. `hosts` are the addresses the API server is reached at (the
 /// first is the endpoint; the others are added to its SANs); `endpoint` is the control plane's
 /// `spec.controlPlaneEndpoint` when set (the admin kubeconfig points there).
@@ -84,7 +99,7 @@ pub fn plan(
     c: Component,
     input: &RenderInput,
     hosts: &[String],
-    endpoint: Option<(&str, i32)>,
+    endpoint: Option<Endpoint<'_>>,
 ) -> Plan {
     match c {
         Component::Etcd => etcd_plan(input),
@@ -144,13 +159,15 @@ fn apiserver_serving_sans(input: &RenderInput, hosts: &[String]) -> Sans {
 /// shared datastore the etcd CA (its certificate only) and the client certificate of the
 /// tenant's etcd user are issued from the datastore's CA, whose key stays in the datastore's
 /// namespace: they are not in the plan.
-fn apiserver_plan(input: &RenderInput, hosts: &[String], endpoint: Option<(&str, i32)>) -> Plan {
+fn apiserver_plan(input: &RenderInput, hosts: &[String], endpoint: Option<Endpoint<'_>>) -> Plan {
     let none = Sans::default;
+    let endpoint = endpoint.filter(|e| !e.host.is_empty());
     let server = match (hosts.first(), endpoint) {
-        (_, Some((h, port))) if !h.is_empty() => format!("https://{h}:{port}"),
+        (_, Some(e)) => format!("https://{}:{}", e.host, e.port),
         (Some(h), _) => format!("https://{h}:{}", ports::APISERVER),
         _ => crate::apiserver_internal_url(input),
     };
+    let server_name = endpoint.and_then(|e| e.server_name).map(str::to_string);
     let client = |cn: &str, orgs: &[&str]| leaf(cn, orgs, none(), Usage::Client);
     let mut plan = Plan {
         items: vec![
@@ -186,6 +203,7 @@ fn apiserver_plan(input: &RenderInput, hosts: &[String], endpoint: Option<(&str,
             Issue::Kubeconfig {
                 purpose: SecretPurpose::AdminKubeconfig,
                 server,
+                server_name,
                 user: "kubernetes-admin".into(),
                 groups: vec!["system:masters".into()],
             },
@@ -231,6 +249,7 @@ fn client_component_plan(c: Component, input: &RenderInput) -> Plan {
             Issue::Kubeconfig {
                 purpose: kubeconfig,
                 server: crate::apiserver_internal_url(input),
+                server_name: None,
                 user: user.into(),
                 groups: vec![],
             },
@@ -337,21 +356,38 @@ mod tests {
             p.items
                 .iter()
                 .find_map(|i| match i {
-                    Issue::Kubeconfig { server, user, .. } if user == "kubernetes-admin" => {
-                        Some(server.clone())
-                    }
+                    Issue::Kubeconfig {
+                        server,
+                        server_name,
+                        user,
+                        ..
+                    } if user == "kubernetes-admin" => Some((server.clone(), server_name.clone())),
                     _ => None,
                 })
                 .unwrap()
         };
-        assert_eq!(admin(&p), "https://127.9.9.1:6443");
-        let p = plan(
-            Component::ApiServer,
-            &input(),
-            &hosts,
-            Some(("lb.example", 443)),
+        assert_eq!(admin(&p), ("https://127.9.9.1:6443".into(), None));
+        let lb = Endpoint {
+            host: "lb.example",
+            port: 443,
+            server_name: None,
+        };
+        let p = plan(Component::ApiServer, &input(), &hosts, Some(lb));
+        assert_eq!(admin(&p), ("https://lb.example:443".into(), None));
+        // Behind a shared gateway: its address, and the tenant's name there.
+        let gateway = Endpoint {
+            host: "127.0.0.1",
+            port: 9443,
+            server_name: Some("demo.default.nestplane.internal"),
+        };
+        let p = plan(Component::ApiServer, &input(), &hosts, Some(gateway));
+        assert_eq!(
+            admin(&p),
+            (
+                "https://127.0.0.1:9443".into(),
+                Some("demo.default.nestplane.internal".into())
+            )
         );
-        assert_eq!(admin(&p), "https://lb.example:443");
         assert_eq!(p.health_ca, Some(SecretPurpose::ClusterCa));
         assert_eq!(plan(Component::Etcd, &input(), &[], None).health_ca, None);
     }

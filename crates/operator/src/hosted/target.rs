@@ -104,7 +104,7 @@ impl Targets {
         let client = match self.cached(&key, &hash) {
             Some(c) => c,
             None => {
-                let c = client_of(&kubeconfig, &kubeconfig_name).await?;
+                let c = client_of(&kubeconfig, &kubeconfig_name, None).await?;
                 self.keep(&key, hash, c.clone());
                 c
             }
@@ -113,11 +113,18 @@ impl Targets {
         // group too. Otherwise a hash of the control plane's key.
         let user = ctx.runtime.control_plane_user(&ncp)?;
         let group = user.unwrap_or_else(|| isolation_group(&cp_ns, &name));
+        // Nodes dial the API servers themselves where the runtime knows them: the endpoint may
+        // be the shared gateway, which routes by a server name a kubelet does not send.
+        let replicas = ctx.runtime.apiserver_replicas(&ncp);
+        let apiserver = replicas
+            .first()
+            .copied()
+            .unwrap_or(SocketAddr::new(ip, ep.port as u16));
         Ok(Some(Target {
             client,
             ca_pem,
-            apiserver: SocketAddr::new(ip, ep.port as u16),
-            replicas: ctx.runtime.apiserver_replicas(&ncp),
+            apiserver,
+            replicas,
             group,
             user,
         }))
@@ -157,13 +164,37 @@ pub(crate) async fn admin_client(
     secret: &str,
 ) -> Result<Option<kube::Client>, Error> {
     match secret_value(ctx, ns, secret, names::KUBECONFIG_KEY).await? {
-        Some(kubeconfig) => client_of(&kubeconfig, secret).await.map(Some),
+        Some(kubeconfig) => client_of(&kubeconfig, secret, None).await.map(Some),
         None => Ok(None),
     }
 }
 
-/// A client from the admin kubeconfig (inline credentials only; errors say where, not what).
-async fn client_of(kubeconfig: &str, secret: &str) -> Result<kube::Client, Error> {
+/// Clients from the admin kubeconfig in Secret `ns/secret`, one for each API server replica
+/// at `replicas` (dialled there, not at the endpoint): what one replica counted the endpoint
+/// would not say when it balances (`None` while there is no kubeconfig).
+pub(crate) async fn admin_clients_at(
+    ctx: &Context,
+    ns: &str,
+    secret: &str,
+    replicas: &[SocketAddr],
+) -> Result<Option<Vec<kube::Client>>, Error> {
+    let Some(kubeconfig) = secret_value(ctx, ns, secret, names::KUBECONFIG_KEY).await? else {
+        return Ok(None);
+    };
+    let mut clients = Vec::new();
+    for at in replicas {
+        clients.push(client_of(&kubeconfig, secret, Some(*at)).await?);
+    }
+    Ok(Some(clients))
+}
+
+/// A client from the admin kubeconfig (inline credentials only; errors say where, not what);
+/// at the replica `at` when given (verified by its address, which its certificate names).
+async fn client_of(
+    kubeconfig: &str,
+    secret: &str,
+    at: Option<SocketAddr>,
+) -> Result<kube::Client, Error> {
     let invalid = |reason: String| crate::secrets::SecretError::Invalid {
         name: secret.to_string(),
         reason,
@@ -172,6 +203,12 @@ async fn client_of(kubeconfig: &str, secret: &str) -> Result<kube::Client, Error
     let mut cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
         .await
         .map_err(|e| invalid(e.to_string()))?;
+    if let Some(at) = at {
+        cfg.cluster_url = format!("https://{at}")
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| invalid(e.to_string()))?;
+        cfg.tls_server_name = None;
+    }
     cfg.connect_timeout = Some(Duration::from_secs(5));
     cfg.read_timeout = Some(Duration::from_secs(30));
     // A 429 from an eviction is a PodDisruptionBudget's answer, not a transient failure: the
