@@ -595,6 +595,11 @@ pub struct GatewayStatus {
     pub server: String,
     /// The tenant's name there (`<cluster>.<namespace>.nestplane.internal`).
     pub server_name: String,
+    /// The name machines of other hosts join at there (the tenant's door,
+    /// `nodes.<serverName>`); absent where this runtime has no door yet, and machines then
+    /// cannot join.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machines: Option<String>,
 }
 
 /// `status.upgrade`: a version change as a plan of steps (one per minor), carried out in

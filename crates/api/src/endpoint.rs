@@ -40,6 +40,11 @@ pub struct ClusterEndpointSpec {
     pub host: String,
     /// The port on which the endpoint is serving.
     pub port: i32,
+    /// The TLS server name the cluster is asked for there, when the address is a gateway
+    /// that clusters share (a kubeconfig's `tls-server-name`); absent for an address of the
+    /// cluster's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_name: Option<String>,
     /// The name of the cluster that this endpoint is reachable on.
     pub cluster: String,
     /// The function that this cluster endpoint serves.

@@ -611,10 +611,25 @@ async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
     let old_ca = ca_secret(env);
     let old_id = ca_ids(&old_ca)[0].clone();
 
-    // Clients with kubeconfigs from before ask all along the start: one at the control
-    // plane's endpoint, one through the gateway.
+    // Clients with kubeconfigs from before ask all along the start: one at the first API
+    // server replica's own address, one through the gateway (the control plane's endpoint).
+    let replica = jsonpath(
+        &kc,
+        &["service", "rot-apiserver", "-n", ns],
+        "{.metadata.annotations.nestplane\\.io/endpoint}",
+    );
+    let mut at_replica = kube::config::Kubeconfig::read_from(&before).unwrap();
+    let cluster = at_replica.clusters[0].cluster.as_mut().unwrap();
+    cluster.server = Some(replica);
+    cluster.tls_server_name = None;
+    let at_replica_kc = dir.join("before-ca-replica.kubeconfig");
+    std::fs::write(
+        &at_replica_kc,
+        serde_saphyr::to_string(&at_replica).unwrap(),
+    )
+    .unwrap();
     const ASK: &[&str] = &["--request-timeout=20s", "get", "ns", "default"];
-    let direct = Asking::start(&before, ASK, Duration::from_millis(200));
+    let direct = Asking::start(&at_replica_kc, ASK, Duration::from_millis(200));
     let through = Asking::start(gateway_kc, ASK, Duration::from_millis(200));
     let asked = Instant::now();
     let out = nestplane()

@@ -19,12 +19,18 @@ pub fn name(cluster: &str) -> String {
 }
 
 /// The endpoint object `ncp` publishes for `endpoint`. Pure.
-pub fn desired(ncp: &NestedControlPlane, cluster: &str, endpoint: &ApiEndpoint) -> ClusterEndpoint {
+pub fn desired(
+    ncp: &NestedControlPlane,
+    cluster: &str,
+    endpoint: &ApiEndpoint,
+    server_name: Option<&str>,
+) -> ClusterEndpoint {
     let mut e = ClusterEndpoint::new(
         &name(cluster),
         ClusterEndpointSpec {
             host: endpoint.host.clone(),
             port: endpoint.port,
+            server_name: server_name.map(str::to_string),
             cluster: cluster.to_string(),
             type_: Default::default(),
         },
@@ -63,7 +69,19 @@ pub async fn publish(
 ) -> Result<(), Error> {
     let ns = ncp.namespace().unwrap_or_default();
     let api: Api<ClusterEndpoint> = Api::namespaced(ctx.client.clone(), &ns);
-    let want = desired(ncp, cluster, endpoint);
+    // At the shared gateway, the name the cluster is asked for there.
+    let gateway = ctx.runtime.gateway(ncp);
+    let server_name = gateway
+        .as_ref()
+        .filter(|g| {
+            let host = match endpoint.host.parse::<std::net::Ipv6Addr>() {
+                Ok(v6) => format!("[{v6}]"),
+                Err(_) => endpoint.host.clone(),
+            };
+            g.server.trim_start_matches("https://") == format!("{host}:{}", endpoint.port)
+        })
+        .map(|g| g.server_name.as_str());
+    let want = desired(ncp, cluster, endpoint, server_name);
     let name = want.name_any();
     if let Some(have) = api.get_opt(&name).await? {
         if current(&have, &want) {
@@ -121,6 +139,7 @@ mod tests {
                 host: "10.0.0.7".into(),
                 port: 6443,
             },
+            None,
         );
         let v = serde_json::to_value(&e).unwrap();
         assert_eq!(v["apiVersion"], "cluster.x-k8s.io/v1beta1");
@@ -141,5 +160,18 @@ mod tests {
         let mut moved = e.clone();
         moved.spec.port = 31443;
         assert!(!current(&moved, &e));
+        // At a shared gateway: the name the cluster is asked for there.
+        let at_gateway = desired(
+            &ncp,
+            "foo",
+            &ApiEndpoint {
+                host: "127.0.0.1".into(),
+                port: 7443,
+            },
+            Some("foo.ns.nestplane.internal"),
+        );
+        let v = serde_json::to_value(&at_gateway).unwrap();
+        assert_eq!(v["spec"]["serverName"], "foo.ns.nestplane.internal");
+        assert!(!current(&at_gateway, &e));
     }
 }

@@ -115,9 +115,15 @@ impl Runtime for Processes {
         let at = self.at_gateway()?;
         let key = tenant_key(ncp);
         let ip: IpAddr = at.host.parse().ok()?;
+        let server_name = names::gateway_server_name(&key.cluster, &key.namespace);
         Some(nestplane_api::GatewayStatus {
             server: format!("https://{}", std::net::SocketAddr::new(ip, at.port as u16)),
-            server_name: names::gateway_server_name(&key.cluster, &key.namespace),
+            // The door opens where the API servers' egress runs (nodes are made here).
+            machines: self
+                .egress
+                .as_ref()
+                .map(|_| entry::server_name(&server_name)),
+            server_name,
         })
     }
 
@@ -133,12 +139,24 @@ impl Runtime for Processes {
             .unwrap_or(1)
             .max(1) as usize;
         self.processes
-            .allocated_hosts(&tenant_key(ncp))
+            .stored_hosts(&tenant_key(ncp))
             .unwrap_or_default()
             .into_iter()
             .take(n)
             .map(|h| std::net::SocketAddr::new(IpAddr::V4(h), ports::APISERVER as u16))
             .collect()
+    }
+
+    fn first_replica(&self, namespace: &str, cluster: &str) -> Option<std::net::SocketAddr> {
+        let key = TenantKey {
+            namespace: namespace.to_string(),
+            cluster: cluster.to_string(),
+        };
+        let first = *self.processes.stored_hosts(&key)?.first()?;
+        Some(std::net::SocketAddr::new(
+            IpAddr::V4(first),
+            ports::APISERVER as u16,
+        ))
     }
 
     fn control_plane_user(&self, ncp: &NestedControlPlane) -> Result<Option<u32>, Error> {

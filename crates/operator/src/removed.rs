@@ -170,7 +170,7 @@ pub async fn refresh(ctx: &Context, t: &Tenant, change: &VersionChange) -> Resul
     // them (the endpoint, a gateway or a Service, would answer for one of them).
     let replicas = ctx.runtime.apiserver_replicas(&t.ncp);
     let clients = if replicas.is_empty() {
-        crate::hosted::target::admin_client(ctx, &t.namespace(), &secret)
+        crate::hosted::target::admin_client(ctx, &t.namespace(), &t.cluster())
             .await?
             .map(|c| vec![c])
     } else {

@@ -864,8 +864,8 @@ pub async fn advance(ctx: &Context, t: &Tenant) -> (Vec<RotationStatus>, Option<
 /// namespace, once it leads. A cluster without one has nothing to wait for.
 async fn root_ca_published(ctx: &Context, t: &Tenant, bundle: &str) -> Result<bool, Error> {
     use k8s_openapi::api::core::v1::ConfigMap;
-    let admin = SecretPurpose::AdminKubeconfig.secret_name(&t.cluster());
-    let Some(client) = crate::hosted::target::admin_client(ctx, &t.namespace(), &admin).await?
+    let Some(client) =
+        crate::hosted::target::admin_client(ctx, &t.namespace(), &t.cluster()).await?
     else {
         return Ok(false);
     };
@@ -923,8 +923,8 @@ async fn api_servers_serve(ctx: &Context, t: &Tenant, keys: &Keys) -> Result<boo
 /// joining a machine of their own makes one too).
 async fn nodes_hold(ctx: &Context, t: &Tenant) -> Result<Option<String>, Error> {
     use k8s_openapi::api::core::v1::Node;
-    let admin = SecretPurpose::AdminKubeconfig.secret_name(&t.cluster());
-    let Some(client) = crate::hosted::target::admin_client(ctx, &t.namespace(), &admin).await?
+    let Some(client) =
+        crate::hosted::target::admin_client(ctx, &t.namespace(), &t.cluster()).await?
     else {
         return Ok(Some("waiting for the admin kubeconfig".into()));
     };
@@ -1063,9 +1063,8 @@ async fn step(
                 .ok()
                 .and_then(|p| pki::service_account_key_id(&p).ok())
                 .unwrap_or_default();
-            let admin = SecretPurpose::AdminKubeconfig.secret_name(&t.cluster());
             let Some(client) =
-                crate::hosted::target::admin_client(ctx, &t.namespace(), &admin).await?
+                crate::hosted::target::admin_client(ctx, &t.namespace(), &t.cluster()).await?
             else {
                 return Ok((
                     status(

@@ -145,6 +145,13 @@ pub trait Runtime: Send + Sync {
     /// Let a control plane of a name removed before run again (a new object of that name).
     fn revive(&self, _ncp: &NestedControlPlane) {}
 
+    /// Where this operator dials the API servers of tenant `cluster` in `namespace` itself
+    /// (its own calls do not depend on the shared gateway, which anyone who reaches it can
+    /// fill): the first replica, or a Service in front of them; `None` to use the endpoint.
+    fn first_replica(&self, _namespace: &str, _cluster: &str) -> Option<std::net::SocketAddr> {
+        None
+    }
+
     /// The uid the control plane's processes run as on this machine, if they run here as a
     /// user of their own (its nodes let that user's packets in). Only looks: never allocates.
     fn control_plane_user(&self, _ncp: &NestedControlPlane) -> Result<Option<u32>, Error> {

@@ -570,7 +570,8 @@ impl ClusterSecrets {
             s.metadata.annotations.as_ref().is_some_and(|ann| {
                 ann.get(CA_HASH_ANNOTATION) == Some(&want_hash)
                     && ann.get(SERVER_ANNOTATION) == Some(&spec.server)
-                    && ann.get(SERVER_NAME_ANNOTATION) == spec.server_name.as_ref()
+                    && ann.get(SERVER_NAME_ANNOTATION).map_or("", String::as_str)
+                        == spec.server_name.as_deref().unwrap_or_default()
             })
         };
         // `value` is exactly what nestplane writes for this spec, with a client certificate
@@ -641,18 +642,16 @@ impl ClusterSecrets {
                 // parsing the kubeconfig.
                 (names::TLS_CRT.to_string(), client.cert_pem.into_bytes()),
             ]),
-            BTreeMap::from_iter(
-                [
-                    (CA_HASH_ANNOTATION.to_string(), want_hash.clone()),
-                    (SERVER_ANNOTATION.to_string(), spec.server.clone()),
-                ]
-                .into_iter()
-                .chain(
-                    spec.server_name
-                        .clone()
-                        .map(|n| (SERVER_NAME_ANNOTATION.to_string(), n)),
+            // Always written (empty without a name): whoever wrote it first, the value is
+            // this pass's.
+            BTreeMap::from([
+                (CA_HASH_ANNOTATION.to_string(), want_hash.clone()),
+                (SERVER_ANNOTATION.to_string(), spec.server.clone()),
+                (
+                    SERVER_NAME_ANNOTATION.to_string(),
+                    spec.server_name.clone().unwrap_or_default(),
                 ),
-            ),
+            ]),
         );
         if let Some(theirs) = self.put(&secret, create).await? {
             if let Some(value) = current(&theirs) {

@@ -162,9 +162,14 @@ fn apiserver_serving_sans(input: &RenderInput, hosts: &[String]) -> Sans {
 fn apiserver_plan(input: &RenderInput, hosts: &[String], endpoint: Option<Endpoint<'_>>) -> Plan {
     let none = Sans::default;
     let endpoint = endpoint.filter(|e| !e.host.is_empty());
+    // An IPv6 address in brackets.
+    let url = |host: &str, port: i32| match host.parse::<std::net::Ipv6Addr>() {
+        Ok(v6) => format!("https://[{v6}]:{port}"),
+        Err(_) => format!("https://{host}:{port}"),
+    };
     let server = match (hosts.first(), endpoint) {
-        (_, Some(e)) => format!("https://{}:{}", e.host, e.port),
-        (Some(h), _) => format!("https://{h}:{}", ports::APISERVER),
+        (_, Some(e)) => url(e.host, e.port),
+        (Some(h), _) => url(h, ports::APISERVER),
         _ => crate::apiserver_internal_url(input),
     };
     let server_name = endpoint.and_then(|e| e.server_name).map(str::to_string);
@@ -388,6 +393,12 @@ mod tests {
                 Some("demo.default.nestplane.internal".into())
             )
         );
+        let v6 = Endpoint {
+            host: "::1",
+            ..gateway
+        };
+        let p = plan(Component::ApiServer, &input(), &hosts, Some(v6));
+        assert_eq!(admin(&p).0, "https://[::1]:9443");
         assert_eq!(p.health_ca, Some(SecretPurpose::ClusterCa));
         assert_eq!(plan(Component::Etcd, &input(), &[], None).health_ca, None);
     }

@@ -315,6 +315,20 @@ impl ProcessRuntime {
             .cloned()
     }
 
+    /// The tenant's replica addresses as allocated before (the cache, else the block its
+    /// directory records, as after a restart); never allocates.
+    pub fn stored_hosts(&self, key: &TenantKey) -> Option<Vec<Ipv4Addr>> {
+        if let Some(h) = self.allocated_hosts(key) {
+            return Some(h);
+        }
+        let block: [u8; 2] = read_block(&self.tenant_dir(key).ok()?.join("network.json"))?;
+        Some(
+            (1..=MAX_REPLICAS)
+                .map(|i| Ipv4Addr::new(127, block[0], block[1], i))
+                .collect(),
+        )
+    }
+
     /// The tenant's replica addresses (`127.a.b.1` … `127.a.b.7`), allocated on first use and
     /// stable afterwards.
     pub fn hosts(&self, key: &TenantKey) -> Result<Vec<Ipv4Addr>, RuntimeError> {

@@ -421,8 +421,7 @@ async fn release(ctx: &Context, cfg: &NestplaneConfig) -> Result<Action, Error> 
         status.cluster_name.as_deref(),
         status.token_deleted,
     ) {
-        let kubeconfig = SecretPurpose::AdminKubeconfig.secret_name(cluster);
-        let deleted = match target::admin_client(ctx, &ns, &kubeconfig).await {
+        let deleted = match target::admin_client(ctx, &ns, cluster).await {
             Ok(Some(client)) => join::delete_token(&client, id)
                 .await
                 .map_err(|e| Some(e.to_string())),
@@ -558,6 +557,12 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
                 ncp.name_any()
             )).await;
     };
+    if gateway.machines.is_none() {
+        return waiting_for_control_plane(&ctx, cfg, format!(
+                "control plane {} takes no machines of other hosts: its runtime has no door behind the gateway (status.gateway.machines; the process runtime with nodes has one)",
+                ncp.name_any()
+            )).await;
+    }
     if !ncp_status.ready {
         return waiting_for_control_plane(
             &ctx,
@@ -567,10 +572,9 @@ pub async fn reconcile(cfg: Arc<NestplaneConfig>, ctx: Arc<Context>) -> Result<A
         .await;
     }
     let cluster = tenant::cluster_name(&ncp);
-    let kubeconfig = SecretPurpose::AdminKubeconfig.secret_name(&cluster);
     let ca_secret = SecretPurpose::ClusterCa.secret_name(&cluster);
     let (Some(client), Some(ca_bundle)) = (
-        target::admin_client(&ctx, &ns, &kubeconfig).await?,
+        target::admin_client(&ctx, &ns, &cluster).await?,
         target::secret_value(&ctx, &ns, &ca_secret, names::TLS_CRT).await?,
     ) else {
         return waiting_for_control_plane(

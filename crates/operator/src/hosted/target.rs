@@ -99,12 +99,28 @@ impl Targets {
         let (Some(kubeconfig), Some(ca_pem)) = (kubeconfig, ca) else {
             return Ok(None);
         };
+        // Nodes, and this operator's client, dial the API servers themselves where the runtime
+        // knows them: the endpoint may be the shared gateway, which routes by a server name a
+        // kubelet does not send (not ready until they are known, then).
+        let replicas = ctx.runtime.apiserver_replicas(&ncp);
+        let at_gateway = ncp
+            .status
+            .as_ref()
+            .and_then(|s| s.gateway.as_ref())
+            .is_some_and(|g| {
+                g.server == format!("https://{}", SocketAddr::new(ip, ep.port as u16))
+            });
+        let apiserver = match replicas.first() {
+            Some(r) => *r,
+            None if at_gateway => return Ok(None),
+            None => SocketAddr::new(ip, ep.port as u16),
+        };
         let key = format!("{cp_ns}/{name}");
         let hash = format!("{:x}", Sha256::digest(kubeconfig.as_bytes()));
         let client = match self.cached(&key, &hash) {
             Some(c) => c,
             None => {
-                let c = client_of(&kubeconfig, &kubeconfig_name, None).await?;
+                let c = client_of(&kubeconfig, &kubeconfig_name, Some(apiserver)).await?;
                 self.keep(&key, hash, c.clone());
                 c
             }
@@ -113,13 +129,6 @@ impl Targets {
         // group too. Otherwise a hash of the control plane's key.
         let user = ctx.runtime.control_plane_user(&ncp)?;
         let group = user.unwrap_or_else(|| isolation_group(&cp_ns, &name));
-        // Nodes dial the API servers themselves where the runtime knows them: the endpoint may
-        // be the shared gateway, which routes by a server name a kubelet does not send.
-        let replicas = ctx.runtime.apiserver_replicas(&ncp);
-        let apiserver = replicas
-            .first()
-            .copied()
-            .unwrap_or(SocketAddr::new(ip, ep.port as u16));
         Ok(Some(Target {
             client,
             ca_pem,
@@ -157,14 +166,20 @@ pub(crate) async fn secret_value(
     }))
 }
 
-/// A client from the admin kubeconfig in Secret `ns/secret` (`None` while there is none).
+/// A client of tenant `cluster` in `ns` from its admin kubeconfig (`None` while there is
+/// none), dialling its API servers where this operator knows them
+/// ([`crate::runtime::Runtime::first_replica`]), not the endpoint: that may be the shared
+/// gateway.
 pub(crate) async fn admin_client(
     ctx: &Context,
     ns: &str,
-    secret: &str,
+    cluster: &str,
 ) -> Result<Option<kube::Client>, Error> {
-    match secret_value(ctx, ns, secret, names::KUBECONFIG_KEY).await? {
-        Some(kubeconfig) => client_of(&kubeconfig, secret, None).await.map(Some),
+    let secret = names::SecretPurpose::AdminKubeconfig.secret_name(cluster);
+    match secret_value(ctx, ns, &secret, names::KUBECONFIG_KEY).await? {
+        Some(kubeconfig) => client_of(&kubeconfig, &secret, ctx.runtime.first_replica(ns, cluster))
+            .await
+            .map(Some),
         None => Ok(None),
     }
 }
