@@ -65,6 +65,17 @@ enum Command {
     /// `cluster` traffic (HTTP CONNECT on `--socket`) is carried by the agents its cluster's
     /// nodes connect to `--listen` with their kubelets' client certificates.
     EgressProxy(EgressProxyArgs),
+    /// The shared gateway of the `kubernetes` runtime (a Deployment): every tenant's API
+    /// server at one address, chosen by the TLS server name `<cluster>.<namespace>.nestplane.internal`
+    /// without terminating TLS, routed to the tenant's Ready API server pods.
+    Gateway {
+        /// Where to listen.
+        #[arg(long, default_value = "0.0.0.0:7443")]
+        bind_address: std::net::SocketAddr,
+        /// Route only the tenants of this namespace (all namespaces when unset).
+        #[arg(long)]
+        namespace: Option<String>,
+    },
     /// Create a hosted cluster (a HostedCluster with `--nodes` real nodes) in the management
     /// plane of a running `nestplane up` (or `--kubeconfig`'s), and wait until it is ready.
     Create(tenants::CreateArgs),
@@ -180,6 +191,17 @@ struct OperatorArgs {
     /// `status.gateway` says how: `server` with `tls-server-name`).
     #[arg(long)]
     gateway_bind_address: Option<std::net::SocketAddr>,
+    /// The Service of the shared gateway (`kubernetes` runtime), `NAMESPACE/NAME`: the
+    /// Deployment `nestplane gateway` runs behind it. Every tenant is then reached there by
+    /// its server name (`status.gateway`), and it is the endpoint of each whose API server
+    /// Service is a ClusterIP one (its load balancer's address, else its cluster address).
+    #[arg(long, value_name = "NAMESPACE/NAME", value_parser = parse_namespaced)]
+    gateway_service: Option<String>,
+    /// Where the Gateway API's CRDs are installed (`kubernetes` runtime), each tenant gets a
+    /// `TLSRoute` `<cluster>-apiserver` (its server name to its API server Service); this
+    /// Gateway, `NAMESPACE/NAME`, is its parent (none: add your own `parentRefs`).
+    #[arg(long, value_name = "NAMESPACE/NAME", value_parser = parse_namespaced)]
+    tls_route_parent: Option<String>,
     /// Where `NestedBackup`s are written (default: `backups` in the state directory). A
     /// backup of namespace NS goes under `<dir>/NS/` and nowhere else; a location outside it
     /// is refused.
@@ -194,6 +216,16 @@ struct OperatorArgs {
     /// operator sends requests to it.
     #[arg(long = "backup-s3-endpoint", value_name = "URL")]
     backup_s3_endpoints: Vec<String>,
+}
+
+/// `namespace/name`.
+fn parse_namespaced(s: &str) -> Result<String, String> {
+    match s.split_once('/') {
+        Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+            Ok(s.to_string())
+        }
+        _ => Err(format!("{s:?} is not NAMESPACE/NAME")),
+    }
 }
 
 /// `1048576`, `512Mi`, `10Gi`: a size in bytes.
@@ -294,6 +326,33 @@ fn main() -> anyhow::Result<()> {
                     .with_context(|| format!("serving {} and {}", a.socket.display(), a.listen))
             })
         }
+        Command::Gateway {
+            bind_address,
+            namespace,
+        } => runtime()?.block_on(async move {
+            let client = kube::Client::try_default()
+                .await
+                .context("connecting to the cluster")?;
+            let api: kube::Api<k8s_openapi::api::core::v1::Pod> = match &namespace {
+                Some(ns) => kube::Api::namespaced(client, ns),
+                None => kube::Api::all(client),
+            };
+            let stop = tokio_util::sync::CancellationToken::new();
+            let on_term = stop.clone();
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+                on_term.cancel();
+            });
+            nestplane_operator::gateway::run(bind_address, api, stop)
+                .await
+                .with_context(|| format!("listening at {bind_address}"))?;
+            Ok(())
+        }),
         Command::Create(a) => runtime()?.block_on(tenants::create(a)),
         Command::List(a) => runtime()?.block_on(tenants::list(a)),
         Command::Delete(a) => runtime()?.block_on(tenants::delete(a)),
@@ -347,6 +406,8 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
                 image_registry: args.image_registry,
                 etcd_storage: args.etcd_storage,
                 egress_image: args.egress_image,
+                gateway_service: args.gateway_service,
+                tls_route_parent: args.tls_route_parent,
             })
         }
         _ => nestplane_operator::Mode::Process,

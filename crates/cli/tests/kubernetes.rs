@@ -75,18 +75,20 @@ fn release_manifests_are_generated_from_config() {
     // every object carries its provider's label, and everything namespaced is in its one
     // namespace.
     let mut crds = Vec::new();
-    for (tree, file, provider, namespace) in [
+    for (tree, file, provider, namespace, deployments) in [
         (
             config_default(),
             "control-plane-components.yaml",
             "control-plane-nestplane",
             "nestplane-system",
+            &["nestplane-controller-manager", "nestplane-gateway"][..],
         ),
         (
             config_bootstrap(),
             "bootstrap-components.yaml",
             "bootstrap-nestplane",
             "nestplane-bootstrap-system",
+            &["nestplane-bootstrap-controller-manager"][..],
         ),
     ] {
         let out = std::process::Command::new("kubectl")
@@ -120,8 +122,12 @@ fn release_manifests_are_generated_from_config() {
                 crds.push(d["metadata"]["name"].as_str().unwrap().to_string());
             }
         }
-        let deploys = docs.iter().filter(|d| d["kind"] == "Deployment").count();
-        assert_eq!(deploys, 1, "{file}: one manager");
+        let deploys: Vec<&str> = docs
+            .iter()
+            .filter(|d| d["kind"] == "Deployment")
+            .map(|d| d["metadata"]["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(deploys, deployments, "{file}");
     }
     // No CRD is owned by both providers.
     let total = crds.len();
@@ -186,6 +192,15 @@ async fn kubernetes_runtime_with_real_pods_and_the_operator_installed_by_kustomi
             .unwrap(),
     );
     wait_established(&kc, "machines.cluster.x-k8s.io");
+    // The Gateway API's TLSRoute (a CRD fixture; no Gateway controller runs here).
+    kubectl_apply(
+        &kc,
+        &std::fs::read_to_string(
+            repo().join("crates/cli/tests/fixtures/gateway-api-tlsroutes-crd.yaml"),
+        )
+        .unwrap(),
+    );
+    wait_established(&kc, "tlsroutes.gateway.networking.k8s.io");
     kubectl_ok(&kc, &["create", "namespace", "nestplane-bootstrap-system"]);
     kubectl_ok(
         &kc,
@@ -276,15 +291,28 @@ async fn kubernetes_runtime_with_real_pods_and_the_operator_installed_by_kustomi
         );
     }
 
-    // Contract fields, and an endpoint that follows the Service.
+    // Contract fields, and an endpoint at the shared gateway (the tenant's API server Service
+    // is a ClusterIP one): the gateway's Service address, the same for every tenant.
     let st = ncp.status.as_ref().unwrap();
     assert!(st.initialized && st.external_managed_control_plane);
     assert_eq!(st.version.as_deref(), Some("v1.20.2"));
     assert_eq!(st.ready_replicas, Some(1));
+    wait_rollout(&kc, "nestplane-system", "deployment/nestplane-gateway");
+    let gateway_ip = Api::<Service>::namespaced(admin.clone(), "nestplane-system")
+        .get("nestplane-gateway")
+        .await
+        .unwrap()
+        .spec
+        .unwrap()
+        .cluster_ip
+        .unwrap();
     let svc = services.get("demo-apiserver").await.unwrap();
     let cluster_ip = svc.spec.as_ref().unwrap().cluster_ip.clone().unwrap();
     let ep = ncp.spec.control_plane_endpoint.as_ref().unwrap();
-    assert_eq!((ep.host.as_str(), ep.port), (cluster_ip.as_str(), 6443));
+    assert_eq!((ep.host.as_str(), ep.port), (gateway_ip.as_str(), 443));
+    let gw = st.gateway.as_ref().expect("status.gateway");
+    assert_eq!(gw.server, format!("https://{gateway_ip}:443"));
+    assert_eq!(gw.server_name, "demo.tenants.nestplane.internal");
     // Published as a ClusterEndpoint too, by the operator under its shipped role.
     let published = Api::<nestplane_api::ClusterEndpoint>::namespaced(admin.clone(), NS)
         .get("demo-apiserver")
@@ -292,16 +320,103 @@ async fn kubernetes_runtime_with_real_pods_and_the_operator_installed_by_kustomi
         .unwrap();
     assert_eq!(
         (published.spec.host.as_str(), published.spec.port),
-        (cluster_ip.as_str(), 6443)
+        (gateway_ip.as_str(), 443)
+    );
+    assert_eq!(
+        published.spec.server_name.as_deref(),
+        Some("demo.tenants.nestplane.internal")
     );
     assert!(controlled_by::<NestedControlPlane>(
         &published.metadata,
         "demo"
     ));
+    // The published kubeconfig reaches the tenant through the gateway pod as it is (its
+    // server the gateway, its tls-server-name the tenant's name there).
+    let through = tenant_kubeconfig(&admin, "demo", &std::env::temp_dir()).await;
+    let text = std::fs::read_to_string(&through).unwrap();
+    assert!(
+        text.contains(&format!("https://{gateway_ip}:443"))
+            && text.contains("tls-server-name: demo.tenants.nestplane.internal"),
+        "{text}"
+    );
+    eventually(
+        "the tenant through the gateway",
+        Duration::from_secs(60),
+        || {
+            kubectl(&through, &["get", "ns", "default", "-o", "name"])
+                .status
+                .success()
+                .then_some(())
+        },
+    );
+    // A namespace user's Service that claims a name at the gateway (labels of nestplane's,
+    // no selector, its Endpoints aimed at the management cluster's API server) is no route:
+    // the gateway resets the connection, and never forwards it there.
+    let api_server_ip = kubectl_ok(
+        &kc,
+        &[
+            "get",
+            "endpoints",
+            "kubernetes",
+            "-n",
+            "default",
+            "-o",
+            "jsonpath={.subsets[0].addresses[0].ip}",
+        ],
+    );
+    let api_server_ip = api_server_ip.trim();
+    kubectl_apply(
+        &kc,
+        &format!(
+            r#"
+apiVersion: v1
+kind: Service
+metadata:
+  name: evil-apiserver
+  namespace: tenants
+  labels: {{cluster.x-k8s.io/cluster-name: evil, controlplane.cluster.x-k8s.io/component: apiserver, app.kubernetes.io/managed-by: nestplane}}
+spec:
+  ports: [{{name: https, port: 6443}}]
+---
+apiVersion: v1
+kind: Endpoints
+metadata: {{name: evil-apiserver, namespace: tenants}}
+subsets: [{{addresses: [{{ip: "{api_server_ip}"}}], ports: [{{name: https, port: 443}}]}}]
+"#
+        ),
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let evil = kubectl(
+        &through,
+        &[
+            "--tls-server-name",
+            "evil.tenants.nestplane.internal",
+            "--insecure-skip-tls-verify",
+            "get",
+            "ns",
+        ],
+    );
+    let said = String::from_utf8_lossy(&evil.stderr).to_string();
+    assert!(
+        !evil.status.success() && (said.contains("reset") || said.contains("EOF")),
+        "{said}"
+    );
+    kubectl_ok(&kc, &["delete", "service", "evil-apiserver", "-n", NS]);
+    // Where the Gateway API is installed, a TLSRoute for a gateway the user brings: the
+    // tenant's name there to its API server Service, owned by its NestedAPIServer.
+    let route = jsonpath(
+        &kc,
+        &["tlsroute", "demo-apiserver", "-n", NS],
+        "{.spec.hostnames[0]} {.spec.rules[0].backendRefs[0].name}:{.spec.rules[0].backendRefs[0].port} {.metadata.ownerReferences[0].kind}",
+    );
+    assert_eq!(
+        route,
+        "demo.tenants.nestplane.internal demo-apiserver:6443 NestedAPIServer"
+    );
 
     // The bootstrap provider answers a Machine of this cluster under its own role: it finds
     // the Machine and the control plane, and says why the machine cannot join yet (machines
-    // of other hosts come in through the gateway, which this runtime does not run yet).
+    // of other hosts come in at a door behind the gateway, which this runtime has not yet).
     wait_rollout(
         &kc,
         "nestplane-bootstrap-system",
@@ -351,7 +466,7 @@ spec:
         || (ready("reason") == "WaitingForControlPlane").then_some(()),
     );
     assert!(
-        ready("message").contains("control plane demo has no gateway address"),
+        ready("message").contains("control plane demo takes no machines of other hosts"),
         "{}",
         ready("message")
     );

@@ -20,6 +20,7 @@ pub mod egress;
 pub mod endpoint;
 pub mod error;
 pub mod finalizer;
+pub mod gateway;
 pub mod handshake;
 pub mod hosted;
 pub mod leader;
