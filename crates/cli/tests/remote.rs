@@ -719,19 +719,23 @@ spec:
     // The pool goes: its MachineDeployment and templates with it. Cluster API holds a
     // MachineDeployment with its finalizer while it deletes the machines (played here): the
     // pool says what it waits for meanwhile.
-    kubectl_ok(
-        &kc,
-        &[
-            "patch",
-            "machinedeployment",
-            "edge",
-            "-n",
-            "default-hc",
-            "--type=merge",
-            "-p",
-            r#"{"metadata":{"finalizers":["cluster.x-k8s.io/machinedeployment"]}}"#,
-        ],
-    );
+    let md_finalizers = |finalizers: &str| {
+        let patch = format!(r#"{{"metadata":{{"finalizers":{finalizers}}}}}"#);
+        kubectl_ok(
+            &kc,
+            &[
+                "patch",
+                "machinedeployment",
+                "edge",
+                "-n",
+                "default-hc",
+                "--type=merge",
+                "-p",
+                &patch,
+            ],
+        );
+    };
+    md_finalizers(r#"["cluster.x-k8s.io/machinedeployment"]"#);
     kubectl_ok(&kc, &["delete", "nodepool", "edge", "--wait=false"]);
     let deleting = |field: &str| {
         jsonpath(
@@ -751,19 +755,7 @@ spec:
         deleting("message")
     );
     assert!(events_for(&kc, "default", "edge").contains("Cluster API to delete"));
-    kubectl_ok(
-        &kc,
-        &[
-            "patch",
-            "machinedeployment",
-            "edge",
-            "-n",
-            "default-hc",
-            "--type=merge",
-            "-p",
-            r#"{"metadata":{"finalizers":null}}"#,
-        ],
-    );
+    md_finalizers("null");
     kubectl_ok(
         &kc,
         &["wait", "--for=delete", "nodepool/edge", "--timeout=60s"],

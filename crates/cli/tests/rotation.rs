@@ -533,18 +533,8 @@ fn serving_issuer(env: &Env, ns: &str, name: &str, cas: &[String]) -> Option<Str
 /// handshakes: per replica, the CAs they ask client certificates of (by fingerprint, among
 /// `cas`, or "other") and the fingerprint of the CA that signed their certificate.
 async fn handshakes(env: &Env, cas: &[String]) -> Vec<(Vec<String>, Option<String>)> {
-    // The replicas' addresses: the first is the one the API server's Service stands for,
-    // `127.a.b.1` (the control plane's endpoint is the gateway's).
-    let url = jsonpath(
-        env.kubeconfig(),
-        &["service", "rot-apiserver", "-n", "default-rot"],
-        "{.metadata.annotations.nestplane\\.io/endpoint}",
-    );
-    let first: std::net::Ipv4Addr = url
-        .trim_start_matches("https://")
-        .trim_end_matches(":6443")
-        .parse()
-        .unwrap_or_else(|e| panic!("{url:?}: {e}"));
+    // The replicas' addresses, `127.a.b.1` on (the control plane's endpoint is the gateway's).
+    let first = first_replica(env.kubeconfig(), "default-rot", "rot");
     let mut out = Vec::new();
     for i in 0..2u8 {
         let o = first.octets();
@@ -613,21 +603,12 @@ async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
 
     // Clients with kubeconfigs from before ask all along the start: one at the first API
     // server replica's own address, one through the gateway (the control plane's endpoint).
-    let replica = jsonpath(
-        &kc,
-        &["service", "rot-apiserver", "-n", ns],
-        "{.metadata.annotations.nestplane\\.io/endpoint}",
-    );
-    let mut at_replica = kube::config::Kubeconfig::read_from(&before).unwrap();
-    let cluster = at_replica.clusters[0].cluster.as_mut().unwrap();
-    cluster.server = Some(replica);
-    cluster.tls_server_name = None;
     let at_replica_kc = dir.join("before-ca-replica.kubeconfig");
-    std::fs::write(
+    kubeconfig_at(
+        &before,
+        &format!("https://{}:6443", first_replica(&kc, ns, hc)),
         &at_replica_kc,
-        serde_saphyr::to_string(&at_replica).unwrap(),
-    )
-    .unwrap();
+    );
     const ASK: &[&str] = &["--request-timeout=20s", "get", "ns", "default"];
     let direct = Asking::start(&at_replica_kc, ASK, Duration::from_millis(200));
     let through = Asking::start(gateway_kc, ASK, Duration::from_millis(200));

@@ -747,24 +747,10 @@ async fn an_upgrade_moves_the_parts_in_order_drops_no_request_at_the_gateway_and
     // A client uses an API that 1.22 removes, at the second API server replica: a change to
     // 1.22 (through 1.21) is refused before any step, naming it, as that replica counted it
     // (every replica is read, each at its own address: the gateway balances).
-    let first = jsonpath(
-        &kc,
-        &["service", "up-apiserver"],
-        "{.metadata.annotations.nestplane\\.io/endpoint}",
-    );
-    let first: std::net::Ipv4Addr = first
-        .trim_start_matches("https://")
-        .trim_end_matches(":6443")
-        .parse()
-        .unwrap_or_else(|e| panic!("{first:?}: {e}"));
-    let o = first.octets();
+    let o = first_replica(&kc, "default", "up").octets();
     let second = std::net::Ipv4Addr::new(o[0], o[1], o[2], o[3] + 1);
-    let mut at_second = kube::config::Kubeconfig::read_from(&tkc).unwrap();
-    let cluster = at_second.clusters[0].cluster.as_mut().unwrap();
-    cluster.server = Some(format!("https://{second}:6443"));
-    cluster.tls_server_name = None;
     let second_kc = tkc.with_extension("second");
-    std::fs::write(&second_kc, serde_saphyr::to_string(&at_second).unwrap()).unwrap();
+    kubeconfig_at(&tkc, &format!("https://{second}:6443"), &second_kc);
     kubectl_ok(
         &second_kc,
         &["get", "--raw", "/apis/extensions/v1beta1/ingresses"],

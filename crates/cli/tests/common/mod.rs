@@ -909,3 +909,27 @@ pub fn authenticates(hosted: &Path, token: &str, dir: &Path) -> bool {
     );
     out.status.success()
 }
+
+/// The first API server replica of process-runtime control plane `cluster` in `ns`
+/// (`127.a.b.1`): the address its API server Service stands for (`nestplane.io/endpoint`),
+/// whatever the endpoint is (the gateway, when it runs).
+pub fn first_replica(kc: &Path, ns: &str, cluster: &str) -> std::net::Ipv4Addr {
+    let url = jsonpath(
+        kc,
+        &["service", &format!("{cluster}-apiserver"), "-n", ns],
+        "{.metadata.annotations.nestplane\\.io/endpoint}",
+    );
+    url.trim_start_matches("https://")
+        .trim_end_matches(":6443")
+        .parse()
+        .unwrap_or_else(|e| panic!("{url:?}: {e}"))
+}
+
+/// A copy of `kubeconfig` that dials `server` itself (no `tls-server-name`), at `out`.
+pub fn kubeconfig_at(kubeconfig: &Path, server: &str, out: &Path) {
+    let mut kc = kube::config::Kubeconfig::read_from(kubeconfig).unwrap();
+    let cluster = kc.clusters[0].cluster.as_mut().unwrap();
+    cluster.server = Some(server.to_string());
+    cluster.tls_server_name = None;
+    std::fs::write(out, serde_saphyr::to_string(&kc).unwrap()).unwrap();
+}
