@@ -507,14 +507,6 @@ fn auth_revision(host: &str) -> u64 {
         .expect("etcd_debugging_auth_revision in etcd's metrics")
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// An etcd someone else runs: TLS from `ca`, client certificates required.
 fn run_etcd(dir: &Path, ca: &nestplane_pki::CertKey, port: u16) -> KillOnDrop {
     let now = time::OffsetDateTime::now_utc();

@@ -14,14 +14,6 @@ use common::*;
 use kube::api::{Api, Patch, PatchParams};
 use nestplane_api::NestedEtcd;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Start an etcd the way an outside provisioner would: TLS with a certificate from `ca`,
 /// client certificates required and checked against the same CA.
 fn run_etcd(dir: &std::path::Path, ca: &nestplane_pki::CertKey, port: u16) -> KillOnDrop {

@@ -234,7 +234,12 @@ async fn start_gateway(
         }
     });
     tracing::info!(%address, "gateway listening");
-    Ok(process::Gateway { address, routes })
+    Ok(process::Gateway {
+        address,
+        routes,
+        // A port picked at start moves at the next: nothing is published at it.
+        published: addr.port() != 0,
+    })
 }
 
 /// Serve `/metrics`, `/healthz` and `/readyz` at `addr` until `shutdown`.

@@ -40,6 +40,10 @@ pub struct Gateway {
     pub address: std::net::SocketAddr,
     /// Server name → API server replicas.
     pub routes: Arc<nestplane_gateway::Routes>,
+    /// Whether it is the tenants' endpoint: its port was given (`--gateway-bind-address
+    /// HOST:PORT`), so it stays across the operator's restarts. One picked at start (port
+    /// 0) is still every tenant's `status.gateway`, but endpoints stay at the API servers.
+    pub published: bool,
 }
 
 impl Processes {
@@ -59,10 +63,19 @@ impl Processes {
         self
     }
 
-    /// The endpoint every tenant is published at when the gateway runs: the gateway's address
-    /// (its loopback address when it listens on every address), shared by all tenants, each
-    /// named there by its server name.
+    /// The endpoint every tenant is published at when the gateway runs at a port of its own
+    /// ([`Gateway::published`]): the gateway's address, shared by all tenants, each named
+    /// there by its server name.
     fn at_gateway(&self) -> Option<ApiEndpoint> {
+        self.gateway
+            .as_ref()
+            .filter(|g| g.published)
+            .and_then(|_| self.gateway_address())
+    }
+
+    /// The gateway's address, if it runs (its loopback address when it listens on every
+    /// address).
+    fn gateway_address(&self) -> Option<ApiEndpoint> {
         let address = self.gateway.as_ref()?.address;
         let ip = match address.ip() {
             IpAddr::V4(v4) if v4.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
@@ -112,7 +125,7 @@ impl Runtime for Processes {
     }
 
     fn gateway(&self, ncp: &NestedControlPlane) -> Option<nestplane_api::GatewayStatus> {
-        let at = self.at_gateway()?;
+        let at = self.gateway_address()?;
         let key = tenant_key(ncp);
         let ip: IpAddr = at.host.parse().ok()?;
         let server_name = names::gateway_server_name(&key.cluster, &key.namespace);

@@ -199,6 +199,17 @@ impl Env {
         );
     }
 
+    /// Start the operator running the shared gateway at a loopback port given to it (so it
+    /// is every tenant's endpoint), and only `controllers` (`--controllers`).
+    pub fn start_operator_with_published_gateway(&mut self, controllers: &str) {
+        self.start_operator_configured(
+            nestplane_operator::Controllers::parse(controllers).unwrap(),
+            vec![],
+            Some(std::net::SocketAddr::from(([127, 0, 0, 1], free_port()))),
+            vec![],
+        );
+    }
+
     /// Start the operator running the shared gateway at `address` (port 0: a free one).
     pub fn start_operator_with_gateway_at(&mut self, address: std::net::SocketAddr) {
         self.start_operator_configured(
@@ -932,4 +943,13 @@ pub fn kubeconfig_at(kubeconfig: &Path, server: &str, out: &Path) {
     cluster.server = Some(server.to_string());
     cluster.tls_server_name = None;
     std::fs::write(out, serde_saphyr::to_string(&kc).unwrap()).unwrap();
+}
+
+/// A loopback port free at the time of asking.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
