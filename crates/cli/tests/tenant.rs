@@ -643,7 +643,7 @@ async fn an_upgrade_moves_the_parts_in_order_drops_no_request_at_the_gateway_and
     // 1.21/1.22 renderings never run on 1.20 binaries.
     let _bin = register_versions(&["v1.20.3", "v1.21.0", "v1.22.0"]);
     let mut env = Env::start(false).await;
-    env.start_operator_with_gateway();
+    env.start_operator_with_published_gateway("*");
     env.apply("apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata:\n  name: up\n  namespace: default\nspec:\n  version: v1.20.2\n  replicas: 2\n---\napiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata:\n  name: other\n  namespace: default\nspec: {}\n");
     env.wait_ready("default", "up", READY).await;
     env.wait_ready("default", "other", READY).await;
@@ -889,4 +889,96 @@ async fn an_upgrade_moves_the_parts_in_order_drops_no_request_at_the_gateway_and
     );
     // The tenant answers.
     kubectl_ok(&tkc, &["get", "ns", "default"]);
+}
+
+/// Twenty tenants behind the gateway's one loopback port: each reached with its own
+/// published kubeconfig (the gateway's address, its own `tls-server-name`), each seeing only
+/// itself; a name nobody has is reset. They share one datastore and run their API servers only
+/// (their controller managers and schedulers are left to another controller): that is all the
+/// gateway routes to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_tenants_behind_one_gateway_port_each_by_its_own_name() {
+    const TENANTS: usize = 20;
+    let mut env = Env::start(false).await;
+    env.start_operator_with_published_gateway("*,-controller-manager,-scheduler");
+    let kc = env.kubeconfig().to_path_buf();
+    env.apply(
+        "apiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedDatastore\nmetadata: {name: shared, namespace: default}\nspec: {managed: {replicas: 1}}\n",
+    );
+    let mut all = String::new();
+    for i in 0..TENANTS {
+        all.push_str(&format!(
+            "---\napiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedControlPlane\nmetadata: {{name: t{i}, namespace: default}}\nspec:\n  version: v1.20.2\n  datastoreRef: {{name: shared}}\n"
+        ));
+    }
+    env.apply(&all);
+    let mut servers = std::collections::BTreeSet::new();
+    for i in 0..TENANTS {
+        let name = format!("t{i}");
+        // Its own name in the kubeconfig nestplane publishes, and a namespace only it has.
+        let kubeconfig = eventually(
+            &format!("{name} answering through the gateway"),
+            Duration::from_secs(300),
+            || {
+                let server = jsonpath(&kc, &["ncp", &name], "{.status.gateway.server}");
+                if server.is_empty() {
+                    return None;
+                }
+                let s = kubectl(
+                    &kc,
+                    &[
+                        "get",
+                        "secret",
+                        &format!("{name}-kubeconfig"),
+                        "-o",
+                        "jsonpath={.data.value}",
+                    ],
+                );
+                use base64::Engine as _;
+                let text = base64::engine::general_purpose::STANDARD
+                    .decode(String::from_utf8_lossy(&s.stdout).trim())
+                    .ok()?;
+                let text = String::from_utf8(text).ok()?;
+                if !text.contains(&format!(
+                    "tls-server-name: {name}.default.nestplane.internal"
+                )) {
+                    return None;
+                }
+                let path = env.state.path().join(format!("{name}.kubeconfig"));
+                std::fs::write(&path, &text).unwrap();
+                let out = kubectl(&path, &["create", "namespace", &format!("only-{name}")]);
+                (out.status.success()
+                    || String::from_utf8_lossy(&out.stderr).contains("AlreadyExists"))
+                .then_some((path, server))
+            },
+        );
+        servers.insert(kubeconfig.1.clone());
+        let (path, _) = kubeconfig;
+        let mine = kubectl_ok(&path, &["get", "ns", "-o", "name"]);
+        let only: Vec<&str> = mine.lines().filter(|l| l.contains("/only-")).collect();
+        assert_eq!(only, [format!("namespace/only-{name}").as_str()], "{mine}");
+    }
+    assert_eq!(
+        servers.len(),
+        1,
+        "one address for every tenant: {servers:?}"
+    );
+    // A name nobody has is reset, never answered by a tenant.
+    let path = env.state.path().join("t0.kubeconfig");
+    let out = kubectl(
+        &path,
+        &[
+            "--tls-server-name",
+            "t99.default.nestplane.internal",
+            "get",
+            "ns",
+        ],
+    );
+    let said = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        !out.status.success()
+            && (said.contains("reset") || said.contains("EOF"))
+            && !said.contains("x509"),
+        "{said}"
+    );
 }
