@@ -713,11 +713,15 @@ async fn a_refused_watch_fails_readyz_and_is_counted() {
         .unwrap();
     let addr = free_addr();
     let state = tempfile::tempdir().unwrap();
+    // As config/manager runs it with that role: the kubernetes runtime, NestplaneConfigs
+    // left to the bootstrap provider (whose role is its own).
     let op = nestplane_operator::Operator::start(
         client,
         nestplane_operator::Config {
             state_dir: state.path().to_path_buf(),
             metrics_addr: Some(addr),
+            mode: nestplane_operator::Mode::Kubernetes(Default::default()),
+            controllers: nestplane_operator::Controllers::parse("*,-NestplaneConfig").unwrap(),
             ..Default::default()
         },
     );
