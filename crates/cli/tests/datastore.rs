@@ -988,6 +988,65 @@ async fn a_tenant_moves_between_datastores_while_written_and_a_move_outlives_its
         "one|true"
     );
     assert_eq!(keys_under(&mut root_two.client().await, prefix).await, 0);
+    // Hostile input: a move into another namespace's datastore, which does not admit this
+    // one (a namespace user naming someone else's etcd). Refused before anything is copied.
+    env.apply(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: infra}\n---\napiVersion: controlplane.cluster.x-k8s.io/v1alpha1\nkind: NestedDatastore\nmetadata: {name: closed, namespace: infra}\nspec: {managed: {replicas: 1}}\n",
+    );
+    let closed = &["nesteddatastore", "closed", "-n", "infra"];
+    eventually("infra/closed Ready", Duration::from_secs(60), || {
+        (jsonpath(&kc, closed, "{.status.ready}") == "true").then_some(())
+    });
+    kubectl_ok(
+        &kc,
+        &[
+            "patch",
+            "ncp",
+            "mover",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"datastoreRef":{"name":"closed","namespace":"infra"}}}"#,
+        ],
+    );
+    let said = eventually("the move refused", Duration::from_secs(60), || {
+        let got = jsonpath(
+            &kc,
+            &["ncp", "mover"],
+            "{.status.migration.phase}|{.status.migration.message}",
+        );
+        (got.starts_with("Pending|") && got.contains("infra/closed")).then_some(got)
+    });
+    assert!(
+        said.contains(
+            "NestedDatastore infra/closed does not allow control planes of namespace default"
+        ),
+        "{said}"
+    );
+    assert!(
+        events_for(&kc, "default", "mover").contains("does not allow control planes"),
+        "an Event says so"
+    );
+    let root_closed = env
+        .etcdctl_as(
+            "infra",
+            "closed-datastore-root",
+            jsonpath(&kc, closed, "{.status.endpoints[*]}")
+                .split_whitespace()
+                .map(String::from)
+                .collect(),
+        )
+        .await;
+    assert_eq!(keys_under(&mut root_closed.client().await, prefix).await, 0);
+    assert_eq!(
+        jsonpath(
+            &kc,
+            &["ncp", "mover"],
+            "{.status.datastore.name}|{.status.ready}"
+        ),
+        "one|true"
+    );
+    assert_eq!(jsonpath(&kc, closed, "{.status.tenantCount}"), "0");
+    kubectl_ok(&tkc, &["get", "namespace", "default"]);
     // Removing datastoreRef (a move to an etcd of its own is not built) is refused: no etcd
     // of its own is made, the API server keeps running on its datastore, its data readable.
     let apiserver = env.pid("default", "mover", "apiserver", 0);
@@ -1014,6 +1073,17 @@ async fn a_tenant_moves_between_datastores_while_written_and_a_move_outlives_its
     env.wait_ready("default", "mover", Duration::from_secs(60))
         .await;
     assert!(gone(&kc, &["nestedetcd", "mover-etcd"]));
+    kubectl_ok(
+        &kc,
+        &[
+            "delete",
+            "nesteddatastore",
+            "closed",
+            "-n",
+            "infra",
+            "--timeout=60s",
+        ],
+    );
 
     // The gateway: one address, the tenant's name.
     let got = jsonpath(

@@ -680,7 +680,16 @@ async fn start(
     };
     if let Some(why) = waiting {
         if m.message.as_deref() != Some(&why) {
-            say(ctx, t, EventType::Warning, PENDING, &why).await;
+            // One series per destination: a move asked anew elsewhere says why it waits (a
+            // later note of one series is only counted).
+            ctx.event_as(
+                t.ncp.object_ref(&()),
+                EventType::Warning,
+                PENDING,
+                &format!("Move/{to}"),
+                &why,
+            )
+            .await;
         }
         m.phase = phases::PENDING.into();
         m.message = Some(why);
