@@ -36,6 +36,18 @@ pub const ROTATE_CA_COMPLETE_ANNOTATION: &str = "nestplane.io/rotate-ca-complete
 /// Annotation completing a cluster CA rotation by itself this long after it reached
 /// `Started`.
 pub const ROTATE_CA_COMPLETE_AFTER_ANNOTATION: &str = "nestplane.io/rotate-ca-complete-after";
+/// Annotation on a control plane (or its HostedCluster) asking for a rotation of the
+/// front-proxy CA (`nestplane rotate front-proxy-ca`): what the API server's client
+/// certificate to aggregated API servers is signed by, and what it trusts request headers
+/// (`X-Remote-User`) from.
+pub const ROTATE_FRONT_PROXY_CA_ANNOTATION: &str = "nestplane.io/rotate-front-proxy-ca";
+/// Annotation completing the front-proxy CA rotation whose request it names.
+pub const ROTATE_FRONT_PROXY_CA_COMPLETE_ANNOTATION: &str =
+    "nestplane.io/rotate-front-proxy-ca-complete";
+/// Annotation completing a front-proxy CA rotation by itself this long after it reached
+/// `Started`.
+pub const ROTATE_FRONT_PROXY_CA_COMPLETE_AFTER_ANNOTATION: &str =
+    "nestplane.io/rotate-front-proxy-ca-complete-after";
 /// Key, in the `<cluster>-ca` secret, of the certificate of the CA that signs alone (the first
 /// of `tls.crt`): the controller manager's `--cluster-signing-cert-file`, which must hold
 /// exactly one certificate. Derived from `tls.crt`; nestplane keeps it so.

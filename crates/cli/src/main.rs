@@ -86,9 +86,9 @@ enum Command {
     Delete(tenants::DeleteArgs),
     /// Print the admin kubeconfig of a hosted cluster or a tenant control plane.
     Kubeconfig(tenants::KubeconfigArgs),
-    /// Rotate a hosted cluster's (or control plane's) service-account key without an outage:
-    /// the new key is trusted everywhere, then signs, then tokens are re-signed (phase
-    /// Started); `--complete` drops the old key. Waits for each.
+    /// Rotate a hosted cluster's (or control plane's) service-account key, cluster CA or
+    /// front-proxy CA without an outage: the new one is trusted everywhere, then signs (phase
+    /// Started); `--complete` drops the old one. Waits for each.
     Rotate(rotate::RotateArgs),
     /// Back up a hosted cluster's (or a control plane's) keys (`backup create`, which waits
     /// and prints the archive's URL last), list backups (`backup list`), and restore one

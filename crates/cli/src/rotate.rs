@@ -1,7 +1,7 @@
 //! `nestplane rotate`: ask for a rotation of a key or a CA, or its completion, on a hosted
 //! cluster or a control plane, and wait until the operator has carried it out. A thin client:
 //! it writes the annotation a user could write (`nestplane.io/rotate-sa-key`,
-//! `nestplane.io/rotate-ca`, `…-complete`) and reads the control plane's `status.rotations`.
+//! `nestplane.io/rotate-ca`, `nestplane.io/rotate-front-proxy-ca`, `…-complete`) and reads the control plane's `status.rotations`.
 
 use std::time::{Duration, Instant};
 
@@ -22,6 +22,9 @@ pub enum What {
     /// The cluster CA (client certificates, kubeconfigs, the API server's serving
     /// certificate).
     Ca,
+    /// The front-proxy CA (the API server's client certificate to aggregated API servers;
+    /// what request headers naming a user are trusted from).
+    FrontProxyCa,
 }
 
 impl What {
@@ -29,6 +32,7 @@ impl What {
         match self {
             What::SaKey => Rotated::SaKey,
             What::Ca => Rotated::Ca,
+            What::FrontProxyCa => Rotated::FrontProxyCa,
         }
     }
 
@@ -36,6 +40,7 @@ impl What {
         match self {
             What::SaKey => "service-account key",
             What::Ca => "cluster CA",
+            What::FrontProxyCa => "front-proxy CA",
         }
     }
 }
@@ -197,6 +202,6 @@ pub async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
 fn target_noun(target: Rotated) -> &'static str {
     match target {
         Rotated::SaKey => "key",
-        Rotated::Ca => "CA",
+        Rotated::Ca | Rotated::FrontProxyCa => "CA",
     }
 }

@@ -48,6 +48,8 @@ use crate::tenant::{self, Tenant};
 pub const SA_KEY: &str = "sa-key";
 /// The rotation target of the cluster CA (`status.rotations[].target`).
 pub const CA: &str = "ca";
+/// The rotation target of the front-proxy CA (`status.rotations[].target`).
+pub const FRONT_PROXY_CA: &str = "front-proxy-ca";
 /// Annotation on the `<cluster>-sa` secret: the request its rotation answers.
 pub const ID_ANNOTATION: &str = "nestplane.io/rotation-id";
 /// Annotation on the `<cluster>-sa` secret: the rotation's phase.
@@ -82,17 +84,28 @@ pub enum Target {
     /// The cluster CA (`<cluster>-ca`): what API server clients and kubelets present
     /// certificates of, and what verifies the API server.
     Ca,
+    /// The front-proxy CA (`<cluster>-proxy`): what signs the API server's client certificate
+    /// to aggregated API servers, and what the API server and controller manager trust
+    /// request headers (`X-Remote-User`) from. Aggregated API servers read it from
+    /// `kube-system/extension-apiserver-authentication`, which the API server publishes.
+    FrontProxyCa,
 }
 
 impl Target {
     /// Every target, in the order a pass looks at them.
-    pub const ALL: [Target; 2] = [Target::SaKey, Target::Ca];
+    pub const ALL: [Target; 3] = [Target::SaKey, Target::Ca, Target::FrontProxyCa];
+
+    /// A CA (not a key pair): its bundle holds certificates, the first of which signs.
+    fn is_ca(self) -> bool {
+        self != Target::SaKey
+    }
 
     /// The name users give it (`nestplane rotate NAME`, `status.rotations[].target`).
     pub fn as_str(self) -> &'static str {
         match self {
             Target::SaKey => SA_KEY,
             Target::Ca => CA,
+            Target::FrontProxyCa => FRONT_PROXY_CA,
         }
     }
 
@@ -101,6 +114,7 @@ impl Target {
         match self {
             Target::SaKey => SecretPurpose::ServiceAccount,
             Target::Ca => SecretPurpose::ClusterCa,
+            Target::FrontProxyCa => SecretPurpose::FrontProxyCa,
         }
     }
 
@@ -109,6 +123,7 @@ impl Target {
         match self {
             Target::SaKey => names::ROTATE_SA_KEY_ANNOTATION,
             Target::Ca => names::ROTATE_CA_ANNOTATION,
+            Target::FrontProxyCa => names::ROTATE_FRONT_PROXY_CA_ANNOTATION,
         }
     }
 
@@ -117,6 +132,7 @@ impl Target {
         match self {
             Target::SaKey => names::ROTATE_SA_KEY_COMPLETE_ANNOTATION,
             Target::Ca => names::ROTATE_CA_COMPLETE_ANNOTATION,
+            Target::FrontProxyCa => names::ROTATE_FRONT_PROXY_CA_COMPLETE_ANNOTATION,
         }
     }
 
@@ -125,6 +141,7 @@ impl Target {
         match self {
             Target::SaKey => names::ROTATE_SA_KEY_COMPLETE_AFTER_ANNOTATION,
             Target::Ca => names::ROTATE_CA_COMPLETE_AFTER_ANNOTATION,
+            Target::FrontProxyCa => names::ROTATE_FRONT_PROXY_CA_COMPLETE_AFTER_ANNOTATION,
         }
     }
 
@@ -138,6 +155,8 @@ impl Target {
                 Component::ControllerManager,
                 Component::Scheduler,
             ],
+            // `--requestheader-client-ca-file`; the API server's client certificate.
+            Target::FrontProxyCa => &[Component::ApiServer, Component::ControllerManager],
         }
     }
 
@@ -146,6 +165,7 @@ impl Target {
         match self {
             Target::SaKey => "service-account key",
             Target::Ca => "cluster CA",
+            Target::FrontProxyCa => "front-proxy CA",
         }
     }
 
@@ -153,7 +173,7 @@ impl Target {
     fn noun(self) -> &'static str {
         match self {
             Target::SaKey => "key",
-            Target::Ca => "CA",
+            Target::Ca | Target::FrontProxyCa => "CA",
         }
     }
 
@@ -161,7 +181,7 @@ impl Target {
     fn items(self, bundle: &str) -> Result<Vec<String>, pki::PkiError> {
         match self {
             Target::SaKey => pki::public_keys(bundle),
-            Target::Ca => pki::certificates(bundle),
+            Target::Ca | Target::FrontProxyCa => pki::certificates(bundle),
         }
     }
 
@@ -169,7 +189,7 @@ impl Target {
     fn ident(self, item: &str) -> Option<String> {
         match self {
             Target::SaKey => pki::service_account_key_id(item).ok(),
-            Target::Ca => pki::certificate_id(item).ok(),
+            Target::Ca | Target::FrontProxyCa => pki::certificate_id(item).ok(),
         }
     }
 
@@ -181,7 +201,7 @@ impl Target {
                 .ok()
                 .and_then(|p| pki::service_account_key_id(&p).ok())
                 .filter(|k| items.iter().any(|i| self.ident(i).as_ref() == Some(k))),
-            Target::Ca => items
+            Target::Ca | Target::FrontProxyCa => items
                 .iter()
                 .find(|c| pki::key_matches(c, key).unwrap_or(false))
                 .and_then(|c| self.ident(c)),
@@ -351,10 +371,13 @@ pub fn decide(
     // A CA file reaches a running API server within a minute of its rollout: the CA
     // rotation's phases that change what the API servers trust note when every consumer runs
     // the file, and wait until the API servers' handshakes show it in use, or that long.
-    let settling = target == Target::Ca
+    // The front-proxy CA's `Signing` too: the API servers re-read their client certificate to
+    // aggregated API servers within that minute, and no handshake of theirs shows it.
+    let reissued = target == Target::FrontProxyCa && keys.phase == Some(Phase::Signing);
+    let settling = target.is_ca()
         && lagging.is_empty()
-        && matches!(keys.phase, Some(Phase::Trusting) | Some(Phase::Completing));
-    if settling && !ask.served {
+        && (matches!(keys.phase, Some(Phase::Trusting) | Some(Phase::Completing)) || reissued);
+    if settling && (reissued || !ask.served) {
         match keys.since {
             None => {
                 return Decision::Write(Keys {
@@ -368,9 +391,15 @@ pub fn decide(
                     let t = k8s_openapi::jiff::Timestamp::from_second(at)
                         .map(|t| t.to_string())
                         .unwrap_or_default();
-                    return Decision::Wait(format!(
-                        "every component runs the CA bundle as it is now; waiting for the API servers to re-read it (they do once a minute; their TLS handshakes show when): going on at {t} at the latest"
-                    ));
+                    return Decision::Wait(if reissued {
+                        format!(
+                            "every component runs the new CA's client certificate; waiting for the API servers to re-read it (they do once a minute): going on at {t}"
+                        )
+                    } else {
+                        format!(
+                            "every component runs the CA bundle as it is now; waiting for the API servers to re-read it (they do once a minute; their TLS handshakes show when): going on at {t} at the latest"
+                        )
+                    });
                 }
             }
         }
@@ -408,12 +437,12 @@ fn decide_phase(
             "its tls.crt does not hold the {} of tls.key, which signs; fix the secret",
             match target {
                 Target::SaKey => "public key",
-                Target::Ca => "certificate",
+                Target::Ca | Target::FrontProxyCa => "certificate",
             }
         ));
     };
     // Kubernetes signs with the first certificate of a CA file.
-    if target == Target::Ca && target.ident(&items[0]).as_ref() != Some(&signer) {
+    if target.is_ca() && target.ident(&items[0]).as_ref() != Some(&signer) {
         return Decision::Blocked(
             "its tls.crt does not begin with the certificate of tls.key, which signs; fix the secret"
                 .into(),
@@ -465,7 +494,7 @@ fn decide_phase(
                     "phase Trusting, but its tls.crt does not hold the {} of {}; fix the secret",
                     match target {
                         Target::SaKey => "public key",
-                        Target::Ca => "certificate",
+                        Target::Ca | Target::FrontProxyCa => "certificate",
                     },
                     names::NEXT_KEY
                 ));
@@ -489,6 +518,8 @@ fn decide_phase(
             let (previous, retiring) = match target {
                 Target::SaKey => (None, None),
                 Target::Ca => (old_item, Some(signer.clone())),
+                // It signs no serving certificate: nothing to keep.
+                Target::FrontProxyCa => (None, Some(signer.clone())),
             };
             Decision::Write(Keys {
                 verify: bundle(&[new_items, others].concat()),
@@ -556,7 +587,7 @@ fn decide_phase(
                     }
                     // The serving certificates the old CA signed are reissued from the new
                     // one first, while both are trusted; the old CA is dropped after.
-                    Target::Ca => Decision::Write(Keys {
+                    Target::Ca | Target::FrontProxyCa => Decision::Write(Keys {
                         phase: Some(Phase::Completing),
                         next: None,
                         previous: None,
@@ -581,6 +612,9 @@ fn decide_phase(
             let then = match target {
                 Target::SaKey => format!(
                     "the new key signs and both verify; nothing issued before is refused until the rotation is completed (nestplane rotate sa-key --complete, or annotation {complete_annotation}={id}), which re-signs the cluster's legacy token Secrets and drops the old key: complete it once every token the old key signed has been replaced (kubelets refresh pods' projected tokens within 24 h)"
+                ),
+                Target::FrontProxyCa => format!(
+                    "the new CA signs the API server's client certificate to aggregated API servers, and both CAs are trusted for request headers; a certificate the old CA signed still vouches for the user it names until the rotation is completed (nestplane rotate front-proxy-ca --complete, or annotation {complete_annotation}={id}), which drops the old CA: complete it once every aggregated API server of the cluster has read the new one from kube-system/extension-apiserver-authentication (they do within seconds)"
                 ),
                 Target::Ca => format!(
                     "the new CA signs client certificates and both CAs are trusted; every kubeconfig and certificate issued before keeps working until the rotation is completed (nestplane rotate ca --complete, or annotation {complete_annotation}={id}), which reissues the serving certificates from the new CA and drops the old one: complete it once every kubeconfig users hold trusts the new CA (nestplane kubeconfig gives one that trusts both)"
@@ -699,22 +733,22 @@ pub fn ask(target: Target, ncp: &NestedControlPlane) -> Ask {
 
 /// Whether every API server replica's handshake (`presented`, one per replica) shows it runs
 /// the files as they are now: it presents `serving` (its certificate's DER), and asks client
-/// certificates of exactly the CAs of `client_ca` and `front_proxy_ca` (its
-/// `--client-ca-file` and `--requestheader-client-ca-file`: one name per certificate, a
+/// certificates of exactly the CAs of `rotated` and `other` (its `--client-ca-file` and
+/// `--requestheader-client-ca-file`, the one being rotated first: one name per certificate, a
 /// certificate in both files named once, as Go's certificate pool keeps it). A CA rotation's
 /// phase adds or drops a CA, so a server that has not re-read its file names one too many or
-/// too few, unless the CA dropped (`retiring`, by fingerprint) is in the front-proxy file too:
-/// then nothing can be told apart, and this says no. No replica: not seen. Pure.
+/// too few, unless the CA dropped (`retiring`, by fingerprint) is in the other file too: then
+/// nothing can be told apart, and this says no. No replica: not seen. Pure.
 pub fn serves(
     presented: &[Presented],
-    client_ca: &str,
-    front_proxy_ca: &str,
+    rotated: &str,
+    other: &str,
     serving: &str,
     retiring: Option<&str>,
 ) -> bool {
     let (Ok(cluster), Ok(proxy), Ok(cert)) = (
-        pki::certificates(client_ca),
-        pki::certificates(front_proxy_ca),
+        pki::certificates(rotated),
+        pki::certificates(other),
         pki::first_certificate(serving).and_then(|c| pki::certificate_der(&c)),
     ) else {
         return false;
@@ -888,31 +922,173 @@ async fn root_ca_published(ctx: &Context, t: &Tenant, bundle: &str) -> Result<bo
     Ok(published.is_none_or(|p| ids(&p) == ids(bundle)))
 }
 
-/// Whether every API server of `t` was seen, in its handshake, serving the cluster CA bundle
-/// `bundle`, the front-proxy CA and the serving certificate as their secrets hold them now.
-async fn api_servers_serve(ctx: &Context, t: &Tenant, keys: &Keys) -> Result<bool, Error> {
+/// Whether every API server of `t` was seen, in its handshake, serving the bundle of CA
+/// `target` as `keys` hold it, the other CA it asks client certificates of (the cluster CA,
+/// the front-proxy CA) and the serving certificate as their secrets hold them now.
+async fn api_servers_serve(
+    ctx: &Context,
+    t: &Tenant,
+    target: Target,
+    keys: &Keys,
+) -> Result<bool, Error> {
+    let other = match target {
+        Target::Ca => SecretPurpose::FrontProxyCa,
+        Target::FrontProxyCa => SecretPurpose::ClusterCa,
+        Target::SaKey => return Ok(false),
+    };
     let Some(presented) = presented_by_api_servers(ctx, t).await else {
         return Ok(false);
     };
     let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &t.namespace());
     let cluster = t.cluster();
     let crt = |s: Option<Secret>| s.as_ref().and_then(|s| text(s, names::TLS_CRT));
-    let front_proxy = crt(api
-        .get_opt(&SecretPurpose::FrontProxyCa.secret_name(&cluster))
-        .await?);
+    let other = crt(api.get_opt(&other.secret_name(&cluster)).await?);
     let serving = crt(api
         .get_opt(&SecretPurpose::ApiServer.secret_name(&cluster))
         .await?);
-    let (Some(front_proxy), Some(serving)) = (front_proxy, serving) else {
+    let (Some(other), Some(serving)) = (other, serving) else {
         return Ok(false);
     };
     Ok(serves(
         &presented,
         &keys.verify,
-        &front_proxy,
+        &other,
         &serving,
         keys.retiring.as_deref(),
     ))
+}
+
+/// The ConfigMap of the tenant's `kube-system` in which its API servers publish the CAs they
+/// trust to aggregated API servers (which read it to verify clients and the API server's
+/// proxied requests). The API servers add what their files hold and never drop anything.
+pub const AUTHENTICATION_CONFIG_MAP: &str = "extension-apiserver-authentication";
+
+/// The key of [`AUTHENTICATION_CONFIG_MAP`] that publishes CA `target`'s bundle.
+fn published_as(target: Target) -> Option<&'static str> {
+    match target {
+        Target::Ca => Some("client-ca-file"),
+        Target::FrontProxyCa => Some("requestheader-client-ca-file"),
+        Target::SaKey => None,
+    }
+}
+
+/// What the API servers publish for aggregated API servers under `target`'s key: the
+/// tenant's admin client, the ConfigMap's resourceVersion, and the bundle (`None`: nothing is
+/// published). `None` at all: no admin kubeconfig yet.
+async fn published(
+    ctx: &Context,
+    t: &Tenant,
+    target: Target,
+) -> Result<Option<(kube::Client, Option<String>, Option<String>)>, Error> {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    let Some(client) =
+        crate::hosted::target::admin_client(ctx, &t.namespace(), &t.cluster()).await?
+    else {
+        return Ok(None);
+    };
+    let Some(key) = published_as(target) else {
+        return Ok(Some((client, None, None)));
+    };
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), "kube-system")
+        .get_opt(AUTHENTICATION_CONFIG_MAP)
+        .await?;
+    let version = cm
+        .as_ref()
+        .and_then(|c| c.metadata.resource_version.clone());
+    let pem = cm.and_then(|c| c.data).and_then(|d| d.get(key).cloned());
+    Ok(Some((client, version, pem)))
+}
+
+/// What the API servers' publication for aggregated API servers lacks of `bundle` (`None`:
+/// nothing; a cluster whose API servers publish nothing has nothing to wait for): said as
+/// what the rotation waits for.
+async fn aggregated_told(
+    ctx: &Context,
+    t: &Tenant,
+    target: Target,
+    bundle: &str,
+) -> Result<Option<String>, Error> {
+    let waiting = format!(
+        "{} (to publish it in kube-system/{AUTHENTICATION_CONFIG_MAP} for aggregated API servers)",
+        tenant::kind_of(Component::ApiServer)
+    );
+    let pem = match published(ctx, t, target).await? {
+        None => return Ok(Some("the admin kubeconfig".into())),
+        Some((_, _, None)) => return Ok(None),
+        Some((_, _, Some(pem))) => pem,
+    };
+    // Split as PEM only: a block the tenant's admin added that is not a certificate hides
+    // nothing.
+    let Ok(have) = pki::certificate_ids(&pem) else {
+        return Ok(Some(format!(
+            "{waiting}: its {} is not PEM (a tenant admin's edit?)",
+            published_as(target).unwrap_or_default()
+        )));
+    };
+    let all = pki::certificate_ids(bundle).unwrap_or_default();
+    Ok((!all.iter().all(|id| have.contains(id))).then_some(waiting))
+}
+
+/// Drops CA `retired` (a fingerprint) from what the API servers publish to aggregated API
+/// servers, every other block as it is (`pki::without_certificate`). `None`: it is not
+/// published (any more); otherwise what the rotation waits for (it was removed now, the
+/// write lost a race, or the ConfigMap cannot be read as PEM): looked at again.
+async fn unpublished(
+    ctx: &Context,
+    t: &Tenant,
+    target: Target,
+    retired: &str,
+) -> Result<Option<String>, Error> {
+    let Some(key) = published_as(target) else {
+        return Ok(None);
+    };
+    let removing = format!(
+        "the old {} is dropped; removing it from kube-system/{AUTHENTICATION_CONFIG_MAP}, where aggregated API servers read what to trust",
+        target.noun()
+    );
+    let (client, version, pem) = match published(ctx, t, target).await? {
+        None => {
+            return Ok(Some(format!(
+                "{removing}: waiting for the admin kubeconfig"
+            )));
+        }
+        Some((_, _, None)) => return Ok(None),
+        Some((client, version, Some(pem))) => (client, version, pem),
+    };
+    let kept = match pki::without_certificate(&pem, retired) {
+        Ok(None) => return Ok(None),
+        Ok(Some(kept)) => kept,
+        Err(_) => {
+            return Ok(Some(format!(
+                "{removing}: its {key} is not PEM (a tenant admin's edit?); it is looked at again"
+            )));
+        }
+    };
+    // That one key, over the version read: the API servers add what they trust, and a write
+    // between the read and this one is not overwritten (the next pass reads again).
+    let patch = serde_json::json!({
+        "metadata": {"resourceVersion": version},
+        "data": { key: kept },
+    });
+    match Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(client, "kube-system")
+        .patch(
+            AUTHENTICATION_CONFIG_MAP,
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => return Err(e.into()),
+    }
+    tracing::info!(
+        namespace = %t.namespace(),
+        cluster = %t.cluster(),
+        target = target.as_str(),
+        "dropped the retired CA from kube-system/{AUTHENTICATION_CONFIG_MAP}"
+    );
+    Ok(Some(removing))
 }
 
 /// Why a CA rotation may not complete yet (`None`: it may): the cluster's nodes, and the
@@ -997,9 +1173,10 @@ async fn step(
     let cluster = t.cluster();
     let new = || match target {
         Target::SaKey => pki::generate_service_account_key(),
-        Target::Ca => {
+        Target::Ca | Target::FrontProxyCa => {
             let now = time::OffsetDateTime::now_utc();
-            pki::generate_ca(&format!("{cluster}-ca-{}", now.unix_timestamp()), now)
+            let suffix = target.purpose().suffix();
+            pki::generate_ca(&format!("{cluster}-{suffix}-{}", now.unix_timestamp()), now)
         }
     };
     let decision = match lagging(ctx, t, target, &data) {
@@ -1015,8 +1192,16 @@ async fn step(
                     tenant::kind_of(Component::ControllerManager)
                 ));
             }
-            if target == Target::Ca && late.is_empty() && trust_changes {
-                ask.served = api_servers_serve(ctx, t, &keys).await?;
+            // Aggregated API servers learn a new CA from the API server's publication.
+            if target.is_ca()
+                && late.is_empty()
+                && keys.phase == Some(Phase::Trusting)
+                && let Some(waiting) = aggregated_told(ctx, t, target, &keys.verify).await?
+            {
+                late.push(waiting);
+            }
+            if target.is_ca() && late.is_empty() && trust_changes {
+                ask.served = api_servers_serve(ctx, t, target, &keys).await?;
             }
             decide(target, &keys, &ask, &late, new)
         }
@@ -1044,6 +1229,13 @@ async fn step(
             Ok((Some(st), None))
         }
         Decision::Write(next) => {
+            // Completed: the API servers publish CAs to aggregated API servers but never drop
+            // one from there; the CA dropped goes from there too, first.
+            if let (Some(retired), Some(Phase::Completed)) = (&keys.retiring, next.phase)
+                && let Some(m) = unpublished(ctx, t, target, retired).await?
+            {
+                return Ok((status(target, &keys, Some(m)), Some(RECHECK)));
+            }
             write(&api, &secret, target, &next).await?;
             if next.phase != keys.phase {
                 let seen = if ask.served {
@@ -1347,6 +1539,22 @@ async fn announce(ctx: &Context, t: &Tenant, target: Target, keys: &Keys, then: 
             ROTATION_PROGRESSING,
             format!("{what} rotation {id:?}: the new key signs; both verify"),
         ),
+        (Target::FrontProxyCa, Some(Phase::Signing)) => (
+            ROTATION_PROGRESSING,
+            format!(
+                "{what} rotation {id:?}: the new CA signs the API server's client certificate to aggregated API servers, which is reissued; both CAs are trusted"
+            ),
+        ),
+        (Target::FrontProxyCa, Some(Phase::Started)) => (
+            ROTATION_STARTED,
+            format!(
+                "{what} rotation {id:?}: every API server and controller manager trusts both CAs, and the API servers present a certificate from the new one to aggregated API servers; certificates the old CA signed are accepted until the rotation is completed"
+            ),
+        ),
+        (Target::FrontProxyCa, Some(Phase::Completing)) => (
+            ROTATION_PROGRESSING,
+            format!("{what} rotation {id:?}: the old CA is being dropped"),
+        ),
         (Target::Ca, Some(Phase::Signing)) => (
             ROTATION_PROGRESSING,
             format!(
@@ -1383,7 +1591,7 @@ async fn announce(ctx: &Context, t: &Tenant, target: Target, keys: &Keys, then: 
                 "{what} rotation {id:?} completed: only the new key verifies; tokens the old key signed are refused"
             ),
         ),
-        (Target::Ca, Some(Phase::Completed) | None) => (
+        (Target::Ca | Target::FrontProxyCa, Some(Phase::Completed) | None) => (
             ROTATION_COMPLETED,
             format!(
                 "{what} rotation {id:?} completed: only the new CA is trusted; certificates the old one signed are refused"
@@ -1765,6 +1973,95 @@ mod tests {
 
     fn new_ca() -> Result<pki::CertKey, pki::PkiError> {
         pki::generate_ca("c-ca-2", time::OffsetDateTime::now_utc())
+    }
+
+    #[test]
+    fn a_front_proxy_ca_rotation_keeps_no_serving_certificate_and_drops_only_the_old_ca() {
+        let old = fresh_ca();
+        let old_id = ca_ids(&old.verify)[0].clone();
+        let none: &[String] = &[];
+        let served = |a: Ask| Ask { served: true, ..a };
+        let go = |k: &Keys, a: Ask| {
+            written(decide(Target::FrontProxyCa, k, &a, none, || unreachable!()))
+        };
+        let t = written(decide(
+            Target::FrontProxyCa,
+            &old,
+            &ask("p1", ""),
+            none,
+            new_ca,
+        ));
+        assert_eq!(t.phase, Some(Phase::Trusting));
+        let new_id = ca_ids(&t.verify)[1].clone();
+        // Its consumers: what reads `--requestheader-client-ca-file` (not the scheduler).
+        assert_eq!(
+            Target::FrontProxyCa.consumers(),
+            &[Component::ApiServer, Component::ControllerManager]
+        );
+        let late = vec!["NestedControllerManager".to_string()];
+        assert!(matches!(
+            decide(Target::FrontProxyCa, &t, &ask("p1", ""), &late, || unreachable!()),
+            Decision::Wait(m) if m.contains("NestedControllerManager")
+        ));
+        // Seen in the handshakes: no minute's wait.
+        let s = go(&t, served(ask("p1", "")));
+        assert_eq!(s.phase, Some(Phase::Signing));
+        assert_eq!(ca_ids(&s.verify), vec![new_id.clone(), old_id.clone()]);
+        assert!(pki::key_matches(&s.verify, &s.signing).unwrap());
+        // It signs no serving certificate: none is kept; the old CA is the one to drop.
+        assert_eq!(s.previous, None);
+        assert_eq!(s.retiring.as_deref(), Some(old_id.as_str()));
+        // The API servers re-read their client certificate within a minute, which no
+        // handshake shows: `Signing` waits that long once every consumer runs it.
+        let noted = go(&s, served(ask("p1", "")));
+        assert_eq!((noted.phase, noted.since), (Some(Phase::Signing), Some(0)));
+        assert!(matches!(
+            decide(Target::FrontProxyCa, &noted, &served(ask("p1", "")), none, || unreachable!()),
+            Decision::Wait(m) if m.contains("client certificate")
+        ));
+        let started = go(
+            &noted,
+            Ask {
+                now: CA_FILE_RELOAD_SECONDS,
+                ..ask("p1", "")
+            },
+        );
+        assert_eq!(started.phase, Some(Phase::Started));
+        let Decision::Wait(m) = decide(
+            Target::FrontProxyCa,
+            &started,
+            &ask("p1", ""),
+            none,
+            || unreachable!(),
+        ) else {
+            panic!()
+        };
+        assert!(m.contains("rotate front-proxy-ca --complete"), "{m}");
+        let st = status(Target::FrontProxyCa, &started, None).unwrap();
+        assert_eq!(
+            (
+                st.target.as_str(),
+                st.key_id.as_deref(),
+                st.previous_key_id.as_deref()
+            ),
+            (
+                "front-proxy-ca",
+                Some(new_id.as_str()),
+                Some(old_id.as_str())
+            )
+        );
+        let completing = go(&started, ask("p1", "p1"));
+        assert_eq!(completing.phase, Some(Phase::Completing));
+        assert_eq!(
+            ca_ids(&completing.verify),
+            vec![new_id.clone(), old_id.clone()]
+        );
+        let dropped = go(&completing, served(ask("p1", "p1")));
+        assert_eq!(ca_ids(&dropped.verify), vec![new_id.clone()]);
+        assert_eq!(dropped.retiring.as_deref(), Some(old_id.as_str()));
+        let done = go(&dropped, served(ask("p1", "p1")));
+        assert_eq!((done.phase, done.retiring), (Some(Phase::Completed), None));
+        assert_eq!(ca_ids(&done.verify), vec![new_id]);
     }
 
     #[test]

@@ -419,6 +419,62 @@ pub fn certificate_id(cert_pem: &str) -> Result<String, PkiError> {
     Ok(format!("{:x}", sha2::Sha256::digest(&der))[..16].to_string())
 }
 
+/// The PEM blocks of `bundle` split as PEM only (not parsed as X.509, as Go's certificate
+/// pool skips what it cannot use), each with its [`certificate_id`] when it is a
+/// `CERTIFICATE` block. Err: `bundle` is not PEM. Pure.
+fn pem_blocks(bundle: &str) -> Result<Vec<(String, Option<String>)>, PkiError> {
+    use sha2::Digest as _;
+    let mut out = Vec::new();
+    for pem in x509_parser::pem::Pem::iter_from_buffer(bundle.as_bytes()) {
+        let pem = pem.map_err(|e| PkiError::Parse {
+            what: "a PEM bundle",
+            reason: e.to_string(),
+        })?;
+        let body = base64(&pem.contents);
+        let lines: Vec<&str> = body
+            .as_bytes()
+            .chunks(64)
+            .map(|c| std::str::from_utf8(c).unwrap_or_default())
+            .collect();
+        let text = format!(
+            "-----BEGIN {0}-----\n{1}\n-----END {0}-----\n",
+            pem.label,
+            lines.join("\n")
+        );
+        let id = (pem.label == "CERTIFICATE")
+            .then(|| format!("{:x}", sha2::Sha256::digest(&pem.contents))[..16].to_string());
+        out.push((text, id));
+    }
+    Ok(out)
+}
+
+/// The [`certificate_id`]s of the `CERTIFICATE` blocks of `bundle`, split as PEM only: a
+/// block that is not a certificate, or one X.509 parsing would refuse, does not hide the
+/// others. Err: `bundle` is not PEM. Pure.
+pub fn certificate_ids(bundle: &str) -> Result<Vec<String>, PkiError> {
+    Ok(pem_blocks(bundle)?
+        .into_iter()
+        .filter_map(|(_, id)| id)
+        .collect())
+}
+
+/// `bundle` without the certificate whose [`certificate_id`] is `id`, every other block (of
+/// any label, parsed or not) kept in order; `None` when it holds no such certificate. Err:
+/// `bundle` is not PEM. Pure.
+pub fn without_certificate(bundle: &str, id: &str) -> Result<Option<String>, PkiError> {
+    let blocks = pem_blocks(bundle)?;
+    if !blocks.iter().any(|(_, i)| i.as_deref() == Some(id)) {
+        return Ok(None);
+    }
+    Ok(Some(
+        blocks
+            .into_iter()
+            .filter(|(_, i)| i.as_deref() != Some(id))
+            .map(|(text, _)| text)
+            .collect(),
+    ))
+}
+
 /// The hash a joining machine pins its cluster's CA by: the SHA-256 of the certificate's
 /// public key (its DER `SubjectPublicKeyInfo`), as `sha256:<hex>` (kubeadm's
 /// `--discovery-token-ca-cert-hash`). Pure.

@@ -308,3 +308,33 @@ fn a_ca_bundle_signs_with_its_first_certificate_and_trusts_every_one() {
         certificates("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n").is_err()
     );
 }
+
+#[test]
+fn a_certificate_is_taken_out_of_a_bundle_by_its_id_and_nothing_else_is_touched() {
+    let now = OffsetDateTime::now_utc();
+    let (a, b) = (
+        generate_ca("a", now).unwrap(),
+        generate_ca("b", now).unwrap(),
+    );
+    let (ia, ib) = (
+        certificate_id(&a.cert_pem).unwrap(),
+        certificate_id(&b.cert_pem).unwrap(),
+    );
+    // A block X.509 parsing refuses, and a block of another kind, among them.
+    let junk = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
+    let other = "-----BEGIN SOMETHING-----\nAAAA\n-----END SOMETHING-----\n";
+    let bundle = format!("{}{junk}{other}{}", a.cert_pem, b.cert_pem);
+    assert!(certificates(&bundle).is_err());
+    let ids = certificate_ids(&bundle).unwrap();
+    assert_eq!(ids.len(), 3);
+    assert_eq!(
+        (ids[0].as_str(), ids[2].as_str()),
+        (ia.as_str(), ib.as_str())
+    );
+    let left = without_certificate(&bundle, &ia).unwrap().unwrap();
+    let left_ids = certificate_ids(&left).unwrap();
+    assert_eq!(left_ids.len(), 2);
+    assert!(!left_ids.contains(&ia) && left_ids.contains(&ib));
+    assert!(left.contains("SOMETHING") && left.contains("AAAA"));
+    assert_eq!(without_certificate(&left, &ia).unwrap(), None);
+}

@@ -5,6 +5,8 @@ pub mod network;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// The repository root.
@@ -952,4 +954,50 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// A client that runs `kubectl --kubeconfig kubeconfig ARGS` again and again (every
+/// `pause`) until told to stop; its results: how long each took, and what a failed one said.
+pub struct Asking {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(Duration, Option<String>)>>,
+}
+
+impl Asking {
+    pub fn start(kubeconfig: &Path, args: &'static [&'static str], pause: Duration) -> Asking {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (flag, kubeconfig) = (stop.clone(), kubeconfig.to_path_buf());
+        let thread = std::thread::spawn(move || {
+            let mut results = Vec::new();
+            while !flag.load(Ordering::Relaxed) && results.len() < 3000 {
+                let started = Instant::now();
+                let out = kubectl(&kubeconfig, args);
+                let failed = (!out.status.success())
+                    .then(|| String::from_utf8_lossy(&out.stderr).to_string());
+                results.push((started.elapsed(), failed));
+                std::thread::sleep(pause);
+            }
+            results
+        });
+        Asking { stop, thread }
+    }
+
+    /// Stop; every request it made, which must number at least `at_least`, answered.
+    pub fn stop_all_answered(self, what: &str, at_least: usize) {
+        self.stop.store(true, Ordering::Relaxed);
+        let results = self.thread.join().unwrap();
+        let failures: Vec<&String> = results.iter().filter_map(|(_, f)| f.as_ref()).collect();
+        let worst = results.iter().map(|(d, _)| *d).max().unwrap_or_default();
+        eprintln!(
+            "{what}: {} requests, {} failed, the worst {worst:?}",
+            results.len(),
+            failures.len()
+        );
+        assert!(
+            results.len() >= at_least,
+            "{what}: the client ran {} times",
+            results.len()
+        );
+        assert!(failures.is_empty(), "{what}: requests failed: {failures:?}");
+    }
 }
