@@ -75,6 +75,11 @@ enum Command {
         /// Route only the tenants of this namespace (all namespaces when unset).
         #[arg(long)]
         namespace: Option<String>,
+        /// Connections one client address may hold open at once; beyond it a client is reset
+        /// (raise it where clients reach the gateway through a NAT that gives many one
+        /// address, such as a load balancer that does not keep their source).
+        #[arg(long, default_value_t = nestplane_operator::gateway::MAX_PER_CLIENT)]
+        max_connections_per_client: usize,
     },
     /// Create a hosted cluster (a HostedCluster with `--nodes` real nodes) in the management
     /// plane of a running `nestplane up` (or `--kubeconfig`'s), and wait until it is ready.
@@ -329,6 +334,7 @@ fn main() -> anyhow::Result<()> {
         Command::Gateway {
             bind_address,
             namespace,
+            max_connections_per_client,
         } => runtime()?.block_on(async move {
             let client = kube::Client::try_default()
                 .await
@@ -348,7 +354,7 @@ fn main() -> anyhow::Result<()> {
                 }
                 on_term.cancel();
             });
-            nestplane_operator::gateway::run(bind_address, api, stop)
+            nestplane_operator::gateway::run(bind_address, max_connections_per_client, api, stop)
                 .await
                 .with_context(|| format!("listening at {bind_address}"))?;
             Ok(())

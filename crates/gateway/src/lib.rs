@@ -11,6 +11,10 @@
 //! - A hello is read within [`HELLO_DEADLINE`] and [`sni::MAX_HELLO`] bytes, parsed only when
 //!   a record is complete; at most [`MAX_CONNECTIONS`] connections are open at once (more are
 //!   reset at once), so a flood cannot take the process's descriptors.
+//! - No one client address holds more than [`MAX_PER_CLIENT`] of them, and no one server
+//!   name (one tenant, its users, nodes and pods together) more than [`MAX_PER_NAME`]
+//!   ([`Limits`]): a client or a tenant that opens connections without end is reset beyond
+//!   its share, and everyone else still gets through.
 
 pub mod sni;
 
@@ -31,6 +35,72 @@ pub const MAX_CONNECTIONS: usize = 2048;
 
 /// How long connecting to one backend may take before the next is tried.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Connections one client address may hold open at once (a machine's node carries each of
+/// its kubelet's, kube-proxy's and pods' API connections as one of its own).
+pub const MAX_PER_CLIENT: usize = 256;
+
+/// Connections one server name (one tenant) may hold open at once.
+pub const MAX_PER_NAME: usize = 1024;
+
+/// How many connections are forwarded at once: in all, per client address, per server name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub connections: usize,
+    pub per_client: usize,
+    pub per_name: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            connections: MAX_CONNECTIONS,
+            per_client: MAX_PER_CLIENT,
+            per_name: MAX_PER_NAME,
+        }
+    }
+}
+
+/// Open connections by key (a client address, a server name).
+struct Counts<K>(std::sync::Mutex<HashMap<K, usize>>);
+
+/// One connection counted under its key until dropped.
+struct Counted<K: std::hash::Hash + Eq + Clone> {
+    counts: Arc<Counts<K>>,
+    key: K,
+}
+
+impl<K: std::hash::Hash + Eq + Clone> Counts<K> {
+    fn new() -> Arc<Self> {
+        Arc::new(Counts(std::sync::Mutex::new(HashMap::new())))
+    }
+
+    /// Count one more under `key`, unless it holds `max` already.
+    fn take(self: &Arc<Self>, key: &K, max: usize) -> Option<Counted<K>> {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(key.clone()).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(Counted {
+            counts: self.clone(),
+            key: key.clone(),
+        })
+    }
+}
+
+impl<K: std::hash::Hash + Eq + Clone> Drop for Counted<K> {
+    fn drop(&mut self) {
+        let mut m = self.counts.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(&self.key);
+            }
+        }
+    }
+}
 
 /// Server name → the addresses of the API servers that serve it.
 #[derive(Debug, Default)]
@@ -91,37 +161,56 @@ pub enum Refused {
     Unknown(String),
     /// Every backend of the name refused the connection.
     Unreachable(String),
+    /// The client address holds its share of connections already.
+    ClientLimit,
+    /// The name holds its share of connections already.
+    NameLimit(String),
 }
 
-/// Serve `listener` until the task is dropped: each connection forwarded by its server name.
+/// Serve `listener` until the task is dropped: each connection forwarded by its server name,
+/// within the default [`Limits`].
 pub async fn serve(listener: TcpListener, routes: Arc<Routes>) {
+    serve_within(listener, routes, Limits::default()).await
+}
+
+/// [`serve`] within `limits`.
+pub async fn serve_within(listener: TcpListener, routes: Arc<Routes>, limits: Limits) {
     let next = Arc::new(AtomicUsize::new(0));
-    let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let open = Arc::new(tokio::sync::Semaphore::new(limits.connections));
+    let (clients, names) = (Counts::new(), Counts::new());
     loop {
         let Ok((inbound, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
         let Ok(permit) = open.clone().try_acquire_owned() else {
-            tracing::debug!(%peer, "gateway at {MAX_CONNECTIONS} connections; reset");
+            tracing::debug!(%peer, "gateway at {} connections; reset", limits.connections);
             reset(inbound, Refused::NoHello);
             continue;
         };
-        let (routes, next) = (routes.clone(), next.clone());
+        let Some(client) = clients.take(&peer.ip(), limits.per_client) else {
+            tracing::debug!(%peer, "a client at {} connections; reset", limits.per_client);
+            reset(inbound, Refused::ClientLimit);
+            continue;
+        };
+        let (routes, next, names) = (routes.clone(), next.clone(), names.clone());
         tokio::spawn(async move {
-            if let Err(why) = forward(inbound, &routes, &next).await {
+            if let Err(why) = forward(inbound, &routes, &next, &names, limits.per_name).await {
                 tracing::debug!(%peer, ?why, "gateway connection refused");
             }
-            drop(permit);
+            drop((permit, client));
         });
     }
 }
 
-/// Forward one connection (see the module's documentation); on refusal it is reset.
-pub async fn forward(
+/// Forward one connection (see the module's documentation), counted under its name in
+/// `names`, at most `per_name` of them; on refusal it is reset.
+async fn forward(
     mut inbound: TcpStream,
     routes: &Routes,
     next: &AtomicUsize,
+    names: &Arc<Counts<String>>,
+    per_name: usize,
 ) -> Result<(), Refused> {
     let hello = match tokio::time::timeout(HELLO_DEADLINE, read_hello(&mut inbound)).await {
         Ok(Some(h)) => h,
@@ -133,6 +222,10 @@ pub async fn forward(
     };
     let Some(backends) = routes.get(&name) else {
         return Err(reset(inbound, Refused::Unknown(name)));
+    };
+    // Names are counted as routed (lowercase): only names a tenant has take a count.
+    let Some(_counted) = names.take(&name.to_ascii_lowercase(), per_name) else {
+        return Err(reset(inbound, Refused::NameLimit(name)));
     };
     let start = next.fetch_add(1, Ordering::Relaxed);
     for i in 0..backends.len() {

@@ -138,3 +138,120 @@ async fn a_backend_that_refuses_is_skipped_before_any_byte_is_sent() {
     assert!(ask(gateway, name, &cert).await.is_err());
     assert!(routes.is_empty());
 }
+
+/// A TLS server for `name` that says its name and keeps each connection open until the
+/// client closes it; its certificate.
+async fn holding_backend(name: &str) -> (SocketAddr, CertificateDer<'static>) {
+    let ck = rcgen::generate_simple_self_signed(vec![name.to_string()]).unwrap();
+    let cert = ck.cert.der().clone();
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(ck.signing_key.serialize_der()));
+    let config = rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![cert.clone()], key)
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let answer = name.to_string();
+    tokio::spawn(async move {
+        loop {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let (acceptor, answer) = (acceptor.clone(), answer.clone());
+            tokio::spawn(async move {
+                if let Ok(mut tls) = acceptor.accept(tcp).await {
+                    let _ = tls.write_all(answer.as_bytes()).await;
+                    let _ = tls.flush().await;
+                    let mut sink = Vec::new();
+                    let _ = tls.read_to_end(&mut sink).await;
+                }
+            });
+        }
+    });
+    (addr, cert)
+}
+
+/// Connect through `gateway` from address `from` asking for `name`, trusting `trusted`; the
+/// open connection once the server said its name.
+async fn hold(
+    gateway: SocketAddr,
+    from: [u8; 4],
+    name: &str,
+    trusted: &CertificateDer<'static>,
+) -> Result<tokio_rustls::client::TlsStream<TcpStream>, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(trusted.clone()).unwrap();
+    let config = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::from((from, 0))).unwrap();
+    let tcp = socket.connect(gateway).await.map_err(|e| e.to_string())?;
+    let server = ServerName::try_from(name.to_string()).unwrap();
+    let mut tls = connector
+        .connect(server, tcp)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut said = vec![0u8; name.len()];
+    tls.read_exact(&mut said).await.map_err(|e| e.to_string())?;
+    assert_eq!(said, name.as_bytes());
+    Ok(tls)
+}
+
+#[tokio::test]
+async fn one_client_or_one_tenant_cannot_take_every_connection() {
+    let (a, b) = (
+        "a.default.nestplane.internal",
+        "b.default.nestplane.internal",
+    );
+    let routes = Arc::new(Routes::default());
+    let (addr_a, cert_a) = holding_backend(a).await;
+    let (addr_b, cert_b) = holding_backend(b).await;
+    routes.set(a, vec![addr_a]);
+    routes.set(b, vec![addr_b]);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway = listener.local_addr().unwrap();
+    let limits = nestplane_gateway::Limits {
+        connections: 64,
+        per_client: 4,
+        per_name: 6,
+    };
+    tokio::spawn(nestplane_gateway::serve_within(
+        listener,
+        routes.clone(),
+        limits,
+    ));
+
+    // One client holds its share; its next connection is reset before any TLS byte.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(hold(gateway, [127, 0, 0, 1], a, &cert_a).await.unwrap());
+    }
+    let err = hold(gateway, [127, 0, 0, 1], a, &cert_a).await.unwrap_err();
+    assert!(
+        err.contains("reset") || err.contains("eof") || err.contains("closed"),
+        "{err}"
+    );
+    // Other clients still get through, to the same tenant.
+    held.push(hold(gateway, [127, 0, 0, 2], a, &cert_a).await.unwrap());
+    held.push(hold(gateway, [127, 0, 0, 3], a, &cert_a).await.unwrap());
+    // The tenant holds its share: a new client of it is reset; another tenant's is not.
+    assert!(hold(gateway, [127, 0, 0, 4], a, &cert_a).await.is_err());
+    let other = hold(gateway, [127, 0, 0, 4], b, &cert_b).await.unwrap();
+    // A connection closed is a share back.
+    drop(held.remove(0));
+    let mut again = None;
+    for _ in 0..50 {
+        if let Ok(c) = hold(gateway, [127, 0, 0, 1], a, &cert_a).await {
+            again = Some(c);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(again.is_some(), "a closed connection's share comes back");
+    drop((held, other, again));
+}

@@ -23,6 +23,7 @@ use kube::api::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event, watcher};
 use nestplane_api::names::{self, Component, ports};
+pub use nestplane_gateway::MAX_PER_CLIENT;
 use tokio_util::sync::CancellationToken;
 
 /// The server name a pod serves and its address there, or `None` when it is not a Ready API
@@ -138,6 +139,7 @@ pub async fn follow(
 /// on `stop` it stops accepting and gives open connections [`DRAIN`] to finish.
 pub async fn run(
     address: SocketAddr,
+    per_client: usize,
     api: Api<Pod>,
     stop: CancellationToken,
 ) -> std::io::Result<()> {
@@ -151,7 +153,10 @@ pub async fn run(
     let listener = tokio::net::TcpListener::bind(address).await?;
     tracing::info!(%address, routes = routes.len(), "gateway listening");
     tokio::select! {
-        _ = nestplane_gateway::serve(listener, routes) => {}
+        _ = nestplane_gateway::serve_within(listener, routes, nestplane_gateway::Limits {
+            per_client,
+            ..Default::default()
+        }) => {}
         _ = stop.cancelled() => {
             // The listener is closed (dropped with `serve`); connections already forwarded
             // run in their own tasks until they end or the process does.
