@@ -196,6 +196,12 @@ struct OperatorArgs {
     /// `status.gateway` says how: `server` with `tls-server-name`).
     #[arg(long)]
     gateway_bind_address: Option<std::net::SocketAddr>,
+    /// The gateway's address as published (`process` runtime): tenants' endpoints, their
+    /// kubeconfigs, `status.gateway`. For a gateway that listens on every address
+    /// (`0.0.0.0:7443`): an address of this host that users and machines dial (without it,
+    /// the loopback address is published). The port is the gateway's.
+    #[arg(long, requires = "gateway_bind_address")]
+    gateway_advertise_address: Option<std::net::IpAddr>,
     /// The Service of the shared gateway (`kubernetes` runtime), `NAMESPACE/NAME`: the
     /// Deployment `nestplane gateway` runs behind it. Every tenant is then reached there by
     /// its server name (`status.gateway`), and it is the endpoint of each whose API server
@@ -466,6 +472,7 @@ async fn operator(args: OperatorArgs) -> anyhow::Result<()> {
             nodes,
             dns,
             gateway: args.gateway_bind_address,
+            gateway_advertise: args.gateway_advertise_address,
             backup_dir,
             backup_namespace_quota: args.backup_namespace_quota,
             backup_s3_endpoints: args.backup_s3_endpoints.clone(),

@@ -75,6 +75,10 @@ pub struct Config {
     /// Run the shared gateway here (process runtime): every tenant reached at this one
     /// address by its server name ([`nestplane_api::names::gateway_server_name`]).
     pub gateway: Option<SocketAddr>,
+    /// The gateway's address as published (endpoints, kubeconfigs, `status.gateway`) when it
+    /// is not where it listens (it listens on every address): an address of this host that
+    /// clients dial; the port is the gateway's.
+    pub gateway_advertise: Option<std::net::IpAddr>,
     /// Where backups are written (`<state_dir>/backups` when `None`): a backup of namespace
     /// `ns` goes under `<dir>/ns/` and nowhere else.
     pub backup_dir: Option<PathBuf>,
@@ -132,7 +136,9 @@ pub async fn run_with(
     });
     let mut ctx = Context::new(client.clone(), runtime.clone(), config.mode.clone());
     let gateway = match (&config.mode, config.gateway) {
-        (Mode::Process, Some(addr)) => Some(start_gateway(addr, &shutdown).await?),
+        (Mode::Process, Some(addr)) => {
+            Some(start_gateway(addr, config.gateway_advertise, &shutdown).await?)
+        }
         _ => None,
     };
     if matches!(config.mode, Mode::Process) && (nodes.is_some() || gateway.is_some()) {
@@ -211,9 +217,11 @@ pub async fn run_with(
     Ok(())
 }
 
-/// Listen at `addr` and serve the shared gateway until `shutdown`.
+/// Listen at `addr` and serve the shared gateway until `shutdown`; it is published at
+/// `advertise` (at its port) when given.
 async fn start_gateway(
     addr: SocketAddr,
+    advertise: Option<std::net::IpAddr>,
     shutdown: &CancellationToken,
 ) -> Result<process::Gateway, Error> {
     let listener = tokio::net::TcpListener::bind(addr)
@@ -236,6 +244,7 @@ async fn start_gateway(
     tracing::info!(%address, "gateway listening");
     Ok(process::Gateway {
         address,
+        advertised: advertise.map(|ip| SocketAddr::new(ip, address.port())),
         routes,
         // A port picked at start moves at the next: nothing is published at it.
         published: addr.port() != 0,

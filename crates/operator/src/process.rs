@@ -38,6 +38,8 @@ pub struct Processes {
 pub struct Gateway {
     /// Where it listens.
     pub address: std::net::SocketAddr,
+    /// Where it is published, when not where it listens (`--gateway-advertise-address`).
+    pub advertised: Option<std::net::SocketAddr>,
     /// Server name → API server replicas.
     pub routes: Arc<nestplane_gateway::Routes>,
     /// Whether it is the tenants' endpoint: its port was given (`--gateway-bind-address
@@ -73,10 +75,11 @@ impl Processes {
             .and_then(|_| self.gateway_address())
     }
 
-    /// The gateway's address, if it runs (its loopback address when it listens on every
-    /// address).
+    /// The gateway's address, if it runs: as advertised, else where it listens (its
+    /// loopback address when it listens on every address).
     fn gateway_address(&self) -> Option<ApiEndpoint> {
-        let address = self.gateway.as_ref()?.address;
+        let gateway = self.gateway.as_ref()?;
+        let address = gateway.advertised.unwrap_or(gateway.address);
         let ip = match address.ip() {
             IpAddr::V4(v4) if v4.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
             IpAddr::V6(v6) if v6.is_unspecified() => IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
@@ -488,4 +491,51 @@ async fn ensure_apiserver_service(
         namespace: Some(ns),
         ..ObjectReference::default()
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn at(address: &str, advertised: Option<&str>, published: bool) -> Processes {
+        let dir = std::env::temp_dir().join("nestplane-process-gateway-test");
+        Processes::new(Arc::new(ProcessRuntime::new(dir))).with_gateway(Gateway {
+            address: address.parse().unwrap(),
+            advertised: advertised.map(|a| a.parse().unwrap()),
+            routes: Default::default(),
+            published,
+        })
+    }
+
+    fn endpoint(host: &str, port: i32) -> ApiEndpoint {
+        ApiEndpoint {
+            host: host.into(),
+            port,
+        }
+    }
+
+    #[test]
+    fn the_gateway_is_published_where_it_is_advertised_else_where_it_listens() {
+        let mut ncp = NestedControlPlane::new("c1", Default::default());
+        ncp.metadata.namespace = Some("team".into());
+        // On every address: the loopback one, unless another is advertised.
+        let every = at("0.0.0.0:7443", None, true);
+        assert_eq!(every.at_gateway(), Some(endpoint("127.0.0.1", 7443)));
+        let advertised = at("0.0.0.0:7443", Some("192.0.2.10:7443"), true);
+        assert_eq!(advertised.at_gateway(), Some(endpoint("192.0.2.10", 7443)));
+        let status = advertised.gateway(&ncp).unwrap();
+        assert_eq!(status.server, "https://192.0.2.10:7443");
+        assert_eq!(status.server_name, names::gateway_server_name("c1", "team"));
+        // At one address: that one.
+        let one = at("127.0.0.5:7443", None, true);
+        assert_eq!(one.at_gateway(), Some(endpoint("127.0.0.5", 7443)));
+        // At a port picked at start: every tenant's status.gateway, nobody's endpoint.
+        let picked = at("127.0.0.1:40001", None, false);
+        assert_eq!(picked.at_gateway(), None);
+        assert_eq!(
+            picked.gateway(&ncp).unwrap().server,
+            "https://127.0.0.1:40001"
+        );
+    }
 }
