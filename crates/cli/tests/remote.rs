@@ -4,7 +4,8 @@
 //! bootstrap data nestplane wrote on a machine of its own making — a network namespace whose
 //! one link reaches the operator's gateway and lets nothing in, its own mount namespace and
 //! filesystem root, its own cgroup tree (`fixtures/machine.sh`). The machine joins, runs a
-//! pod, and serves `kubectl logs` and `exec` although the control plane cannot dial it.
+//! pod, and serves `kubectl logs` and `exec` although the control plane cannot dial it; the
+//! pod calls its own API server, through the gateway (the machine's only way out).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -571,12 +572,33 @@ spec:
     image: {}
     imagePullPolicy: Never
     command: ["sh", "-c", "echo hello-from-far-away; sleep 3600"]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {{name: default-views, namespace: default}}
+subjects: [{{kind: ServiceAccount, name: default, namespace: default}}]
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: view}}
 "#,
             nestplane_nodes::images::SHELL_IMAGE
         ),
     );
     let _ = &images;
     wait_pod_running_and_logging(&tenant, "far-shell", "hello-from-far-away");
+    // The pod calls its own API server (the `kubernetes` Service, with its service-account
+    // token). The machine's one route is to the host's end of its link, where the gateway
+    // listens, and the API servers listen on the host's loopback addresses: the call goes
+    // through the gateway, by the door's name, and the door behind it.
+    let api = pod_reads_itself_from_its_api(&tenant, "far-shell");
+    assert!(api.contains("\"nodeName\": \"far-m0\""), "{api}");
+    let routes = Command::new("ip")
+        .args(["-n", &machine.netns, "route", "show"])
+        .output()
+        .unwrap();
+    let routes = String::from_utf8_lossy(&routes.stdout).to_string();
+    assert!(
+        !routes.contains("default"),
+        "the machine has no way but its link: {routes}"
+    );
 
     // SIGTERM to the join removes the node from the machine.
     machine.stop();
