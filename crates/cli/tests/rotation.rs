@@ -6,9 +6,11 @@
 //!   gateway with the kubeconfig from before never fails, and after completion what the old
 //!   key signed is refused;
 //! - then the cluster CA (`nestplane rotate ca`): kubeconfigs from before keep working, pods
-//!   are given both CAs, the API servers' handshakes show both; completion waits while the
-//!   cluster has nodes, or a machine may be joining it (a bootstrap token), and says so; once
-//!   neither is left it completes, and what the old CA signed is refused.
+//!   are given both CAs, the API servers' handshakes show both, the pool's node is given both
+//!   and a kubelet certificate of the new CA; completion waits while the cluster has a node
+//!   nestplane does not run, or a machine may be joining it (a bootstrap token), and says so;
+//!   once neither is left it completes with the node in place, and what the old CA signed is
+//!   refused.
 //!
 //! Nothing here writes what a kubelet or controller would.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -520,8 +522,10 @@ async fn handshakes(env: &Env, cas: &[String]) -> Vec<(Vec<String>, Option<Strin
 
 /// The cluster CA of HostedCluster `default/rot` (control plane `default-rot/rot`, a node, 2
 /// API server replicas) rotated: kubeconfigs from before (direct, and `gateway_kc` through
-/// the gateway) work all along the start; completion waits while the cluster has nodes, and
-/// goes on once its pool is deleted; then what the old CA signed is refused.
+/// the gateway) work all along the start; the pool's node follows the CA without being
+/// replaced; completion waits while the cluster has a node nestplane does not run, or a
+/// machine may be joining it, and goes on once neither is left; then what the old CA signed
+/// is refused, and the node, trusting the new CA alone, still serves logs and exec.
 async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
     let kc = env.kubeconfig().to_path_buf();
     let dir = env.state.path().to_path_buf();
@@ -679,8 +683,36 @@ async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
     direct.stop_all_answered("CA rotation start, with the kubeconfig from before", 20);
     through.stop_all_answered("CA rotation start, through the gateway", 20);
 
-    // Completion waits while the cluster has nodes (their kubelets trust the old CA only),
-    // and says so; everything keeps working.
+    // The pool's node follows the CA without being replaced: its kubelet trusts both and
+    // holds a client certificate the new CA signed (read from the node's files).
+    let node = jsonpath(&now, &["nodes"], "{.items[0].metadata.name}");
+    let node_dir = dir.join("nodes/default/rot").join(&node);
+    let node_trust = || {
+        let ca = std::fs::read_to_string(node_dir.join("ca.crt")).unwrap_or_default();
+        let client =
+            std::fs::read_to_string(node_dir.join("kubelet/pki/kubelet-client-current.pem"))
+                .unwrap_or_default();
+        (ca, client)
+    };
+    eventually(
+        "the node trusts both CAs and holds a certificate of the new one",
+        Duration::from_secs(60),
+        || {
+            let (ca, client) = node_trust();
+            (ca_ids(&ca) == vec![new_id.clone(), old_id.clone()]
+                && nestplane_pki::verify_signed_by(&client, &cas[0]).unwrap_or(false))
+            .then_some(())
+        },
+    );
+    let node_uid = jsonpath(&now, &["node", &node], "{.metadata.uid}");
+
+    // Completion waits while the cluster has a node nestplane does not run (a tenant admin's,
+    // registered by hand: its kubelet would trust the old CA only), and says so; everything
+    // keeps working.
+    kubectl_apply(
+        &now,
+        "apiVersion: v1\nkind: Node\nmetadata: {name: hand-joined}\n",
+    );
     let out = nestplane()
         .args([
             "rotate",
@@ -699,20 +731,26 @@ async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    held_by(&kc, ns, hc, "the node", "has nodes", 60);
+    held_by(
+        &kc,
+        ns,
+        hc,
+        "a node of the tenant admin's",
+        "\"hand-joined\"",
+        60,
+    );
     kubectl_ok(&before, &["get", "ns", "default"]);
     assert_eq!(
         ca_ids(&ca_secret(env)),
         vec![new_id.clone(), old_id.clone()]
     );
 
-    // A machine joining by a bootstrap token of the tenant admin's (or a pool's node not
-    // registered yet) holds it too, once the pool and its node are gone.
+    // A machine joining by a bootstrap token of the tenant admin's holds it too.
     kubectl_apply(
         &now,
         "apiVersion: v1\nkind: Secret\nmetadata: {name: bootstrap-token-abcdef, namespace: kube-system}\ntype: bootstrap.kubernetes.io/token\nstringData: {token-id: abcdef, token-secret: 0123456789abcdef, usage-bootstrap-authentication: 'true'}\n",
     );
-    kubectl_ok(&kc, &["delete", "nodepool", "rot", "--timeout=240s"]);
+    kubectl_ok(&now, &["delete", "node", "hand-joined"]);
     held_by(
         &kc,
         ns,
@@ -722,8 +760,9 @@ async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
         120,
     );
 
-    // Nothing joining, completion goes on: the serving certificates are reissued from the new
-    // CA, the old one dropped.
+    // Nothing joining, completion goes on with the pool's node in place: the serving
+    // certificates are reissued from the new CA, the old one dropped, the node given the new
+    // CA alone.
     kubectl_ok(
         &now,
         &[
@@ -824,6 +863,70 @@ async fn rotate_the_ca_of_a_cluster_with_nodes(env: &Env, gateway_kc: &Path) {
         String::from_utf8_lossy(&out.stderr).contains("Unauthorized"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    // The node is the same node, Ready, and trusts the new CA alone: the API server reaches
+    // its kubelet (logs, exec) with a certificate of the new CA, and its pod still calls its
+    // API through it.
+    assert_eq!(
+        jsonpath(&now, &["node", &node], "{.metadata.uid}"),
+        node_uid
+    );
+    eventually("the node Ready", Duration::from_secs(60), || {
+        (condition(&now, &["node", &node], "Ready") == "True").then_some(())
+    });
+    let (ca, client) = node_trust();
+    assert_eq!(ca_ids(&ca), vec![new_id.clone()]);
+    assert!(nestplane_pki::verify_signed_by(&client, &cas[0]).unwrap());
+    // Its kubelet serves a certificate of the new CA (what a client that verifies kubelets
+    // with kube-root-ca.crt checks), and it renewed its Lease since the rotation completed.
+    let node_ip = jsonpath(
+        &now,
+        &["node", &node],
+        "{.status.addresses[?(@.type==\"InternalIP\")].address}",
+    );
+    let kubelet: std::net::SocketAddr = format!("{node_ip}:10250").parse().unwrap();
+    let served = nestplane_operator::handshake::presented(kubelet, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let served = format!(
+        "-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n",
+        base64::engine::general_purpose::STANDARD.encode(&served.certificate)
+    );
+    assert!(
+        nestplane_pki::verify_signed_by(&served, &cas[0]).unwrap(),
+        "the kubelet serves a certificate of the new CA"
+    );
+    let completed = k8s_openapi::jiff::Timestamp::now();
+    eventually(
+        "the node's Lease renewed after completion",
+        Duration::from_secs(60),
+        || {
+            let renewed = jsonpath(
+                &now,
+                &["lease", &node, "-n", "kube-node-lease"],
+                "{.spec.renewTime}",
+            );
+            renewed
+                .parse::<k8s_openapi::jiff::Timestamp>()
+                .ok()
+                .filter(|r| *r > completed)
+                .map(|_| ())
+        },
+    );
+    eventually("logs and exec on the node", Duration::from_secs(60), || {
+        let logs = kubectl(&now, &["logs", "--tail=1", "caller"]);
+        let exec = kubectl(&now, &["exec", "caller", "--", "true"]);
+        (logs.status.success() && exec.status.success()).then_some(())
+    });
+    eventually(
+        "the pod calls its API after the CA rotation",
+        Duration::from_secs(60),
+        || {
+            let logs =
+                String::from_utf8_lossy(&kubectl(&now, &["logs", "--since=5s", "caller"]).stdout)
+                    .to_string();
+            logs.contains("legacy ok").then_some(())
+        },
     );
     let events = events_for(&kc, ns, hc);
     assert!(

@@ -117,6 +117,11 @@ impl Layout {
     pub fn kubelet_client_certificate(&self) -> PathBuf {
         self.kubelet_pki().join("kubelet-client-current.pem")
     }
+    /// The kubelet's current serving certificate and key, when the cluster issued it
+    /// (`serverTLSBootstrap`).
+    pub fn kubelet_serving_certificate(&self) -> PathBuf {
+        self.kubelet_pki().join("kubelet-server-current.pem")
+    }
     /// The kubelet's configuration file.
     pub fn kubelet_config(&self) -> PathBuf {
         self.dir.join("kubelet-config.json")

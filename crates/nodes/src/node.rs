@@ -83,6 +83,18 @@ impl std::fmt::Debug for NodeConfig {
     }
 }
 
+/// What a node trusts and presents ([`Node::trust`]), each if it has one.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Trust {
+    /// Its cluster CA bundle (`ca.crt`): what its kubelet and kube-proxy verify the API
+    /// server with, and what the kubelet verifies the API server's client certificate with.
+    pub ca: Option<String>,
+    /// Its kubelet's client certificate and key (PEM).
+    pub client: Option<String>,
+    /// Its kubelet's serving certificate and key, when the cluster issued it (PEM).
+    pub serving: Option<String>,
+}
+
 struct Procs {
     holder: Option<Child>,
     containerd: Option<Child>,
@@ -572,6 +584,79 @@ impl Node {
 
     fn mark(&mut self, step: &'static str) {
         self.timeline.push((step, self.started.elapsed()));
+    }
+
+    /// What the node trusts and presents now, each if it has one.
+    pub fn trust(&self) -> Trust {
+        let read = |p: &Path| std::fs::read_to_string(p).ok();
+        Trust {
+            ca: read(&self.layout.ca()),
+            client: read(&self.layout.kubelet_client_certificate()),
+            serving: read(&self.layout.kubelet_serving_certificate()),
+        }
+    }
+
+    /// Give the node a new trust without replacing it: `ca_pem` as its CA bundle and, when
+    /// given, `client` and `serving` (each a certificate and its key, PEM) as its kubelet's
+    /// client and serving certificates (each a file of its own that the kubelet's `…-current.pem`
+    /// is pointed at, as the kubelet's own rotation does). Then its kubelet and kube-proxy,
+    /// which read their kubeconfig's CA file and their certificates at start, are restarted
+    /// (the supervisor starts them again within a second; pods keep running). Nothing is
+    /// written or restarted when nothing changes. Returns whether something did.
+    pub fn retrust(
+        &self,
+        ca_pem: &str,
+        client: Option<&str>,
+        serving: Option<&str>,
+    ) -> Result<bool, Error> {
+        let now = self.trust();
+        let mut changed = false;
+        if now.ca.as_deref() != Some(ca_pem) {
+            write(&self.layout.ca(), ca_pem)?;
+            changed = true;
+        }
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        for (given, current, kind, link) in [
+            (
+                client,
+                &now.client,
+                "client",
+                self.layout.kubelet_client_certificate(),
+            ),
+            (
+                serving,
+                &now.serving,
+                "server",
+                self.layout.kubelet_serving_certificate(),
+            ),
+        ] {
+            let Some(given) = given.filter(|g| current.as_deref() != Some(*g)) else {
+                continue;
+            };
+            let pki = self.layout.kubelet_pki();
+            let file = pki.join(format!("kubelet-{kind}-nestplane-{at}.pem"));
+            write(&file, given)?;
+            let next = pki.join(format!(".kubelet-{kind}-current.pem.next"));
+            let _ = std::fs::remove_file(&next);
+            std::os::unix::fs::symlink(&file, &next)
+                .and_then(|()| std::fs::rename(&next, &link))
+                .map_err(|e| Error::io("pointing the kubelet at its new certificate", e))?;
+            changed = true;
+        }
+        if changed {
+            let mut guard = self.procs.lock().map_err(poisoned)?;
+            let p = &mut *guard;
+            for c in [p.kubelet.as_mut(), p.kube_proxy.as_mut()]
+                .into_iter()
+                .flatten()
+            {
+                c.kill();
+            }
+        }
+        Ok(changed)
     }
 
     /// Process ids of containerd, the kubelet and kube-proxy (for memory measurements).

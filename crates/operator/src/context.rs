@@ -399,6 +399,9 @@ pub struct Context {
     /// The address blocks the bootstrap provider gave machines (their agents' announcements
     /// are checked against them).
     pub assigned: Arc<crate::bootstrap::Assigned>,
+    /// Where NodePools make nodes on this machine (`None`: none are made here): a CA
+    /// rotation gives them the new CA.
+    pub nodes: Option<Arc<dyn crate::hosted::pool::machines::NodeRuntime>>,
 }
 
 /// The controllers besides the four component controllers, by kind.
@@ -585,6 +588,7 @@ impl Context {
             removed_apis: Default::default(),
             migrations: Default::default(),
             assigned: Default::default(),
+            nodes: None,
             controllers: Controllers::default(),
         }
     }

@@ -135,6 +135,7 @@ pub async fn run_with(
         Arc::new(hosted::pool::LocalNodes::new(s)) as Arc<dyn hosted::pool::machines::NodeRuntime>
     });
     let mut ctx = Context::new(client.clone(), runtime.clone(), config.mode.clone());
+    ctx.nodes = nodes.clone();
     let gateway = match (&config.mode, config.gateway) {
         (Mode::Process, Some(addr)) => {
             Some(start_gateway(addr, config.gateway_advertise, &shutdown).await?)

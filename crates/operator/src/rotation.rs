@@ -1091,44 +1091,133 @@ async fn unpublished(
     Ok(Some(removing))
 }
 
-/// Why a CA rotation may not complete yet (`None`: it may): the cluster's nodes, and the
-/// machines joining it. Their kubelets were given the old CA only, and present certificates
-/// it signed; nestplane does not move a kubelet to a new CA yet, so dropping the old one would
-/// cut them off. A machine that has not registered yet is seen by its bootstrap token (a
-/// NodePool makes one per node and deletes it once the node has registered; a tenant admin
-/// joining a machine of their own makes one too).
-async fn nodes_hold(ctx: &Context, t: &Tenant) -> Result<Option<String>, Error> {
+/// Why a CA rotation may not complete yet (`None`: it may): the cluster's nodes that this
+/// operator does not run (`moved` names those it does, which follow the CA phase by phase,
+/// [`retrust_nodes`]), and the machines joining it. Their kubelets were given the old CA
+/// only, and present certificates it signed, so dropping it would cut them off. A machine
+/// that has not registered yet is seen by its bootstrap token (a NodePool makes one per node
+/// and deletes it once the node has registered; a tenant admin joining a machine of their own
+/// makes one too).
+async fn nodes_hold(
+    ctx: &Context,
+    t: &Tenant,
+    moved: &crate::hosted::pool::machines::Retrusted,
+) -> Result<Option<String>, Error> {
     use k8s_openapi::api::core::v1::Node;
     let Some(client) =
         crate::hosted::target::admin_client(ctx, &t.namespace(), &t.cluster()).await?
     else {
         return Ok(Some("waiting for the admin kubeconfig".into()));
     };
-    const CUT_OFF: &str = "whose kubelets trust only the old CA and present certificates it signed; nestplane does not move a kubelet to a new CA yet, so completing would cut them off (the rotation stays Started: everything keeps working)";
+    const CUT_OFF: &str = "whose kubelets nestplane does not run (a machine joined by hand or through Cluster API): they trust only the old CA and present certificates it signed, so completing would cut them off (the rotation stays Started: everything keeps working)";
     // Tokens first: a node's token is deleted only once its Node exists, so a machine that
-    // registers between the two lists is seen by one of them.
+    // registers between the two lists is seen by one of them. A page: the nodes nestplane
+    // runs here are few, so a page of them holds one it does not run, if there is one.
     let tokens = Api::<Secret>::namespaced(client.clone(), "kube-system")
         .list_metadata(
             &ListParams::default()
                 .fields("type=bootstrap.kubernetes.io/token")
-                .limit(1),
+                .limit(500),
         )
         .await?;
     let nodes = Api::<Node>::all(client)
-        .list_metadata(&ListParams::default().limit(1))
+        .list_metadata(&ListParams::default().limit(500))
         .await?;
-    if let Some(n) = nodes.items.first() {
+    if let Some(n) = nodes
+        .items
+        .iter()
+        .find(|n| !moved.nodes.contains(&n.name_any()))
+    {
         return Ok(Some(format!(
             "the cluster has nodes (node {:?} among them) {CUT_OFF}",
             clean(&n.name_any())
         )));
     }
-    Ok(tokens.items.first().map(|s| {
-        format!(
-            "a machine may be joining the cluster (bootstrap token Secret kube-system/{:?}; a NodePool deletes a node's once it has registered, delete one that is not used) with the old CA, and so may become a node {CUT_OFF}",
-            clean(&s.name_any())
-        )
-    }))
+    let ours = |s: &str| {
+        moved
+            .tokens
+            .iter()
+            .any(|id| s == format!("bootstrap-token-{id}"))
+    };
+    Ok(tokens
+        .items
+        .iter()
+        .find(|s| !ours(&s.name_any()))
+        .map(|s| {
+            format!(
+                "a machine may be joining the cluster (bootstrap token Secret kube-system/{:?}; a NodePool deletes a node's once it has registered, delete one that is not used) with the old CA, and so may become a node {CUT_OFF}",
+                clean(&s.name_any())
+            )
+        }))
+}
+
+/// The nodes of `moved` whose kubelet has not renewed its Lease since it was restarted with
+/// its new trust (it is not back, or cannot reach its API server with it), as what the
+/// rotation waits for.
+async fn kubelets_behind(
+    ctx: &Context,
+    t: &Tenant,
+    moved: &crate::hosted::pool::machines::Retrusted,
+) -> Result<Vec<String>, Error> {
+    use k8s_openapi::api::coordination::v1::Lease;
+    if moved.restarted.is_empty() {
+        return Ok(Vec::new());
+    }
+    let Some(client) =
+        crate::hosted::target::admin_client(ctx, &t.namespace(), &t.cluster()).await?
+    else {
+        return Ok(vec!["the admin kubeconfig".into()]);
+    };
+    let leases: Api<Lease> = Api::namespaced(client, "kube-node-lease");
+    let mut behind = Vec::new();
+    for (node, at) in &moved.restarted {
+        let renewed = leases
+            .get_opt(node)
+            .await?
+            .and_then(|l| l.spec?.renew_time)
+            .map(|t| t.0.as_millisecond());
+        let at = at
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or_default();
+        if renewed.is_none_or(|r| r < at) {
+            behind.push(format!(
+                "node {:?} (its kubelet, restarted with the CA as it is now, to renew its Lease)",
+                clean(node)
+            ));
+        }
+    }
+    Ok(behind)
+}
+
+/// Gives the cluster's nodes this operator runs the CA secret as `keys` hold it: the bundle
+/// as what they trust, and a kubelet client certificate of the CA that signs now
+/// ([`crate::hosted::pool::machines::NodeRuntime::retrust`]). Nothing where it makes none.
+fn retrust_nodes(
+    ctx: &Context,
+    t: &Tenant,
+    keys: &Keys,
+) -> Result<crate::hosted::pool::machines::Retrusted, Error> {
+    let Some(nodes) = &ctx.nodes else {
+        return Ok(Default::default());
+    };
+    // Only a secret whose key is that of the certificate that signs (`decide` blocks any
+    // other): a node given a certificate that does not verify would be cut off.
+    let consistent = pki::first_certificate(&keys.verify)
+        .and_then(|c| pki::key_matches(&c, &keys.signing))
+        .unwrap_or(false);
+    if !consistent {
+        return Ok(Default::default());
+    }
+    let group = ctx
+        .runtime
+        .control_plane_user(&t.ncp)?
+        .unwrap_or_else(|| crate::hosted::target::isolation_group(&t.namespace(), &t.cluster()));
+    let signer = pki::CertKey {
+        cert_pem: keys.verify.clone(),
+        key_pem: keys.signing.clone(),
+    };
+    Ok(nodes.retrust(group, &keys.verify, &signer))
 }
 
 async fn step(
@@ -1167,8 +1256,15 @@ async fn step(
         .is_some_and(|(d, at)| ask.now >= at.saturating_add(d));
     let completing = keys.phase == Some(Phase::Started)
         && (ask.complete.is_some() && ask.complete == keys.id || due);
+    // The nodes this operator runs follow the CA through every phase, without being
+    // replaced: what they trust is the bundle, their kubelets' certificates come from the CA
+    // that signs (kubelets and kube-proxies restart to read them; pods keep running).
+    let moved = match (target, keys.phase) {
+        (Target::Ca, Some(p)) if p != Phase::Completed => retrust_nodes(ctx, t, &keys)?,
+        _ => Default::default(),
+    };
     if target == Target::Ca && completing {
-        ask.hold = nodes_hold(ctx, t).await?;
+        ask.hold = nodes_hold(ctx, t, &moved).await?;
     }
     let cluster = t.cluster();
     let new = || match target {
@@ -1199,6 +1295,17 @@ async fn step(
                 && let Some(waiting) = aggregated_told(ctx, t, target, &keys.verify).await?
             {
                 late.push(waiting);
+            }
+            // The nodes nestplane runs: each given the secret as it is, its kubelet back.
+            for (node, why) in &moved.failed {
+                late.push(format!(
+                    "node {:?} (it cannot be given the CA as it is now: {})",
+                    clean(node),
+                    clean(why)
+                ));
+            }
+            if late.is_empty() {
+                late.extend(kubelets_behind(ctx, t, &moved).await?);
             }
             if target.is_ca() && late.is_empty() && trust_changes {
                 ask.served = api_servers_serve(ctx, t, target, &keys).await?;

@@ -77,6 +77,29 @@ pub trait NodeRuntime: Send + Sync {
     /// How the API server of the cluster whose isolation group is `group` reaches into its
     /// network: through its running nodes here ([`nestplane_nodes::egress`]).
     fn routes(&self, group: u32) -> Vec<Route>;
+    /// Give every node of the cluster whose isolation group is `group` the CA bundle
+    /// `ca_pem` and a kubelet client certificate that `signer` (its bundle's first
+    /// certificate, and that CA's key) signed, a new one for the node's name where its own is
+    /// not; without replacing the node (a CA rotation). A runtime that cannot reach its
+    /// nodes' files moves none (they hold the rotation's completion).
+    fn retrust(&self, group: u32, ca_pem: &str, signer: &nestplane_pki::CertKey) -> Retrusted {
+        let _ = (group, ca_pem, signer);
+        Retrusted::default()
+    }
+}
+
+/// What [`NodeRuntime::retrust`] did for a cluster's nodes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Retrusted {
+    /// The cluster's nodes this runtime runs, which follow its CA.
+    pub nodes: Vec<String>,
+    /// Their bootstrap tokens' ids.
+    pub tokens: Vec<String>,
+    /// Nodes that could not be given it, and why.
+    pub failed: Vec<(String, String)>,
+    /// When each node that was given a new trust was last given one (its kubelet restarted
+    /// then).
+    pub restarted: Vec<(String, std::time::SystemTime)>,
 }
 
 /// Where nodes live on this machine and what they are given.
@@ -106,6 +129,9 @@ struct Held {
     /// The node's network namespace, held open from its start (what the API server's
     /// egress connects inside).
     netns: Option<Arc<OwnedFd>>,
+    /// When it was last given a new trust ([`NodeRuntime::retrust`]): its kubelet restarted
+    /// then.
+    retrusted: Option<std::time::SystemTime>,
 }
 
 /// A pool's nodes.
@@ -209,6 +235,7 @@ impl LocalNodes {
                 node: Some(node),
                 group: r.group,
                 netns,
+                retrusted: None,
             })
         });
         Ok(machine)
@@ -265,6 +292,80 @@ impl NodeRuntime for LocalNodes {
                 remove_node(&h.machine.name, h.node).await;
             }
         })
+    }
+
+    fn retrust(&self, group: u32, ca_pem: &str, signer: &nestplane_pki::CertKey) -> Retrusted {
+        let mut out = Retrusted::default();
+        let bundle = nestplane_pki::certificate_ids(ca_pem).unwrap_or_default();
+        let mut map = self.pools.lock().unwrap_or_else(|e| e.into_inner());
+        for held in map.values_mut().flatten().filter(|h| h.group == group) {
+            let name = held.machine.name.clone();
+            out.nodes.push(name.clone());
+            out.tokens.push(held.machine.token_id.clone());
+            let Some(node) = &held.node else { continue };
+            let now = node.trust();
+            // A rotation moves a node from a CA it trusts: a bundle that shares none with it
+            // is another cluster's (isolation groups are a hash), and nothing is written.
+            let shares = nestplane_pki::certificate_ids(now.ca.as_deref().unwrap_or_default())
+                .unwrap_or_default()
+                .iter()
+                .any(|id| bundle.contains(id));
+            if !shares {
+                out.failed.push((
+                    name,
+                    "the CA it trusts is not in the cluster's CA bundle".into(),
+                ));
+                continue;
+            }
+            let signed = |pem: &Option<String>| {
+                pem.as_deref().is_some_and(|c| {
+                    nestplane_pki::verify_signed_by(c, &signer.cert_pem).unwrap_or(false)
+                })
+            };
+            let issue = |usage, ips: Vec<std::net::IpAddr>| {
+                let spec = nestplane_pki::LeafSpec {
+                    common_name: format!("system:node:{name}"),
+                    organizations: vec!["system:nodes".into()],
+                    dns_names: match usage {
+                        nestplane_pki::Usage::Client => vec![],
+                        _ => vec![name.clone()],
+                    },
+                    ips,
+                    usage,
+                };
+                nestplane_pki::issue(signer, &spec, time::OffsetDateTime::now_utc())
+                    .map(|ck| format!("{}{}", ck.cert_pem, ck.key_pem))
+            };
+            let client = match signed(&now.client) {
+                true => Ok(None),
+                false => issue(nestplane_pki::Usage::Client, vec![]).map(Some),
+            };
+            // Only a serving certificate the cluster issued (`serverTLSBootstrap`) is
+            // replaced; one the kubelet made for itself is no CA's.
+            let serving = match now.serving.is_some() && !signed(&now.serving) {
+                false => Ok(None),
+                true => issue(nestplane_pki::Usage::Server, vec![node.ip().into()]).map(Some),
+            };
+            let (client, serving) = match (client, serving) {
+                (Ok(c), Ok(s)) => (c, s),
+                (Err(e), _) | (_, Err(e)) => {
+                    out.failed.push((name, e.to_string()));
+                    continue;
+                }
+            };
+            match node.retrust(ca_pem, client.as_deref(), serving.as_deref()) {
+                Ok(true) => {
+                    held.retrusted = Some(std::time::SystemTime::now());
+                    tracing::info!(node = %name, "gave the node its cluster's CA as it is now");
+                }
+                Ok(false) => {}
+                Err(e) => out.failed.push((name.clone(), e.to_string())),
+            }
+            if let Some(at) = held.retrusted {
+                out.restarted.push((name, at));
+            }
+        }
+        out
     }
 
     fn routes(&self, group: u32) -> Vec<Route> {
