@@ -14,8 +14,8 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// A TLS server for `name` that answers every connection with its name; its certificate.
-async fn backend(name: &str) -> (SocketAddr, CertificateDer<'static>) {
+/// A TLS acceptor with a self-signed certificate for `name`; the certificate.
+fn acceptor(name: &str) -> (tokio_rustls::TlsAcceptor, CertificateDer<'static>) {
     let ck = rcgen::generate_simple_self_signed(vec![name.to_string()]).unwrap();
     let cert = ck.cert.der().clone();
     let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(ck.signing_key.serialize_der()));
@@ -25,7 +25,12 @@ async fn backend(name: &str) -> (SocketAddr, CertificateDer<'static>) {
         .with_no_client_auth()
         .with_single_cert(vec![cert.clone()], key)
         .unwrap();
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    (tokio_rustls::TlsAcceptor::from(Arc::new(config)), cert)
+}
+
+/// A TLS server for `name` that answers every connection with its name; its certificate.
+async fn backend(name: &str) -> (SocketAddr, CertificateDer<'static>) {
+    let (acceptor, cert) = acceptor(name);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let answer = name.to_string();
@@ -142,16 +147,7 @@ async fn a_backend_that_refuses_is_skipped_before_any_byte_is_sent() {
 /// A TLS server for `name` that says its name and keeps each connection open until the
 /// client closes it; its certificate.
 async fn holding_backend(name: &str) -> (SocketAddr, CertificateDer<'static>) {
-    let ck = rcgen::generate_simple_self_signed(vec![name.to_string()]).unwrap();
-    let cert = ck.cert.der().clone();
-    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(ck.signing_key.serialize_der()));
-    let config = rustls::ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(vec![cert.clone()], key)
-        .unwrap();
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let (acceptor, cert) = acceptor(name);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let answer = name.to_string();
