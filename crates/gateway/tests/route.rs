@@ -30,6 +30,18 @@ fn acceptor(name: &str) -> (tokio_rustls::TlsAcceptor, CertificateDer<'static>) 
 
 /// A TLS server for `name` that answers every connection with its name; its certificate.
 async fn backend(name: &str) -> (SocketAddr, CertificateDer<'static>) {
+    serve_name(name, false).await
+}
+
+/// A TLS server for `name` that says its name and keeps each connection open until the
+/// client closes it; its certificate.
+async fn holding_backend(name: &str) -> (SocketAddr, CertificateDer<'static>) {
+    serve_name(name, true).await
+}
+
+/// A TLS server for `name` that says its name on every connection, then closes it, or
+/// (`hold`) keeps it until the client closes it; its certificate.
+async fn serve_name(name: &str, hold: bool) -> (SocketAddr, CertificateDer<'static>) {
     let (acceptor, cert) = acceptor(name);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -41,7 +53,13 @@ async fn backend(name: &str) -> (SocketAddr, CertificateDer<'static>) {
             tokio::spawn(async move {
                 if let Ok(mut tls) = acceptor.accept(tcp).await {
                     let _ = tls.write_all(answer.as_bytes()).await;
-                    let _ = tls.shutdown().await;
+                    if hold {
+                        let _ = tls.flush().await;
+                        let mut sink = Vec::new();
+                        let _ = tls.read_to_end(&mut sink).await;
+                    } else {
+                        let _ = tls.shutdown().await;
+                    }
                 }
             });
         }
@@ -142,30 +160,6 @@ async fn a_backend_that_refuses_is_skipped_before_any_byte_is_sent() {
     routes.set(name, vec![]);
     assert!(ask(gateway, name, &cert).await.is_err());
     assert!(routes.is_empty());
-}
-
-/// A TLS server for `name` that says its name and keeps each connection open until the
-/// client closes it; its certificate.
-async fn holding_backend(name: &str) -> (SocketAddr, CertificateDer<'static>) {
-    let (acceptor, cert) = acceptor(name);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let answer = name.to_string();
-    tokio::spawn(async move {
-        loop {
-            let (tcp, _) = listener.accept().await.unwrap();
-            let (acceptor, answer) = (acceptor.clone(), answer.clone());
-            tokio::spawn(async move {
-                if let Ok(mut tls) = acceptor.accept(tcp).await {
-                    let _ = tls.write_all(answer.as_bytes()).await;
-                    let _ = tls.flush().await;
-                    let mut sink = Vec::new();
-                    let _ = tls.read_to_end(&mut sink).await;
-                }
-            });
-        }
-    });
-    (addr, cert)
 }
 
 /// Connect through `gateway` from address `from` asking for `name`, trusting `trusted`; the
